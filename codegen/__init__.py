@@ -1,0 +1,1 @@
+"""Code generator: derivatives/*.yaml → generated/ (one autograd.Function per op per semiring)."""

@@ -1,0 +1,212 @@
+"""Load and validate ``derivatives/*.yaml`` into :class:`OpEntry` objects.
+
+Every problem is reported with the file, the op and what to change.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .formulas import SPECIAL, Analysis, FormulaError, analyse, parse
+from .schema import Schema, SchemaError, parse_schema
+
+ENTRY_KEYS = frozenset(
+    {
+        "name",
+        "torch",
+        "granularity",
+        "non_differentiable",
+        "intermediates",
+        "accepts",
+        "forward",
+        "output_differentiability",
+    }
+)
+
+
+class DerivativesError(ValueError):
+    """A derivatives YAML file that does not validate."""
+
+
+@dataclass
+class Formula:
+    target: str  # a differentiable parameter, or an intermediate's name
+    source: str
+    tree: ast.Expression
+    reads: Analysis
+    needs: set[str] = field(default_factory=set)  # intermediates needed, transitively
+
+
+@dataclass
+class OpEntry:
+    schema: Schema
+    torch_functions: list[str]
+    granularity: str
+    formulas: dict[str, Formula]
+    intermediates: list[Formula]
+    non_differentiable: list[str]
+    accepts: str | None
+    forward: str | None
+    output_differentiability: list[bool]
+    source_file: str
+
+    @property
+    def has_aux(self) -> bool:
+        return len(self.output_differentiability) > 1
+
+
+def _fail(where: str, message: str) -> DerivativesError:
+    return DerivativesError(f"{where}: {message}")
+
+
+def load_entries(yaml_dir: Path) -> list[OpEntry]:
+    """Every entry of every ``*.yaml`` under ``yaml_dir``, sorted by file then order."""
+    files = sorted(Path(yaml_dir).glob("*.yaml"))
+    if not files:
+        raise DerivativesError(f"{yaml_dir}: no *.yaml files")
+    entries: list[OpEntry] = []
+    seen: dict[str, str] = {}
+    for path in files:
+        with open(path, encoding="utf-8") as fh:
+            try:
+                data = yaml.safe_load(fh)
+            except yaml.YAMLError as exc:
+                raise DerivativesError(f"{path.name}: not valid YAML: {exc}") from exc
+        if not isinstance(data, list):
+            raise DerivativesError(f"{path.name}: the top level must be a list of op entries")
+        for i, raw in enumerate(data):
+            entry = load_entry(raw, f"{path.name} entry {i + 1}", path.name)
+            name = entry.schema.full_name
+            if name in seen:
+                raise _fail(f"{path.name}", f"op {name!r} is defined twice (also in {seen[name]})")
+            seen[name] = path.name
+            entries.append(entry)
+    return entries
+
+
+def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntry:
+    """Validate one YAML mapping into an OpEntry."""
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise _fail(where, "an entry must be a mapping with a 'name:' signature")
+    try:
+        schema = parse_schema(str(raw["name"]))
+    except SchemaError as exc:
+        raise _fail(where, str(exc)) from exc
+    where = f"{where} ({schema.full_name})"
+    params = {p.name: p for p in schema.params}
+    formula_keys = [k for k in raw if k not in ENTRY_KEYS]
+    for key in formula_keys:
+        if key not in params:
+            raise _fail(
+                where,
+                f"formula for unknown input name {key!r}; the signature's parameters are "
+                f"{', '.join(params)}",
+            )
+        if not (params[key].is_tensor or params[key].is_tensor_list):
+            raise _fail(where, f"{key!r} is a {params[key].type}, not a tensor: no formula allowed")
+    non_diff = list(raw.get("non_differentiable") or [])
+    for name in non_diff:
+        if name not in params:
+            raise _fail(where, f"non_differentiable names unknown input {name!r}")
+        if name in formula_keys:
+            raise _fail(where, f"formula given for non-differentiable input {name!r}")
+    for name in schema.differentiable_candidates:
+        if name not in formula_keys and name not in non_diff:
+            raise _fail(
+                where,
+                f"missing formula for tensor input {name!r} (add '{name}: <formula>' or list it "
+                "under non_differentiable)",
+            )
+    torch_functions = raw.get("torch")
+    if not isinstance(torch_functions, list) or not torch_functions:
+        raise _fail(where, "'torch:' must list the torch functions this entry serves")
+    for path in torch_functions:
+        _check_torch_path(where, path)
+    granularity = raw.get("granularity")
+    if not isinstance(granularity, str) or not granularity.strip():
+        raise _fail(where, "'granularity:' must say 'op' or describe the composition")
+    out_diff = raw.get("output_differentiability", [True])
+    if not isinstance(out_diff, list) or not out_diff or not out_diff[0]:
+        raise _fail(where, "output_differentiability must be a list whose first item is true")
+    forward = raw.get("forward")
+    if out_diff != [True] and not forward:
+        raise _fail(where, "non-differentiable extra outputs need a 'forward:' helper")
+    if forward is not None:
+        import semiring_autograd.forward_helpers as fh
+
+        if not hasattr(fh, str(forward)):
+            raise _fail(where, f"forward helper {forward!r} not in semiring_autograd.forward_helpers")
+    accepts = raw.get("accepts")
+    tensor_params = {p.name for p in schema.params if p.is_tensor}
+    known = set(params) | SPECIAL
+    if schema.returns != "Tensor[]":
+        known.discard("grads")
+    else:
+        known.discard("grad")
+    if len(out_diff) < 2:
+        known.discard("aux")
+    if accepts is not None:
+        tree = parse(str(accepts), f"{where} accepts")
+        analyse(tree, f"{where} accepts", set(), set(params))
+    intermediates: list[Formula] = []
+    inter_raw = raw.get("intermediates") or {}
+    if not isinstance(inter_raw, dict):
+        raise _fail(where, "'intermediates:' must be a mapping of name: expression")
+    try:
+        for iname, expr in inter_raw.items():
+            if iname in known:
+                raise _fail(where, f"intermediate {iname!r} shadows a parameter or special name")
+            f = _formula(iname, str(expr), f"{where} intermediate {iname!r}", tensor_params, known)
+            intermediates.append(f)
+            known.add(iname)
+        formulas = {
+            key: _formula(key, str(raw[key]), f"{where} formula for {key!r}", tensor_params, known)
+            for key in formula_keys
+        }
+    except FormulaError as exc:
+        raise DerivativesError(str(exc)) from exc
+    for key, f in formulas.items():
+        if params[key].is_tensor_list and key in f.reads.full:
+            raise _fail(where, f"a Tensor[] parameter may only be read through shapes({key})")
+    by_name = {f.target: f for f in intermediates}
+    for f in [*intermediates, *formulas.values()]:
+        for name in f.reads.full | f.reads.meta | f.reads.shapes:
+            if name in by_name:
+                f.needs |= {name} | by_name[name].needs
+    return OpEntry(
+        schema=schema,
+        torch_functions=[str(t) for t in torch_functions],
+        granularity=granularity.strip(),
+        formulas=formulas,
+        intermediates=intermediates,
+        non_differentiable=non_diff,
+        accepts=None if accepts is None else str(accepts),
+        forward=None if forward is None else str(forward),
+        output_differentiability=[bool(x) for x in out_diff],
+        source_file=source_file,
+    )
+
+
+def _formula(target: str, source: str, where: str, tensor_params: set[str], known: set[str]) -> Formula:
+    tree = parse(source, where)
+    return Formula(target, source, tree, analyse(tree, where, tensor_params, known))
+
+
+def _check_torch_path(where: str, path: object) -> None:
+    if not isinstance(path, str) or not path.startswith("torch."):
+        raise _fail(where, f"torch function {path!r} must be a dotted path starting with 'torch.'")
+    parts = path.split(".")
+    obj: object = importlib.import_module("torch")
+    for i, part in enumerate(parts[1:], start=1):
+        if not hasattr(obj, part):
+            try:
+                obj = importlib.import_module(".".join(parts[: i + 1]))
+                continue
+            except ImportError:
+                raise _fail(where, f"torch function {path!r} does not exist in this torch") from None
+        obj = getattr(obj, part)

@@ -1,0 +1,114 @@
+"""``sa.grad`` and ``sa.seed``: run a semiring backward through PyTorch's engine."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .builtin_semirings import Real
+from .errors import SemiringAutogradError, SemiringMismatchError
+from .message import Message, wrap
+from .semiring import Semiring
+
+
+def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
+    """The semiring the graph behind ``outputs`` was recorded with under ``sa.patch``."""
+    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    found: set[Semiring] = set()
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        semiring = getattr(node, "semiring", None)
+        if isinstance(semiring, Semiring):
+            found.add(semiring)
+            continue
+        stack.extend(n for n, _ in node.next_functions)
+    if not found:
+        raise SemiringAutogradError(
+            "no semiring Function found in the graph behind these outputs: compute them from "
+            "a forward run inside `with sa.patch(model, semiring):` (and with inputs that "
+            "require grad)"
+        )
+    if len(found) > 1:
+        raise SemiringMismatchError(
+            f"the graph mixes semirings {sorted(map(repr, found))}; one backward pass must use "
+            "one semiring"
+        )
+    return found.pop()
+
+
+def seed_message(semiring: Semiring, output: Tensor, weights: Tensor | None = None) -> Tensor:
+    """The seed message for ``output``: one everywhere, or lift(weights) when given
+    (a weight of 0 starts no path). For Real it is the ordinary grad_output."""
+    if weights is not None:
+        weights = torch.as_tensor(weights, dtype=output.dtype, device=output.device)
+        if weights.shape != output.shape:
+            raise ValueError(
+                f"seed has shape {tuple(weights.shape)} but the output has shape "
+                f"{tuple(output.shape)}"
+            )
+    if type(semiring) is Real:
+        return torch.ones_like(output) if weights is None else weights
+    if weights is None:
+        value = semiring.one(output.shape, output)
+    else:
+        value = semiring.lift(weights)
+    return wrap(semiring, value, output)
+
+
+def grad(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    seed: Tensor | Sequence[Tensor | None] | None = None,
+    *,
+    retain_graph: bool = False,
+    raw: bool = False,
+) -> Tensor | tuple[Tensor | None, ...] | None:
+    """Semiring analogue of ``torch.autograd.grad``.
+
+    Every element of every output starts a path with the semiring's one (or lift(seed)
+    where ``seed`` gives real weights). Returns, per input, the readout (a plain tensor of
+    the input's shape; SignedMaxProduct: shape (2, *input)), or with ``raw=True`` the
+    message (``.value`` holds the semiring components; None where no path reaches).
+    """
+    single_input = isinstance(inputs, Tensor)
+    ins = [inputs] if single_input else list(inputs)
+    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
+    seeds = [seed] if isinstance(seed, Tensor) or seed is None else list(seed)
+    if len(seeds) == 1 and len(outs) > 1:
+        seeds = seeds * len(outs)
+    if len(seeds) != len(outs):
+        raise ValueError(f"got {len(seeds)} seeds for {len(outs)} outputs")
+    semiring = recorded_semiring(outs)
+    grad_outputs = [seed_message(semiring, o, s) for o, s in zip(outs, seeds)]
+    results = torch.autograd.grad(
+        outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
+    )
+    real = type(semiring) is Real
+    final = []
+    for x, r in zip(ins, results):
+        if raw:
+            final.append(r)
+        elif r is None:
+            final.append(semiring.readout(semiring.zero(x.shape, x)))
+        elif real:
+            final.append(r)
+        else:
+            final.append(semiring.readout(r.value))
+    return final[0] if single_input else tuple(final)
+
+
+
+def message_value(message: Tensor | None, semiring: Semiring, like: Tensor):
+    """The semiring value of a raw result (``raw=True``), the zero where None."""
+    if message is None:
+        return semiring.zero(like.shape, like)
+    if isinstance(message, Message):
+        return message.value
+    return (message,)

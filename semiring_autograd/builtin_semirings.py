@@ -1,0 +1,438 @@
+"""The built-in semirings: Real, MaxProduct, SignedMaxProduct, Log, Counting, Entropy, Boolean.
+
+Each overrides the generic primitives of :class:`Semiring` with vectorised equivalents
+(``amax``, ``logsumexp``, scatter-reductions, shift-and-GEMM) that compute the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .semiring import Semiring, Value
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+
+# Elements of a broadcast product (rows × k × n) an eager max-times matmul holds at once.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _float_like(like: Tensor) -> torch.dtype:
+    return like.dtype if like.is_floating_point() else torch.get_default_dtype()
+
+
+def _full(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
+    return torch.full(tuple(shape), value, dtype=_float_like(like), device=like.device)
+
+
+def _loo_max(x: Tensor, dim: int, empty: float) -> Tensor:
+    """max over all j ≠ i along ``dim`` (``empty`` where there is no other element)."""
+    n = x.shape[dim]
+    if n == 1:
+        return torch.full_like(x, empty)
+    top2, idx = x.topk(2, dim=dim)
+    first, second = top2.narrow(dim, 0, 1), top2.narrow(dim, 1, 1)
+    position = torch.arange(n, device=x.device).view([-1] + [1] * (x.dim() - 1 - dim % x.dim()))
+    return torch.where(position == idx.narrow(dim, 0, 1), second, first)
+
+
+def _scatter_extreme(x: Tensor, index: Tensor, size: int, reduce: str, empty: float) -> Tensor:
+    """Rows of ``x`` reduced (amax/amin) into ``size`` rows by ``index`` (empty rows = empty)."""
+    out = x.new_full((size, *x.shape[1:]), empty)
+    idx = index.reshape(-1, *([1] * (x.dim() - 1))).expand_as(x)
+    return out.scatter_reduce(0, idx, x, reduce=reduce, include_self=True)
+
+
+def _batch_flatten(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return a3, b3, tuple(batch)
+
+
+def _finite_max(x: Tensor, dim: int) -> Tensor:
+    """amax with keepdim, replacing an all -inf slice's max by 0 (a harmless shift)."""
+    m = x.amax(dim=dim, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _safe_weight(x: Tensor, total: Tensor) -> Tensor:
+    """exp(x - total), 0 where total is -inf (then x is -inf too)."""
+    shift = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
+    return torch.exp(x - shift)
+
+
+class _LogSpaceGemm:
+    """(logsumexp, weighted mean) matmul via shift-and-GEMM, exact blocked fallback where
+    the shifted products underflow."""
+
+    @staticmethod
+    def run(la: Tensor, lb: Tensor, ra: Tensor | None, rb: Tensor | None):
+        a3, b3, batch = _batch_flatten(la, lb)
+        m, n = a3.shape[-2], b3.shape[-1]
+        ma, mb = _finite_max(a3, -1), _finite_max(b3, -2)
+        ea, eb = torch.exp(a3 - ma), torch.exp(b3 - mb)
+        z = ea @ eb
+        out = torch.log(z) + ma + mb
+        r = None
+        if ra is not None:
+            ra3, rb3, _ = _batch_flatten(ra, rb)
+            num = (ea * ra3) @ eb + ea @ (eb * rb3)
+            r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
+        dtype = z.dtype
+        bad = z < torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+        if bad.any():
+            reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
+            bad = bad & reach
+            where = bad.nonzero()
+            k = a3.shape[-1]
+            step = max(1, _CHUNK_ELEMENTS // max(1, k))
+            for s in range(0, where.shape[0], step):
+                bt, i, j = where[s : s + step].unbind(1)
+                terms = a3[bt, i, :] + b3[bt, :, j]
+                total = torch.logsumexp(terms, dim=-1)
+                out[bt, i, j] = total
+                if r is not None:
+                    w = _safe_weight(terms, total[:, None])
+                    r[bt, i, j] = (w * (ra3[bt, i, :] + rb3[bt, :, j])).sum(-1)
+        out = out.reshape(*batch, m, n)
+        return out, (None if r is None else r.reshape(*batch, m, n))
+
+
+class Real(Semiring):
+    """(+, ×): the ordinary gradient. lift(w) = w."""
+
+    name = "real"
+
+    def zero(self, shape, like):
+        return (_full(shape, 0.0, like),)
+
+    def one(self, shape, like):
+        return (_full(shape, 1.0, like),)
+
+    def lift(self, w):
+        return (w,)
+
+    def add(self, a, b):
+        return (a[0] + b[0],)
+
+    def mul(self, a, b):
+        return (a[0] * b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+    def _reduce(self, a, dims, keepdim):
+        return (a[0].sum(dim=dims, keepdim=keepdim),)
+
+    def loo(self, a, dim):
+        return (a[0].sum(dim, keepdim=True) - a[0],)
+
+    def matmul(self, a, b):
+        return (a[0] @ b[0],)
+
+    def index_add(self, a, index, size):
+        out = a[0].new_zeros((size, *a[0].shape[1:]))
+        return (out.index_add(0, index.reshape(-1), a[0]),)
+
+
+class MaxProduct(Semiring):
+    """(max, ×) over |w|: the weight of the strongest path. Zero is 0, one is 1."""
+
+    name = "max_product"
+
+    def zero(self, shape, like):
+        return (_full(shape, 0.0, like),)
+
+    def one(self, shape, like):
+        return (_full(shape, 1.0, like),)
+
+    def lift(self, w):
+        return (w.abs(),)
+
+    def add(self, a, b):
+        return (torch.maximum(a[0], b[0]),)
+
+    def mul(self, a, b):
+        return (a[0] * b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+    def _reduce(self, a, dims, keepdim):
+        return (a[0].amax(dim=dims, keepdim=keepdim),)
+
+    def loo(self, a, dim):
+        return (_loo_max(a[0], dim, 0.0),)
+
+    def matmul(self, a, b):
+        return (_max_times(a[0], b[0]),)
+
+    def index_add(self, a, index, size):
+        return (_scatter_extreme(a[0], index, size, "amax", 0.0),)
+
+
+def _max_times(a: Tensor, b: Tensor) -> Tensor:
+    """max_k a[..., i, k] · b[..., k, j], in row blocks so m×k×n is never held at once."""
+    a3, b3, batch = _batch_flatten(a, b)
+    m, k, n = a3.shape[-2], a3.shape[-1], b3.shape[-1]
+    if k == 0:
+        return a.new_zeros((*batch, m, n))
+    rows = max(1, _CHUNK_ELEMENTS // max(1, k * n * a3.shape[0]))
+    out = torch.cat(
+        [
+            (a3[:, s : s + rows, :, None] * b3[:, None, :, :]).amax(dim=-2)
+            for s in range(0, m, rows)
+        ],
+        dim=-2,
+    ) if m else a3.new_zeros((a3.shape[0], 0, n))
+    return out.reshape(*batch, m, n)
+
+
+class SignedMaxProduct(Semiring):
+    """Pairs (largest, smallest) signed path product. Zero is (-inf, +inf), the empty set;
+    lift(w) = (w, w) and lift(0) = zero; ⊗ takes the extremes of the four cross products."""
+
+    name = "signed_max_product"
+    n_components = 2
+
+    def zero(self, shape, like):
+        return (_full(shape, NEG_INF, like), _full(shape, POS_INF, like))
+
+    def one(self, shape, like):
+        return (_full(shape, 1.0, like), _full(shape, 1.0, like))
+
+    def lift(self, w):
+        nz = w != 0
+        return (
+            torch.where(nz, w, torch.full_like(w, NEG_INF)),
+            torch.where(nz, w, torch.full_like(w, POS_INF)),
+        )
+
+    def add(self, a, b):
+        return (torch.maximum(a[0], b[0]), torch.minimum(a[1], b[1]))
+
+    def mul(self, a, b):
+        return _signed_combine(a, b, None)
+
+    def readout(self, a):
+        valid = a[0] >= a[1]
+        zero = torch.zeros_like(a[0])
+        return torch.stack([torch.where(valid, a[0], zero), torch.where(valid, a[1], zero)])
+
+    def _reduce(self, a, dims, keepdim):
+        return (a[0].amax(dim=dims, keepdim=keepdim), a[1].amin(dim=dims, keepdim=keepdim))
+
+    def loo(self, a, dim):
+        hi, lo = torch.broadcast_tensors(*a)
+        return (_loo_max(hi, dim, NEG_INF), -_loo_max(-lo, dim, NEG_INF))
+
+    def matmul(self, a, b):
+        return _signed_combine(a, b, "matmul")
+
+    def index_add(self, a, index, size):
+        hi, lo = torch.broadcast_tensors(*a)
+        return (
+            _scatter_extreme(hi, index, size, "amax", NEG_INF),
+            _scatter_extreme(lo, index, size, "amin", POS_INF),
+        )
+
+
+def _signed_combine(a: Value, b: Value, mode: str | None) -> Value:
+    """⊗ (mode None) or semiring matmul (mode "matmul") of signed (hi, lo) pairs."""
+    if mode == "matmul":
+        hi_a, lo_a, hi_b, lo_b = a[0], a[1], b[0], b[1]
+        a3h, b3h, batch = _batch_flatten(hi_a, hi_b)
+        a3l, b3l, _ = _batch_flatten(lo_a.expand_as(hi_a), lo_b.expand_as(hi_b))
+        m, k, n = a3h.shape[-2], a3h.shape[-1], b3h.shape[-1]
+        rows = max(1, _CHUNK_ELEMENTS // max(1, 4 * k * n * a3h.shape[0]))
+        his, los = [], []
+        for s in range(0, m, rows):
+            pa = (a3h[:, s : s + rows, :, None], a3l[:, s : s + rows, :, None])
+            pb = (b3h[:, None, :, :], b3l[:, None, :, :])
+            hi, lo = _signed_combine(pa, pb, None)
+            his.append(hi.amax(dim=-2) if k else hi.sum(-2))
+            los.append(lo.amin(dim=-2) if k else lo.sum(-2))
+        if not his or k == 0:
+            shape = (*batch, m, n)
+            return (a3h.new_full(shape, NEG_INF), a3h.new_full(shape, POS_INF))
+        return (torch.cat(his, -2).reshape(*batch, m, n), torch.cat(los, -2).reshape(*batch, m, n))
+    valid = (a[0] >= a[1]) & (b[0] >= b[1])
+    zero = torch.zeros((), dtype=a[0].dtype, device=a[0].device)
+    ah, al = torch.where(a[0] >= a[1], a[0], zero), torch.where(a[0] >= a[1], a[1], zero)
+    bh, bl = torch.where(b[0] >= b[1], b[0], zero), torch.where(b[0] >= b[1], b[1], zero)
+    p1, p2, p3, p4 = ah * bh, ah * bl, al * bh, al * bl
+    hi = torch.maximum(torch.maximum(p1, p2), torch.maximum(p3, p4))
+    lo = torch.minimum(torch.minimum(p1, p2), torch.minimum(p3, p4))
+    return (
+        torch.where(valid, hi, torch.full_like(hi, NEG_INF)),
+        torch.where(valid, lo, torch.full_like(lo, POS_INF)),
+    )
+
+
+class Log(Semiring):
+    """(logaddexp, +) over log|w|: log of the total |path| weight, -inf where no path."""
+
+    name = "log"
+
+    def zero(self, shape, like):
+        return (_full(shape, NEG_INF, like),)
+
+    def one(self, shape, like):
+        return (_full(shape, 0.0, like),)
+
+    def lift(self, w):
+        return (torch.log(w.abs()),)
+
+    def add(self, a, b):
+        return (torch.logaddexp(a[0], b[0]),)
+
+    def mul(self, a, b):
+        return (a[0] + b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+    def _reduce(self, a, dims, keepdim):
+        return (torch.logsumexp(a[0], dim=dims, keepdim=keepdim),)
+
+    def loo(self, a, dim):
+        x = a[0]
+        prefix = torch.logcumsumexp(x, dim)
+        suffix = torch.logcumsumexp(x.flip(dim), dim).flip(dim)
+        pad = x.narrow(dim, 0, 1).new_full(x.narrow(dim, 0, 1).shape, NEG_INF)
+        n = x.shape[dim]
+        excl_prefix = torch.cat([pad, prefix.narrow(dim, 0, n - 1)], dim)
+        excl_suffix = torch.cat([suffix.narrow(dim, 1, n - 1), pad], dim)
+        return (torch.logaddexp(excl_prefix, excl_suffix),)
+
+    def matmul(self, a, b):
+        return (_LogSpaceGemm.run(a[0], b[0], None, None)[0],)
+
+    def index_add(self, a, index, size):
+        x = a[0]
+        top = _scatter_extreme(x, index, size, "amax", NEG_INF)
+        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        idx = index.reshape(-1)
+        z = torch.zeros_like(top).index_add(0, idx, torch.exp(x - shift[idx]))
+        return (torch.log(z) + shift,)
+
+
+class Counting(Log):
+    """(+, ×) on path counts, kept in log space: lift(w) = 1 if w ≠ 0 else 0; the readout
+    is the natural log of the number of non-zero paths (-inf where none)."""
+
+    name = "counting"
+
+    def lift(self, w):
+        return (torch.where(w != 0, 0.0, NEG_INF).to(_float_like(w)),)
+
+
+class Entropy(Semiring):
+    """The expectation semiring ⟨|w|, −|w| log|w|⟩ kept in log space as (log Z, r), with
+    r = (Σ_paths p̃·(−log p̃)) / Z. ⊕: (logaddexp, Z-weighted mean of r); ⊗: (+, +).
+    The readout log Z + r is the entropy (nats) of paths with p ∝ Π|w| (0 for ≤ 1 path)."""
+
+    name = "entropy"
+    n_components = 2
+
+    def zero(self, shape, like):
+        return (_full(shape, NEG_INF, like), _full(shape, 0.0, like))
+
+    def one(self, shape, like):
+        return (_full(shape, 0.0, like), _full(shape, 0.0, like))
+
+    def lift(self, w):
+        la = torch.log(w.abs())
+        return (la, torch.where(w != 0, -la, torch.zeros_like(la)))
+
+    def add(self, a, b):
+        la = torch.logaddexp(a[0], b[0])
+        r = _safe_weight(a[0], la) * a[1] + _safe_weight(b[0], la) * b[1]
+        return (la, r)
+
+    def mul(self, a, b):
+        la = a[0] + b[0]
+        r = a[1] + b[1]
+        return (la, torch.where(torch.isneginf(la), torch.zeros_like(r), r))
+
+    def readout(self, a):
+        la, r = torch.broadcast_tensors(*a)
+        h = (la + r).clamp_min(0.0)
+        return torch.where(torch.isneginf(la), torch.zeros_like(h), h)
+
+    def _reduce(self, a, dims, keepdim):
+        la, r = a
+        total = torch.logsumexp(la, dim=dims, keepdim=True)
+        rs = (_safe_weight(la, total) * r).sum(dim=dims, keepdim=keepdim)
+        return (total if keepdim else total.squeeze(dims), rs)
+
+    def matmul(self, a, b):
+        la, ra = torch.broadcast_tensors(*a)
+        lb, rb = torch.broadcast_tensors(*b)
+        return _LogSpaceGemm.run(la, lb, ra, rb)
+
+    def index_add(self, a, index, size):
+        la, r = torch.broadcast_tensors(*a)
+        top = _scatter_extreme(la, index, size, "amax", NEG_INF)
+        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        idx = index.reshape(-1)
+        w = torch.exp(la - shift[idx])
+        z = torch.zeros_like(top).index_add(0, idx, w)
+        num = torch.zeros_like(top).index_add(0, idx, w * r)
+        out_r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
+        return (torch.log(z) + shift, out_r)
+
+
+class Boolean(Semiring):
+    """(or, and): whether any path with all local derivatives non-zero exists."""
+
+    name = "boolean"
+
+    def zero(self, shape, like):
+        return (torch.zeros(tuple(shape), dtype=torch.bool, device=like.device),)
+
+    def one(self, shape, like):
+        return (torch.ones(tuple(shape), dtype=torch.bool, device=like.device),)
+
+    def lift(self, w):
+        return (w != 0,)
+
+    def add(self, a, b):
+        return (a[0] | b[0],)
+
+    def mul(self, a, b):
+        return (a[0] & b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+    def _reduce(self, a, dims, keepdim):
+        return (a[0].any(dim=dims, keepdim=keepdim),)
+
+    def loo(self, a, dim):
+        count = a[0].to(torch.int64)
+        return ((count.sum(dim, keepdim=True) - count) > 0,)
+
+    def matmul(self, a, b):
+        dtype = torch.float64 if a[0].device.type == "cpu" else torch.float32
+        return ((a[0].to(dtype) @ b[0].to(dtype)) > 0,)
+
+    def index_add(self, a, index, size):
+        x = a[0].to(torch.int64)
+        out = x.new_zeros((size, *x.shape[1:])).index_add(0, index.reshape(-1), x)
+        return (out > 0,)
+
+
+BUILTIN_SEMIRINGS: tuple[type[Semiring], ...] = (
+    Real,
+    MaxProduct,
+    SignedMaxProduct,
+    Log,
+    Entropy,
+    Boolean,
+    Counting,
+)

@@ -1,0 +1,25 @@
+"""Exceptions raised by semiring_autograd, each naming the problem and the fix."""
+
+
+class SemiringAutogradError(RuntimeError):
+    """Base class of every error this library raises on purpose."""
+
+
+class UnsupportedOpError(SemiringAutogradError):
+    """A torch function touched a grad-requiring tensor and has no semiring formula."""
+
+
+class ForeignOpError(SemiringAutogradError):
+    """A non-structural aten op reached a semiring message during backward."""
+
+
+class SemiringMismatchError(SemiringAutogradError):
+    """Messages of different semirings met, or a message met a plain gradient."""
+
+
+class PatchError(SemiringAutogradError):
+    """`sa.patch` was used wrongly (already patched, bad semiring, …)."""
+
+
+class SemiringLawError(SemiringAutogradError):
+    """`sa.check_semiring` found a violated law."""

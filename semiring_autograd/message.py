@@ -1,0 +1,201 @@
+"""Backward messages: a wrapper tensor subclass that travels through PyTorch's engine.
+
+A :class:`Message` reports the primal's shape, dtype and device (so the engine's checks
+pass) and holds the semiring value (a tuple of component tensors) inside. The engine merges
+two paths with ``aten.add``, which becomes ⊕. Ops whose backward only moves, copies or
+sums gradients (views, ``select_backward``, ``expand``, ``sum`` …) are structural: their
+meaning is the same in every semiring, so they run per component (sums become ⊕).
+Any other aten op reaching a message raises :class:`ForeignOpError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .errors import ForeignOpError, SemiringMismatchError
+from .semiring import Semiring, Value
+
+aten = torch.ops.aten
+
+
+class Message(Tensor):
+    """A semiring-valued gradient message with the primal's metadata."""
+
+    value: Value
+    semiring: Semiring
+
+    @staticmethod
+    def __new__(cls, semiring: Semiring, value: Value, shape, dtype, device) -> "Message":
+        shape = torch.Size(shape)
+        r = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        r.semiring = semiring
+        r.value = tuple(c if c.shape == shape else c.expand(shape) for c in value)
+        return r
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        parts = ", ".join(repr(c) for c in self.value)
+        return f"Message({self.semiring!r}, shape={tuple(self.shape)}, value=({parts}))"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _STRUCTURAL.get(func)
+        if handler is None:
+            raise ForeignOpError(
+                f"aten op '{func}' reached a semiring message during backward. This means an "
+                "op without a semiring formula sits in the graph between the output and the "
+                "input (for instance an operation run outside `sa.patch`, or a native backward "
+                "that is not purely structural). Record the whole computation inside "
+                "`sa.patch(model, semiring)`, or add a YAML entry for the op."
+            )
+        return handler(func, *args, **kwargs)
+
+
+def wrap(semiring: Semiring, value: Value | None, like: Tensor) -> Message | None:
+    """A message for ``value`` with ``like``'s metadata (None stays the symbolic zero)."""
+    if value is None:
+        return None
+    return Message(semiring, value, like.shape, like.dtype, like.device)
+
+
+def wrap_meta(semiring: Semiring, value: Value | None, meta) -> Message | None:
+    """A message for ``value`` with metadata ``meta = (shape, dtype, device)``."""
+    if value is None:
+        return None
+    return Message(semiring, value, *meta)
+
+
+def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
+    """The semiring value inside an incoming message (None stays None)."""
+    if grad is None:
+        return None
+    if not isinstance(grad, Message):
+        raise SemiringMismatchError(
+            f"{op}: the backward received a plain tensor where a {semiring!r} message was "
+            "expected. Seed the backward with `sa.grad(...)` (or a message from "
+            "`sa.seed_message(...)`), not with a real tensor."
+        )
+    if grad.semiring != semiring:
+        raise SemiringMismatchError(
+            f"{op}: a {grad.semiring!r} message reached a node recorded under {semiring!r}. "
+            "One backward pass must use one semiring."
+        )
+    return grad.value
+
+
+# ----- structural aten ops on messages -------------------------------------------------
+def _msg_args(args) -> tuple[Message, Semiring]:
+    for a in args:
+        if isinstance(a, Message):
+            return a, a.semiring
+    raise AssertionError("structural handler called without a message")
+
+
+def _per_component(func, msg: Message, *args, **kwargs) -> Message:
+    out = tuple(func(c, *args, **kwargs) for c in msg.value)
+    return Message(msg.semiring, out, out[0].shape, msg.dtype, msg.device)
+
+
+def _map(func, msg, *args, **kwargs):
+    return _per_component(func, msg, *args, **kwargs)
+
+
+def _add(func, a, b, *, alpha=1):
+    if alpha != 1 or not isinstance(a, Message) or not isinstance(b, Message):
+        other = b if isinstance(a, Message) else a
+        raise ForeignOpError(
+            "A semiring message was added to "
+            + (f"a plain tensor of shape {tuple(other.shape)}" if alpha == 1 else f"alpha={alpha}")
+            + ". This happens when a leaf's `.grad` still holds an ordinary gradient: set "
+            "`x.grad = None` before a semiring backward."
+        )
+    if a.semiring != b.semiring:
+        raise SemiringMismatchError(
+            f"cannot merge a {a.semiring!r} message with a {b.semiring!r} message"
+        )
+    value = a.semiring.add(a.value, b.value)
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    return Message(a.semiring, value, shape, a.dtype, a.device)
+
+
+def _sum(func, msg, dim=None, keepdim=False, *, dtype=None):
+    value = msg.semiring.sum(msg.value, dim, keepdim)
+    return Message(msg.semiring, value, value[0].shape, dtype or msg.dtype, msg.device)
+
+
+def _zero_fill(msg: Message, shape, place: Callable[[Tensor, Tensor], None]) -> Message:
+    zero = msg.semiring.zero(shape, msg.value[0])
+    out = []
+    for z, c in zip(zero, msg.value):
+        z = z.to(c.dtype).clone()
+        place(z, c)
+        out.append(z)
+    return Message(msg.semiring, tuple(out), shape, msg.dtype, msg.device)
+
+
+def _select_backward(func, msg, input_sizes, dim, index):
+    return _zero_fill(msg, input_sizes, lambda z, c: z.select(dim, index).copy_(c))
+
+
+def _slice_backward(func, msg, input_sizes, dim, start, end, step):
+    return _zero_fill(msg, input_sizes, lambda z, c: z[
+        (slice(None),) * (dim % len(input_sizes)) + (slice(start, end, step),)
+    ].copy_(c))
+
+
+def _new_zeros(func, msg, size, **kwargs):
+    value = msg.semiring.zero(size, msg.value[0])
+    return Message(msg.semiring, value, size, msg.dtype, msg.device)
+
+
+def _zeros_like(func, msg, **kwargs):
+    return _new_zeros(func, msg, msg.shape)
+
+
+def _to_copy(func, msg, *, dtype=None, **kwargs):
+    return Message(msg.semiring, msg.value, msg.shape, dtype or msg.dtype, msg.device)
+
+
+_STRUCTURAL: dict[Any, Callable[..., Any]] = {
+    aten.add.Tensor: _add,
+    aten.detach.default: _map,
+    aten.alias.default: _map,
+    aten.clone.default: lambda f, m, **kw: _map(f, m),
+    aten.view.default: _map,
+    aten._unsafe_view.default: _map,
+    aten.reshape.default: _map,
+    aten.expand.default: _map,
+    aten.permute.default: _map,
+    aten.transpose.int: _map,
+    aten.t.default: _map,
+    aten.squeeze.dim: _map,
+    aten.squeeze.dims: _map,
+    aten.squeeze.default: _map,
+    aten.unsqueeze.default: _map,
+    aten.select.int: _map,
+    aten.slice.Tensor: _map,
+    aten.sum.dim_IntList: _sum,
+    aten.sum.default: _sum,
+    aten.select_backward.default: _select_backward,
+    aten.slice_backward.default: _slice_backward,
+    aten.new_zeros.default: _new_zeros,
+    aten.zeros_like.default: _zeros_like,
+    aten._to_copy.default: _to_copy,
+}
+
+
+def check_plain(grad: Tensor | None, op: str) -> None:
+    """Real-semiring backward: the incoming gradient must be an ordinary tensor."""
+    if isinstance(grad, Message):
+        raise SemiringMismatchError(
+            f"{op}: a {grad.semiring!r} message reached a node recorded under Real(). "
+            "One backward pass must use one semiring."
+        )

@@ -1,0 +1,225 @@
+"""``sa.patch(model, semiring)``: record semiring backward Functions during a model's forward.
+
+A :class:`~torch.overrides.TorchFunctionMode` is pushed (thread-locally) while the patched
+model's forward runs in the thread that patched it. Each torch function call that touches
+a grad-requiring tensor is bound to a YAML entry and routed to its generated Function;
+its forward computes exactly what the unpatched call computes. A call with no entry that
+would produce a differentiable result raises :class:`UnsupportedOpError` at forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from .errors import PatchError, UnsupportedOpError
+from .op_table import Registry, default_registry
+from .semiring import Semiring
+
+_LOCK = threading.Lock()
+_PATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _name_of(func: Any) -> str:
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
+    module = getattr(func, "__module__", None)
+    if qual is None:
+        return repr(func)
+    qual = qual.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "")
+    if qual.startswith("Tensor."):
+        return "torch." + qual
+    if module and not module.startswith("torch._C"):
+        return f"{module}.{qual}"
+    return f"torch.{qual}"
+
+
+def _requires_grad(tree: Any) -> bool:
+    leaves, _ = tree_flatten(tree)
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+
+
+def _differentiable_output(out: Any) -> bool:
+    leaves, _ = tree_flatten(out)
+    return any(
+        isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex())
+        for x in leaves
+    )
+
+
+def _is_inplace(func: Any, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    if kwargs.get("out") is not None:
+        return True
+    if name in ("__setitem__",) or (name.startswith("__i") and name.endswith("__")):
+        return name not in ("__init__", "__iter__", "__index__", "__int__")
+    return name.endswith("_") and not name.endswith("__")
+
+
+class _SemiringMode(TorchFunctionMode):
+    def __init__(self, handle: "PatchHandle"):
+        super().__init__()
+        self.handle = handle
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled() or not _requires_grad((args, kwargs)):
+            return func(*args, **kwargs)
+        handle = self.handle
+        candidates = handle.registry.candidates(func)
+        rejected = []
+        for op in candidates:
+            bound = op.bind(args, kwargs)
+            if bound is None:
+                continue
+            if not op.accepted(bound):
+                rejected.append(op)
+                continue
+            fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
+            call = lambda: func(*args, **kwargs)  # noqa: E731 - the unpatched computation
+            if takes_semiring:
+                return fn(handle.semiring, call, **bound)
+            return fn(call, **bound)
+        if _is_inplace(func, kwargs):
+            raise handle.unsupported(func, "it writes into a tensor in place")
+        if candidates:
+            why = (
+                "its arguments are not supported: "
+                + "; ".join(f"{op.name} requires `{op.accepts_text}`" for op in rejected)
+                if rejected
+                else "no entry's signature matches these arguments ("
+                + ", ".join(op.signature for op in candidates)
+                + ")"
+            )
+            raise handle.unsupported(func, why)
+        out = func(*args, **kwargs)
+        if _differentiable_output(out):
+            raise handle.unsupported(func, "it has no semiring formula")
+        return out
+
+
+class PatchHandle:
+    """Active patch of one model; a context manager, or call :meth:`remove`."""
+
+    def __init__(self, model: nn.Module, semiring: Semiring, registry: Registry):
+        self.model = model
+        self.semiring = semiring
+        self.registry = registry
+        self.thread = threading.get_ident()
+        self._mode = _SemiringMode(self)
+        self._depth = 0
+        self._stack: list[str] = []
+        self._hooks: list[Any] = []
+        names = {id(m): n for n, m in model.named_modules()}
+        try:
+            for module in model.modules():
+                name = names[id(module)] or type(module).__name__
+                self._hooks.append(module.register_forward_pre_hook(self._enter(name, module is model)))
+                self._hooks.append(
+                    module.register_forward_hook(self._exit(module is model), always_call=True)
+                )
+        except BaseException:
+            self._remove_hooks()
+            raise
+
+    # ----- hooks
+    def _enter(self, name: str, root: bool):
+        def hook(module, args):
+            if threading.get_ident() != self.thread:
+                return None
+            self._stack.append(name)
+            if root:
+                if self._depth == 0:
+                    self._mode.__enter__()
+                self._depth += 1
+            return None
+
+        return hook
+
+    def _exit(self, root: bool):
+        def hook(module, args, output):
+            if threading.get_ident() != self.thread:
+                return None
+            if self._stack:
+                self._stack.pop()
+            if root:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._mode.__exit__(None, None, None)
+            return None
+
+        return hook
+
+    @property
+    def current_module(self) -> str:
+        return self._stack[-1] if self._stack else type(self.model).__name__
+
+    def unsupported(self, func: Any, why: str) -> UnsupportedOpError:
+        name = _name_of(func)
+        return UnsupportedOpError(
+            f"{name} (in module '{self.current_module}') touched a tensor that requires grad "
+            f"under sa.patch(..., {self.semiring!r}), but {why}. Add an entry for it to "
+            "derivatives/*.yaml (its signature, the torch functions it serves and one "
+            "formula per differentiable input), run `generate`, or run this op outside the "
+            "patched model / under torch.no_grad()."
+        )
+
+    # ----- lifetime
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def remove(self) -> None:
+        """Restore the model: remove every hook and forget the patch."""
+        self._remove_hooks()
+        while self._depth > 0:
+            self._depth -= 1
+            if self._depth == 0:
+                self._mode.__exit__(None, None, None)
+        with _LOCK:
+            _PATCHED.discard(self.model)
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def patch(model: nn.Module, semiring: Semiring, *, registry: Registry | None = None) -> PatchHandle:
+    """Swap the generated semiring Functions in during ``model``'s forward (this thread only).
+
+    Use as ``with sa.patch(model, sa.MaxProduct()): y = model(x)`` or keep the handle and
+    call ``handle.remove()``. The forward computes exactly what the unpatched model computes;
+    the recorded graph propagates ``semiring`` messages in backward (see :func:`sa.grad`).
+    """
+    if not isinstance(model, nn.Module):
+        raise PatchError(f"sa.patch expects an nn.Module, got {type(model).__name__}")
+    if isinstance(semiring, type) and issubclass(semiring, Semiring):
+        raise PatchError(
+            f"sa.patch got the class {semiring.__name__}; pass an instance: {semiring.__name__}()"
+        )
+    if not isinstance(semiring, Semiring):
+        raise PatchError(
+            f"sa.patch expects a semiring instance (e.g. sa.MaxProduct()), got {semiring!r}"
+        )
+    with _LOCK:
+        overlap = [m for m in model.modules() if m in _PATCHED]
+        if overlap or any(model in set(p.modules()) for p in list(_PATCHED)):
+            raise PatchError(
+                f"{type(model).__name__} is already patched (or shares modules with a patched "
+                "model); remove the existing patch first"
+            )
+        _PATCHED.add(model)
+    try:
+        return PatchHandle(model, semiring, registry or default_registry())
+    except BaseException:
+        with _LOCK:
+            _PATCHED.discard(model)
+        raise

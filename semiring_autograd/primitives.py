@@ -1,0 +1,150 @@
+"""The primitives YAML formulas are written in, for semiring values (tuples of tensors).
+
+Generated code calls ``P.<name>(S, ...)`` for a semiring ``S``; the Real semiring's
+generated code uses :mod:`semiring_autograd.real_primitives`, the same set on plain
+tensors. ``PRIMITIVES`` is the list the codegen validates formulas against.
+"""
+
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from .semiring import Semiring, Value
+
+Ref = tuple[torch.dtype, torch.device]
+
+PRIMITIVES = (
+    "lift",
+    "mul",
+    "add",
+    "zero",
+    "sum",
+    "sum_to",
+    "matmul",
+    "loo",
+    "index_add",
+    "reshape",
+    "permute",
+    "transpose",
+    "expand",
+    "narrow",
+    "getitem_backward",
+    "cat",
+    "split",
+    "unbind",
+    "stack",
+    "fill_zero",
+)
+
+
+def _as_tensor(x: Tensor | Number, ref: Ref) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    return torch.tensor(x, dtype=ref[0], device=ref[1])
+
+
+def lift(S: Semiring, w: Tensor | Number, ref: Ref) -> Value:
+    """lift(w): real local derivatives into the semiring."""
+    return S.lift(_as_tensor(w, ref))
+
+
+def mul(S: Semiring, a: Value, b: Value) -> Value:
+    """a ⊗ b, broadcasting."""
+    return S.mul(a, b)
+
+
+def add(S: Semiring, a: Value, b: Value) -> Value:
+    """a ⊕ b, broadcasting."""
+    return S.add(a, b)
+
+
+def zero(S: Semiring, shape: Sequence[int], ref: Ref) -> Value:
+    """The semiring zero (no path) of ``shape``."""
+    return S.zero(shape, torch.empty((), dtype=ref[0], device=ref[1]))
+
+
+def sum(S: Semiring, a: Value, dims: Any = None, keepdim: bool = False) -> Value:
+    """⊕ over ``dims``."""
+    return S.sum(a, dims, keepdim)
+
+
+def sum_to(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
+    """⊕ over the dims along which ``shape`` was broadcast (undoes a broadcast)."""
+    return S.sum_to(a, shape)
+
+
+def matmul(S: Semiring, a: Value, b: Value) -> Value:
+    """⊕_k a[..., i, k] ⊗ b[..., k, j]."""
+    return S.matmul(a, b)
+
+
+def loo(S: Semiring, a: Value, dim: int) -> Value:
+    """Leave-one-out ⊕ along ``dim``."""
+    return S.loo(a, dim)
+
+
+def index_add(S: Semiring, a: Value, index: Tensor, size: int) -> Value:
+    """⊕-scatter of rows of ``a`` into ``size`` rows at ``index``."""
+    return S.index_add(a, index, size)
+
+
+def _each(a: Value, fn) -> Value:
+    return tuple(fn(c) for c in a)
+
+
+def reshape(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
+    return _each(a, lambda c: c.reshape(shape))
+
+
+def permute(S: Semiring, a: Value, dims: Sequence[int]) -> Value:
+    return _each(a, lambda c: c.permute(*dims))
+
+
+def transpose(S: Semiring, a: Value, d0: int, d1: int) -> Value:
+    return _each(a, lambda c: c.transpose(d0, d1))
+
+
+def expand(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
+    return _each(a, lambda c: c.expand(*shape))
+
+
+def narrow(S: Semiring, a: Value, dim: int, start: int, length: int) -> Value:
+    return _each(a, lambda c: c.narrow(dim, start, length))
+
+
+def getitem_backward(S: Semiring, a: Value, shape: Sequence[int], index: Any) -> Value:
+    """Semiring zero of ``shape`` with ``a`` placed at ``[index]`` (basic indexing)."""
+    out = []
+    for z, c in zip(S.zero(shape, a[0]), a):
+        z = z.to(c.dtype).clone()
+        z[index] = c
+        out.append(z)
+    return tuple(out)
+
+
+def cat(S: Semiring, parts: Sequence[Value], dim: int) -> Value:
+    return tuple(torch.cat(cs, dim) for cs in zip(*parts))
+
+
+def split(S: Semiring, a: Value, sizes: Sequence[int], dim: int) -> list[Value]:
+    pieces = [c.split(list(sizes), dim) for c in a]
+    return [tuple(p) for p in zip(*pieces)]
+
+
+def unbind(S: Semiring, a: Value, dim: int) -> list[Value]:
+    return [tuple(p) for p in zip(*(c.unbind(dim) for c in a))]
+
+
+def stack(S: Semiring, parts: Sequence[Value], dim: int) -> Value:
+    return tuple(torch.stack(cs, dim) for cs in zip(*parts))
+
+
+def fill_zero(
+    S: Semiring, parts: Sequence[Value | None], shapes: Sequence[Sequence[int]], ref: Ref
+) -> list[Value]:
+    """Replace symbolic zeros (None) by materialised semiring zeros of the given shapes."""
+    return [zero(S, s, ref) if p is None else p for p, s in zip(parts, shapes)]

@@ -1,0 +1,93 @@
+"""The formula primitives for the Real semiring, on plain tensors (messages are gradients).
+
+The generated Real module inlines ``lift`` (identity), ``mul`` (×) and ``add`` (+) and
+calls the rest from here; each mirrors its namesake in :mod:`semiring_autograd.primitives`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+Ref = tuple[torch.dtype, torch.device]
+
+
+def zero(shape: Sequence[int], ref: Ref) -> Tensor:
+    return torch.zeros(tuple(shape), dtype=ref[0], device=ref[1])
+
+
+def sum(a: Tensor, dims: Any = None, keepdim: bool = False) -> Tensor:
+    if dims is None:
+        return a.sum(dim=tuple(range(a.dim())), keepdim=keepdim) if keepdim else a.sum()
+    if isinstance(dims, (list, tuple)) and not dims:
+        return a
+    return a.sum(dim=dims, keepdim=keepdim)
+
+
+def sum_to(a: Tensor, shape: Sequence[int]) -> Tensor:
+    shape = tuple(shape)
+    if a.shape == shape:
+        return a
+    return a.sum_to_size(shape) if len(shape) else a.sum()
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    return a @ b
+
+
+def loo(a: Tensor, dim: int) -> Tensor:
+    return a.sum(dim, keepdim=True) - a
+
+
+def index_add(a: Tensor, index: Tensor, size: int) -> Tensor:
+    return a.new_zeros((size, *a.shape[1:])).index_add(0, index.reshape(-1), a)
+
+
+def reshape(a: Tensor, shape: Sequence[int]) -> Tensor:
+    return a.reshape(shape)
+
+
+def permute(a: Tensor, dims: Sequence[int]) -> Tensor:
+    return a.permute(*dims)
+
+
+def transpose(a: Tensor, d0: int, d1: int) -> Tensor:
+    return a.transpose(d0, d1)
+
+
+def expand(a: Tensor, shape: Sequence[int]) -> Tensor:
+    return a.expand(*shape)
+
+
+def narrow(a: Tensor, dim: int, start: int, length: int) -> Tensor:
+    return a.narrow(dim, start, length)
+
+
+def getitem_backward(a: Tensor, shape: Sequence[int], index: Any) -> Tensor:
+    z = a.new_zeros(tuple(shape))
+    z[index] = a
+    return z
+
+
+def cat(parts: Sequence[Tensor], dim: int) -> Tensor:
+    return torch.cat(list(parts), dim)
+
+
+def split(a: Tensor, sizes: Sequence[int], dim: int) -> list[Tensor]:
+    return list(a.split(list(sizes), dim))
+
+
+def unbind(a: Tensor, dim: int) -> list[Tensor]:
+    return list(a.unbind(dim))
+
+
+def stack(parts: Sequence[Tensor], dim: int) -> Tensor:
+    return torch.stack(list(parts), dim)
+
+
+def fill_zero(
+    parts: Sequence[Tensor | None], shapes: Sequence[Sequence[int]], ref: Ref
+) -> list[Tensor]:
+    return [zero(s, ref) if p is None else p for p, s in zip(parts, shapes)]

@@ -1,0 +1,186 @@
+"""The semiring interface and its generic, always-correct default algorithms.
+
+A semiring value is a tuple of tensors (its *components*), broadcastable against each
+other elementwise. Subclasses define ``zero``, ``one``, ``lift``, ``add`` (⊕), ``mul`` (⊗)
+and ``readout``; every other primitive (⊕-reduction, leave-one-out ⊕, ⊕-scatter, semiring
+matmul) has a generic default written only in terms of those, which built-in semirings
+override with faster equivalents.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+Value = tuple[Tensor, ...]
+
+# Elements of the broadcast product a generic semiring matmul may hold at once.
+_MATMUL_CHUNK_ELEMENTS = 1 << 22
+
+
+def _normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(ndim))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted({d % ndim if ndim else 0 for d in dims}))
+
+
+def _strided(c: Tensor, dim: int, start: int) -> Tensor:
+    """Every second element of ``c`` along ``dim``, from ``start``."""
+    return c[(slice(None),) * dim + (slice(start, None, 2),)]
+
+
+class Semiring:
+    """Base class: (K, ⊕, ⊗, zero, one) plus ``lift`` from real local derivatives into K.
+
+    ``lift`` must be a monoid homomorphism: lift(ab) = lift(a) ⊗ lift(b), lift(1) = one,
+    lift(0) = zero. ``sa.check_semiring`` verifies this and the semiring laws.
+    """
+
+    #: number of component tensors in a value
+    n_components: int = 1
+    #: short name used in error messages and generated module names
+    name: str = "semiring"
+
+    # ----- the definition: subclasses implement these -------------------------------
+    def zero(self, shape: Sequence[int], like: Tensor) -> Value:
+        """The ⊕ identity (no path), with ``like``'s floating dtype and device."""
+        raise NotImplementedError(f"{type(self).__name__} must define zero()")
+
+    def one(self, shape: Sequence[int], like: Tensor) -> Value:
+        """The ⊗ identity (the empty path)."""
+        raise NotImplementedError(f"{type(self).__name__} must define one()")
+
+    def lift(self, w: Tensor) -> Value:
+        """Map real local derivatives ``w`` elementwise into the semiring."""
+        raise NotImplementedError(f"{type(self).__name__} must define lift()")
+
+    def add(self, a: Value, b: Value) -> Value:
+        """⊕, elementwise with broadcasting."""
+        raise NotImplementedError(f"{type(self).__name__} must define add()")
+
+    def mul(self, a: Value, b: Value) -> Value:
+        """⊗, elementwise with broadcasting."""
+        raise NotImplementedError(f"{type(self).__name__} must define mul()")
+
+    def readout(self, a: Value) -> Tensor:
+        """What a user reads at an input: a plain tensor of the input's shape."""
+        raise NotImplementedError(f"{type(self).__name__} must define readout()")
+
+    # ----- identity and display ---------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # ----- generic primitives -----------------------------------------------------------
+    def sum(
+        self, a: Value, dims: int | Sequence[int] | None = None, keepdim: bool = False
+    ) -> Value:
+        """⊕-reduction over ``dims`` (all dims when None)."""
+        shape = torch.broadcast_shapes(*(c.shape for c in a))
+        a = tuple(c.expand(shape) for c in a)
+        d = _normalize_dims(dims, len(shape))
+        if not d:
+            return a
+        if any(shape[i] == 0 for i in d):
+            out = a
+            for i in d:
+                out = self._sum_dim(out, i)
+            return out if keepdim else tuple(c.squeeze(d) for c in out)
+        return self._reduce(a, d, keepdim)
+
+    def _reduce(self, a: Value, dims: tuple[int, ...], keepdim: bool) -> Value:
+        """⊕ over non-empty ``dims`` of same-shaped components (generic: pairwise halving)."""
+        for d in dims:
+            a = self._sum_dim(a, d)
+        return a if keepdim else tuple(c.squeeze(dims) for c in a)
+
+    def _sum_dim(self, a: Value, dim: int) -> Value:
+        n = a[0].shape[dim]
+        if n == 0:
+            shape = list(a[0].shape)
+            shape[dim] = 1
+            return self.zero(shape, a[0])
+        while n > 1:
+            half = n // 2
+            lo = tuple(c.narrow(dim, 0, half) for c in a)
+            hi = tuple(c.narrow(dim, half, half) for c in a)
+            merged = self.add(lo, hi)
+            if n % 2:
+                rest = tuple(c.narrow(dim, 2 * half, 1) for c in a)
+                merged = tuple(torch.cat([m, r], dim) for m, r in zip(merged, rest))
+            a, n = merged, half + n % 2
+        return a
+
+    def exclusive_scan(self, a: Value, dim: int) -> Value:
+        """Exclusive prefix ⊕ along ``dim``: out_i = a_0 ⊕ … ⊕ a_{i-1} (O(n) work)."""
+        n = a[0].shape[dim]
+        shape = list(a[0].shape)
+        shape[dim] = 1
+        zero = self.zero(shape, a[0])
+        if n <= 1:
+            return tuple(z.expand(c.shape).clone() for z, c in zip(zero, a))
+        if n % 2:
+            a = tuple(torch.cat([c, z.expand(shape)], dim) for c, z in zip(a, zero))
+        evens = tuple(_strided(c, dim, 0) for c in a)
+        odds = tuple(_strided(c, dim, 1) for c in a)
+        pair_prefix = self.exclusive_scan(self.add(evens, odds), dim)
+        odd_out = self.add(pair_prefix, evens)
+        out = tuple(
+            torch.stack([e, o], dim + 1).flatten(dim, dim + 1)
+            for e, o in zip(pair_prefix, odd_out)
+        )
+        return tuple(c.narrow(dim, 0, n) for c in out)
+
+    def loo(self, a: Value, dim: int) -> Value:
+        """Leave-one-out ⊕ along ``dim``: out_i = ⊕_{j≠i} a_j, from prefix and suffix scans."""
+        dim = dim % a[0].dim()
+        prefix = self.exclusive_scan(a, dim)
+        flipped = tuple(c.flip(dim) for c in a)
+        suffix = tuple(c.flip(dim) for c in self.exclusive_scan(flipped, dim))
+        return self.add(prefix, suffix)
+
+    def index_add(self, a: Value, index: Tensor, size: int) -> Value:
+        """⊕-scatter rows: out[r] = ⊕ of a[i] over i with index[i] == r; out has ``size`` rows."""
+        flat_index = index.reshape(-1)
+        rows = torch.arange(size, device=index.device)
+        onehot = rows[:, None] == flat_index[None, :]
+        lifted = self.lift(onehot.to(a[0].dtype if a[0].is_floating_point() else torch.float))
+        return self.matmul(lifted, a)
+
+    def matmul(self, a: Value, b: Value) -> Value:
+        """Semiring matmul with torch.matmul's batch broadcasting (both operands ≥ 2-D):
+        out[..., i, j] = ⊕_k a[..., i, k] ⊗ b[..., k, j]."""
+        m, k = a[0].shape[-2], a[0].shape[-1]
+        n = b[0].shape[-1]
+        rows = max(1, _MATMUL_CHUNK_ELEMENTS // max(1, k * n))
+        pieces = []
+        for start in range(0, m, rows):
+            ai = tuple(c[..., start : start + rows, :, None] for c in a)
+            bi = tuple(c[..., None, :, :] for c in b)
+            pieces.append(self.sum(self.mul(ai, bi), dims=-2))
+        if not pieces:
+            batch = torch.broadcast_shapes(a[0].shape[:-2], b[0].shape[:-2])
+            return self.zero((*batch, m, n), a[0])
+        return tuple(torch.cat(parts, dim=-2) for parts in zip(*pieces))
+
+    # ----- helpers shared by formulas ---------------------------------------------------
+    def sum_to(self, a: Value, shape: Sequence[int]) -> Value:
+        """⊕ over the dims along which ``shape`` was broadcast to ``a``'s shape."""
+        shape = tuple(shape)
+        full = torch.broadcast_shapes(*(c.shape for c in a))
+        if tuple(full) == shape:
+            return a
+        lead = len(full) - len(shape)
+        dims = list(range(lead))
+        dims += [lead + i for i, s in enumerate(shape) if s == 1 and full[lead + i] != 1]
+        out = self.sum(a, dims, keepdim=True)
+        return tuple(c.reshape(shape) for c in out)

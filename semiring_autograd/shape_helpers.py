@@ -1,0 +1,77 @@
+"""Pure shape arithmetic that YAML formulas may call (no tensors, no semiring)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    """Dims as sorted non-negative ints; None means every dim."""
+    if dims is None:
+        return tuple(range(ndim))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted({d % ndim for d in dims})) if ndim else ()
+
+
+def keepdim_shape(shape: Sequence[int], dims: int | Sequence[int] | None) -> tuple[int, ...]:
+    """``shape`` with the reduced ``dims`` kept as size 1."""
+    reduced = normalize_dims(dims, len(shape))
+    return tuple(1 if i in reduced else s for i, s in enumerate(shape))
+
+
+def reduced_numel(shape: Sequence[int], dims: int | Sequence[int] | None) -> int:
+    """How many elements each output of a reduction over ``dims`` combines."""
+    return math.prod(shape[d] for d in normalize_dims(dims, len(shape)))
+
+
+def inverse_permutation(dims: Sequence[int]) -> tuple[int, ...]:
+    """The permutation undoing ``permute(dims)``."""
+    n = len(dims)
+    inverse = [0] * n
+    for i, d in enumerate(dims):
+        inverse[d % n] = i
+    return tuple(inverse)
+
+
+def promote_matmul_shapes(
+    a: Sequence[int], b: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """torch.matmul's operand shapes after 1-D promotion, and the promoted product shape."""
+    a2 = tuple(a) if len(a) > 1 else (1, *a)
+    b2 = tuple(b) if len(b) > 1 else (*b, 1)
+    batch = _broadcast(a2[:-2], b2[:-2])
+    return a2, b2, (*batch, a2[-2], b2[-1])
+
+
+def _broadcast(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
+    n = max(len(x), len(y))
+    x = (1,) * (n - len(x)) + tuple(x)
+    y = (1,) * (n - len(y)) + tuple(y)
+    return tuple(max(p, q) if min(p, q) == 1 else p for p, q in zip(x, y))
+
+
+def split_sizes(shapes: Sequence[Sequence[int]], dim: int) -> list[int]:
+    """Sizes along ``dim`` of the pieces that were concatenated."""
+    return [s[dim] for s in shapes]
+
+
+def is_basic_index(index: object) -> bool:
+    """Whether ``index`` uses only ints, slices, None and Ellipsis (no tensors/lists)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(
+        i is None or i is Ellipsis or isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool))
+        for i in items
+    )
+
+
+HELPERS = (
+    "normalize_dims",
+    "keepdim_shape",
+    "reduced_numel",
+    "inverse_permutation",
+    "promote_matmul_shapes",
+    "split_sizes",
+    "is_basic_index",
+)
