@@ -126,6 +126,12 @@ def _add(func, a, b, *, alpha=1):
     return Message(a.semiring, value, shape, a.dtype, a.device)
 
 
+def _add_inplace(func, a, b, *, alpha=1):
+    merged = _add(func, a, b, alpha=alpha)
+    a.value = merged.value
+    return a
+
+
 def _sum(func, msg, dim=None, keepdim=False, *, dtype=None):
     value = msg.semiring.sum(msg.value, dim, keepdim)
     return Message(msg.semiring, value, value[0].shape, dtype or msg.dtype, msg.device)
@@ -166,6 +172,7 @@ def _to_copy(func, msg, *, dtype=None, **kwargs):
 
 _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.add.Tensor: _add,
+    aten.add_.Tensor: _add_inplace,
     aten.detach.default: _map,
     aten.alias.default: _map,
     aten.clone.default: lambda f, m, **kw: _map(f, m),

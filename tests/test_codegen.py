@@ -1,0 +1,262 @@
+"""The YAML loader's errors, `generate --check`, and a new op added through YAML end to end."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import semiring_autograd as sa
+from codegen import generate
+from codegen.loader import DerivativesError, load_entries, load_entry
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _entry(text: str):
+    import yaml
+
+    return load_entry(yaml.safe_load(textwrap.dedent(text)), "test.yaml entry 1")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            """
+            name: exp(Tensor input) -> Tensor
+            torch: [torch.exp]
+            granularity: op
+            input: frobnicate(grad, lift(result))
+            """,
+            "unknown primitive or function 'frobnicate'",
+        ),
+        (
+            """
+            name: exp(Tensor input) -> Tensor
+            torch: [torch.exp]
+            granularity: op
+            input: mul(grad, lift(reslt))
+            """,
+            "unknown name 'reslt'",
+        ),
+        (
+            """
+            name: exp(Tensor input) -> Tensor
+            torch: [torch.exp]
+            granularity: op
+            input: mul(grad, lift(result))
+            other: grad
+            """,
+            "formula for unknown input name 'other'",
+        ),
+        (
+            """
+            name: embedding(Tensor input, Tensor weight) -> Tensor
+            torch: [torch.nn.functional.embedding]
+            granularity: op
+            non_differentiable: [input]
+            input: grad
+            weight: grad
+            """,
+            "formula given for non-differentiable input 'input'",
+        ),
+        (
+            """
+            name: mul(Tensor input, Tensor other) -> Tensor
+            torch: [torch.mul]
+            granularity: op
+            input: mul(grad, lift(other))
+            """,
+            "missing formula for tensor input 'other'",
+        ),
+        (
+            """
+            name: mul(Tensor input, int other) -> Tensor
+            torch: [torch.mul]
+            granularity: op
+            input: grad
+            other: grad
+            """,
+            "'other' is a int, not a tensor",
+        ),
+        (
+            """
+            name: exp(Tensor input) -> Tensor
+            torch: [torch.not_a_function]
+            granularity: op
+            input: grad
+            """,
+            "torch.not_a_function' does not exist",
+        ),
+        (
+            """
+            name: exp(Tensor input) => Tensor
+            torch: [torch.exp]
+            granularity: op
+            input: grad
+            """,
+            "cannot parse signature",
+        ),
+        (
+            """
+            name: exp(Tensor input) -> Tensor
+            torch: [torch.exp]
+            input: grad
+            """,
+            "'granularity:' must say",
+        ),
+        (
+            """
+            name: exp(Tensor input) -> Tensor
+            torch: [torch.exp]
+            granularity: op
+            input: mul(grad, lift(result)
+            """,
+            "not a Python expression",
+        ),
+        (
+            """
+            name: exp(Blob input) -> Tensor
+            torch: [torch.exp]
+            granularity: op
+            input: grad
+            """,
+            "unknown type 'Blob'",
+        ),
+    ],
+)
+def test_loader_errors(text, message):
+    with pytest.raises(DerivativesError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _entry(text)
+
+
+def test_duplicate_op_is_an_error(tmp_path):
+    entry = """
+- name: exp(Tensor input) -> Tensor
+  torch: [torch.exp]
+  granularity: op
+  input: mul(grad, lift(result))
+"""
+    (tmp_path / "a.yaml").write_text(entry)
+    (tmp_path / "b.yaml").write_text(entry)
+    with pytest.raises(DerivativesError, match="defined twice"):
+        load_entries(tmp_path)
+
+
+def test_generate_check_is_clean():
+    assert generate.main(["--check"]) == 0
+
+
+def test_generate_check_detects_stale_and_rewrites_only_changed(tmp_path):
+    out = tmp_path / "gen"
+    shutil.copytree(ROOT / "generated", out, ignore=shutil.ignore_patterns("__pycache__"))
+    assert generate.main(["--check", "--out-dir", str(out)]) == 0
+    target = out / "log.py"
+    target.write_text(target.read_text() + "\n# hand edit\n")
+    assert generate.main(["--check", "--out-dir", str(out)]) == 1
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.py")}
+    assert generate.write(ROOT / "derivatives", out, check=False) == ["log.py"]
+    after = {p.name: p.stat().st_mtime_ns for p in out.glob("*.py")}
+    assert [n for n in before if before[n] != after[n]] == ["log.py"]
+    assert generate.main(["--check", "--out-dir", str(out)]) == 0
+
+
+def test_generated_files_carry_header_and_hash():
+    for path in (ROOT / "generated").glob("*.py"):
+        head = path.read_text().splitlines()[:3]
+        assert head[0].startswith("# @generated") and "DO NOT EDIT" in head[0]
+        assert any(line.startswith("# source-hash: ") for line in head)
+
+
+def test_render_is_deterministic():
+    first = generate.render_uncached(ROOT / "derivatives")
+    assert first == generate.render_uncached(ROOT / "derivatives")
+    assert first == generate.render(ROOT / "derivatives")
+
+
+SIN_ENTRY = """
+- name: sin(Tensor input) -> Tensor
+  torch: [torch.sin, torch.Tensor.sin]
+  granularity: op
+  input: mul(grad, lift(torch.cos(input)))
+"""
+
+
+def test_new_op_via_yaml_end_to_end(tmp_path):
+    yaml_dir = tmp_path / "derivatives"
+    yaml_dir.mkdir()
+    shutil.copy(ROOT / "derivatives" / "core.yaml", yaml_dir / "core.yaml")
+    (yaml_dir / "extra.yaml").write_text(SIN_ENTRY)
+    out = tmp_path / "generated"
+    assert generate.main(["--yaml-dir", str(yaml_dir), "--out-dir", str(out)]) == 0
+    registry = sa.Registry.load(out)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return torch.sin(self.lin(x)).sum(-1)
+
+    torch.manual_seed(0)
+    model = Net().double()
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(sa.UnsupportedOpError, match="torch.sin"):
+        with sa.patch(model, sa.Real()):
+            model(x)
+    with sa.patch(model, sa.Real(), registry=registry):
+        y = model(x)
+    (expected,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    torch.testing.assert_close(sa.grad(y.sum(), x), expected, rtol=1e-12, atol=1e-12)
+    with sa.patch(model, sa.MaxProduct(), registry=registry):
+        y = model(x)
+    got = sa.grad(y[1], x)
+    # brute force: paths x[1, j] -> h[1, i] -> sin -> sum; weight |W_ij| |cos(h_i)|
+    h = model.lin(x)[1]
+    brute = (model.lin.weight.abs() * torch.cos(h).abs()[:, None]).amax(0)
+    torch.testing.assert_close(got[1], brute.detach(), rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[0], torch.zeros(3, dtype=torch.float64))
+
+
+class MyMaxTimes(sa.Semiring):
+    """A user's (max, ×) written from scratch: only the definition, no fast paths."""
+
+    def zero(self, shape, like):
+        return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
+
+    def one(self, shape, like):
+        return (torch.ones(tuple(shape), dtype=like.dtype, device=like.device),)
+
+    def lift(self, w):
+        return (w.abs(),)
+
+    def add(self, a, b):
+        return (torch.maximum(a[0], b[0]),)
+
+    def mul(self, a, b):
+        return (a[0] * b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+
+def test_user_semiring_runs_through_generic_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 4), nn.LayerNorm(4), nn.GELU(), nn.Linear(4, 3), nn.Softmax(-1)
+    ).double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    with sa.patch(model, MyMaxTimes()):
+        y = model(x)
+    assert type(y.grad_fn).__name__ == "SoftmaxFunctionalBackward"
+    assert "generic" in type(y.grad_fn)._forward_cls.__module__
+    mine = sa.grad(y, x)
+    with sa.patch(model, sa.MaxProduct()):
+        y = model(x)
+    torch.testing.assert_close(mine, sa.grad(y, x), rtol=1e-12, atol=1e-12)
