@@ -18,8 +18,27 @@ from semiring_autograd.primitives import PRIMITIVES
 from semiring_autograd.shape_helpers import HELPERS
 
 BUILTINS = frozenset(
-    {"len", "tuple", "list", "range", "int", "float", "min", "max", "abs", "zip",
-     "enumerate", "isinstance", "sorted", "bool", "any", "all", "None", "True", "False"}
+    {
+        "len",
+        "tuple",
+        "list",
+        "range",
+        "int",
+        "float",
+        "min",
+        "max",
+        "abs",
+        "zip",
+        "enumerate",
+        "isinstance",
+        "sorted",
+        "bool",
+        "any",
+        "all",
+        "None",
+        "True",
+        "False",
+    }
 )
 MODULES = frozenset({"torch", "math"})
 SPECIAL = frozenset({"grad", "grads", "result", "aux"})
@@ -47,9 +66,7 @@ def parse(expr: str, where: str) -> ast.Expression:
         raise FormulaError(f"{where}: formula is not a Python expression: {exc.msg}: {expr!r}")
 
 
-def analyse(
-    tree: ast.Expression, where: str, tensor_params: set[str], known: set[str]
-) -> Analysis:
+def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: set[str]) -> Analysis:
     """Validate names and calls; return which names the formula reads and how."""
     out = Analysis(set(), set(), set())
     bound_locals: set[str] = set()
@@ -109,7 +126,6 @@ def analyse(
                 )
             if id(node) not in meta_nodes:
                 out.full.add(name)
-    out.meta -= out.full
     return out
 
 
@@ -149,7 +165,11 @@ class _Rewriter(ast.NodeTransformer):
         if fname == "shapes":
             return ast.Name(f"{node.args[0].id}__shapes", ast.Load())
         if fname in HELPERS:
-            return ast.Call(ast.Attribute(ast.Name("H", ast.Load()), fname, ast.Load()), node.args, node.keywords)
+            return ast.Call(
+                ast.Attribute(ast.Name("H", ast.Load()), fname, ast.Load()),
+                node.args,
+                node.keywords,
+            )
         if fname not in PRIMITIVES:
             return node
         args = list(node.args)
@@ -162,7 +182,9 @@ class _Rewriter(ast.NodeTransformer):
                 return ast.BinOp(args[0], ast.Mult(), args[1])
             if fname == "add":
                 return ast.BinOp(args[0], ast.Add(), args[1])
-            return ast.Call(ast.Attribute(ast.Name("RP", ast.Load()), fname, ast.Load()), args, node.keywords)
+            return ast.Call(
+                ast.Attribute(ast.Name("RP", ast.Load()), fname, ast.Load()), args, node.keywords
+            )
         return ast.Call(
             ast.Attribute(ast.Name("P", ast.Load()), fname, ast.Load()),
             [ast.Name("S", ast.Load()), *args],

@@ -75,15 +75,23 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     for i in entry.intermediates:
         if not any(i.target in f.needs for f in formulas.values()):
             raise CodegenError(f"{name}: intermediate {i.target!r} is not used by any formula")
-    saved = [n for n in (*(p.name for p in schema.params), "result", "aux")
-             if n in readers and (n in tensor_params or n in ("result", "aux"))]
+    saved = [
+        n
+        for n in (*(p.name for p in schema.params), "result", "aux")
+        if n in readers and (n in tensor_params or n in ("result", "aux"))
+    ]
     if multi and "result" in saved:
         raise CodegenError(f"{name}: multi-output ops may read the result only via shapes(result)")
-    ctx_params = [p.name for p in schema.params if p.name in readers and p.name not in tensor_params
-                  and not p.is_tensor_list]
+    ctx_params = [
+        p.name
+        for p in schema.params
+        if p.name in readers and p.name not in tensor_params and not p.is_tensor_list
+    ]
 
     # ---- forward
-    unpack = ", ".join(prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else []))
+    unpack = ", ".join(
+        prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else [])
+    )
     if entry.forward:
         args = ", ".join(f"list({p.name})" if p.is_tensor_list else p.name for p in schema.params)
         forward_body = f"return FH.{entry.forward}({args})"
@@ -122,7 +130,9 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
             if lst is not None and t == lst.name:
                 setup.append(f"ctx.{t}__meta = [(t.shape, t.dtype, t.device) for t in {t}]")
             else:
-                setup.append(f"ctx.{t}__meta = None if {t} is None else ({t}.shape, {t}.dtype, {t}.device)")
+                setup.append(
+                    f"ctx.{t}__meta = None if {t} is None else ({t}.shape, {t}.dtype, {t}.device)"
+                )
 
     # ---- backward
     back: list[str] = []
@@ -134,10 +144,15 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
             back.append("grads = list(grads)")
         else:
             back.append(f"grads = [unwrap(S, g, {name!r}) for g in grads]")
-        back.append("if all(g is None for g in grads):\n    return (None,) * len(ctx.needs_input_grad)")
+        back.append(
+            "if all(g is None for g in grads):\n    return (None,) * len(ctx.needs_input_grad)"
+        )
     else:
-        back.append(f"check_plain(grads[0], {name!r})\ngrad = grads[0]" if real
-                    else f"grad = unwrap(S, grads[0], {name!r})")
+        back.append(
+            f"check_plain(grads[0], {name!r})\ngrad = grads[0]"
+            if real
+            else f"grad = unwrap(S, grads[0], {name!r})"
+        )
         back.append("if grad is None:\n    return (None,) * len(ctx.needs_input_grad)")
     back.append("_ref = ctx._ref")
     if saved:
@@ -172,12 +187,18 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     returns = ["None"] * (len(prefix) + 1)
     returns += [f"grad_{p.name}" if p.name in formulas else "None" for p in nonlist]
     if lst is not None:
-        returns.append(f"*grad_{lst.name}" if lst.name in formulas else f"*([None] * len(ctx.needs_input_grad[{list_offset}:]))")
+        returns.append(
+            f"*grad_{lst.name}"
+            if lst.name in formulas
+            else f"*([None] * len(ctx.needs_input_grad[{list_offset}:]))"
+        )
     back.append(f"return ({', '.join(returns)},)")
 
     # ---- dispatch function
     dispatch_params = ", ".join(prefix + ["call"] + [p.name for p in schema.params])
-    apply_args = ", ".join(prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else []))
+    apply_args = ", ".join(
+        prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else [])
+    )
     dispatch_body = f"out = {schema.class_name}.apply({apply_args})\n"
     dispatch_body += "return out[0]" if entry.has_aux else "return out"
     return {
@@ -185,7 +206,9 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
         "full_name": name,
         "func_name": schema.func_name,
         "granularity_short": entry.granularity.splitlines()[0],
-        "forward_params": ", ".join(prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else [])),
+        "forward_params": ", ".join(
+            prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else [])
+        ),
         "forward_body": forward_body,
         "setup_body": "\n".join(setup),
         "backward_body": "\n".join(back),
@@ -204,8 +227,15 @@ def _table_context(entry: OpEntry) -> dict:
             default_src = p.default[1]
         else:
             default_src = repr(p.default)
-        params.append({"name": p.name, "type": p.type, "has_default": p.has_default,
-                       "default_src": default_src, "kwonly": p.kwonly})
+        params.append(
+            {
+                "name": p.name,
+                "type": p.type,
+                "has_default": p.has_default,
+                "default_src": default_src,
+                "kwonly": p.kwonly,
+            }
+        )
     if entry.accepts:
         import ast
 
@@ -330,13 +360,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         if stale:
-            print(f"generate --check: stale files in {args.out_dir}: {', '.join(stale)}; "
-                  "run `generate` and commit the result", file=sys.stderr)
+            print(
+                f"generate --check: stale files in {args.out_dir}: {', '.join(stale)}; "
+                "run `generate` and commit the result",
+                file=sys.stderr,
+            )
             return 1
         print(f"generate --check: {args.out_dir} is up to date")
         return 0
-    print(f"generate: wrote {len(stale)} changed file(s) to {args.out_dir}"
-          + (f": {', '.join(stale)}" if stale else ""))
+    print(
+        f"generate: wrote {len(stale)} changed file(s) to {args.out_dir}"
+        + (f": {', '.join(stale)}" if stale else "")
+    )
     return 0
 
 

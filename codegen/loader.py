@@ -71,6 +71,7 @@ def load_entries(yaml_dir: Path) -> list[OpEntry]:
         raise DerivativesError(f"{yaml_dir}: no *.yaml files")
     entries: list[OpEntry] = []
     seen: dict[str, str] = {}
+    identifiers: dict[str, str] = {}  # generated class / function name -> op
     for path in files:
         with open(path, encoding="utf-8") as fh:
             try:
@@ -85,6 +86,14 @@ def load_entries(yaml_dir: Path) -> list[OpEntry]:
             if name in seen:
                 raise _fail(f"{path.name}", f"op {name!r} is defined twice (also in {seen[name]})")
             seen[name] = path.name
+            for ident in {entry.schema.class_name, entry.schema.func_name}:
+                other = identifiers.setdefault(ident, name)
+                if other != name:
+                    raise _fail(
+                        f"{path.name}",
+                        f"ops {other!r} and {name!r} both generate the Python name {ident!r}; "
+                        "rename one of them",
+                    )
             entries.append(entry)
     return entries
 
@@ -140,7 +149,9 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         import semiring_autograd.forward_helpers as fh
 
         if not hasattr(fh, str(forward)):
-            raise _fail(where, f"forward helper {forward!r} not in semiring_autograd.forward_helpers")
+            raise _fail(
+                where, f"forward helper {forward!r} not in semiring_autograd.forward_helpers"
+            )
     accepts = raw.get("accepts")
     tensor_params = {p.name for p in schema.params if p.is_tensor}
     known = set(params) | SPECIAL
@@ -192,7 +203,9 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
     )
 
 
-def _formula(target: str, source: str, where: str, tensor_params: set[str], known: set[str]) -> Formula:
+def _formula(
+    target: str, source: str, where: str, tensor_params: set[str], known: set[str]
+) -> Formula:
     tree = parse(source, where)
     return Formula(target, source, tree, analyse(tree, where, tensor_params, known))
 
@@ -208,5 +221,7 @@ def _check_torch_path(where: str, path: object) -> None:
                 obj = importlib.import_module(".".join(parts[: i + 1]))
                 continue
             except ImportError:
-                raise _fail(where, f"torch function {path!r} does not exist in this torch") from None
+                raise _fail(
+                    where, f"torch function {path!r} does not exist in this torch"
+                ) from None
         obj = getattr(obj, part)

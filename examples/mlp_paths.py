@@ -71,7 +71,9 @@ def main() -> None:
             hi, lo = r[0, 0], r[1, 0]
             desc = f"largest path product {hi.max():.3e}, smallest {lo.min():.3e}"
         elif isinstance(semiring, sa.Real):
-            desc = f"gradient: |grad| max {r[0].abs().max():.3e} at pixel {int(r[0].abs().argmax())}"
+            desc = (
+                f"gradient: |grad| max {r[0].abs().max():.3e} at pixel {int(r[0].abs().argmax())}"
+            )
         elif isinstance(semiring, sa.MaxProduct):
             desc = f"strongest single path {r[0].max():.3e} from pixel {int(r[0].argmax())}"
         elif isinstance(semiring, sa.Counting):

@@ -104,7 +104,6 @@ def grad(
     return final[0] if single_input else tuple(final)
 
 
-
 def message_value(message: Tensor | None, semiring: Semiring, like: Tensor):
     """The semiring value of a raw result (``raw=True``), the zero where None."""
     if message is None:

@@ -6,6 +6,7 @@ Each overrides the generic primitives of :class:`Semiring` with vectorised equiv
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -31,7 +32,7 @@ def _full(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
 def _loo_max(x: Tensor, dim: int, empty: float) -> Tensor:
     """max over all j ≠ i along ``dim`` (``empty`` where there is no other element)."""
     n = x.shape[dim]
-    if n == 1:
+    if n <= 1:
         return torch.full_like(x, empty)
     top2, idx = x.topk(2, dim=dim)
     first, second = top2.narrow(dim, 0, 1), top2.narrow(dim, 1, 1)
@@ -48,8 +49,9 @@ def _scatter_extreme(x: Tensor, index: Tensor, size: int, reduce: str, empty: fl
 
 def _batch_flatten(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    count = math.prod(batch)
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(count, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(count, *b.shape[-2:])
     return a3, b3, tuple(batch)
 
 
@@ -73,6 +75,9 @@ class _LogSpaceGemm:
     def run(la: Tensor, lb: Tensor, ra: Tensor | None, rb: Tensor | None):
         a3, b3, batch = _batch_flatten(la, lb)
         m, n = a3.shape[-2], b3.shape[-1]
+        if a3.shape[-1] == 0:
+            out = a3.new_full((*batch, m, n), NEG_INF)
+            return out, (None if ra is None else torch.zeros_like(out))
         ma, mb = _finite_max(a3, -1), _finite_max(b3, -2)
         ea, eb = torch.exp(a3 - ma), torch.exp(b3 - mb)
         z = ea @ eb
@@ -182,13 +187,17 @@ def _max_times(a: Tensor, b: Tensor) -> Tensor:
     if k == 0:
         return a.new_zeros((*batch, m, n))
     rows = max(1, _CHUNK_ELEMENTS // max(1, k * n * a3.shape[0]))
-    out = torch.cat(
-        [
-            (a3[:, s : s + rows, :, None] * b3[:, None, :, :]).amax(dim=-2)
-            for s in range(0, m, rows)
-        ],
-        dim=-2,
-    ) if m else a3.new_zeros((a3.shape[0], 0, n))
+    out = (
+        torch.cat(
+            [
+                (a3[:, s : s + rows, :, None] * b3[:, None, :, :]).amax(dim=-2)
+                for s in range(0, m, rows)
+            ],
+            dim=-2,
+        )
+        if m
+        else a3.new_zeros((a3.shape[0], 0, n))
+    )
     return out.reshape(*batch, m, n)
 
 
@@ -301,10 +310,12 @@ class Log(Semiring):
 
     def loo(self, a, dim):
         x = a[0]
+        n = x.shape[dim]
+        if n <= 1:
+            return (torch.full_like(x, NEG_INF),)
         prefix = torch.logcumsumexp(x, dim)
         suffix = torch.logcumsumexp(x.flip(dim), dim).flip(dim)
         pad = x.narrow(dim, 0, 1).new_full(x.narrow(dim, 0, 1).shape, NEG_INF)
-        n = x.shape[dim]
         excl_prefix = torch.cat([pad, prefix.narrow(dim, 0, n - 1)], dim)
         excl_suffix = torch.cat([suffix.narrow(dim, 1, n - 1), pad], dim)
         return (torch.logaddexp(excl_prefix, excl_suffix),)

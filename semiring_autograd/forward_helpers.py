@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 
-def dropout_with_noise(input: Tensor, p: float, training: bool, inplace: bool) -> tuple[Tensor, Tensor]:
+def dropout_with_noise(
+    input: Tensor, p: float, training: bool, inplace: bool
+) -> tuple[Tensor, Tensor]:
     """Training-mode dropout drawing its mask exactly as ``torch.nn.functional.dropout`` does
     (so the same seed gives the same output): noise ~ Bernoulli(1-p) / (1-p),
     output = input · noise. Returns (output, noise)."""

@@ -152,9 +152,13 @@ def _select_backward(func, msg, input_sizes, dim, index):
 
 
 def _slice_backward(func, msg, input_sizes, dim, start, end, step):
-    return _zero_fill(msg, input_sizes, lambda z, c: z[
-        (slice(None),) * (dim % len(input_sizes)) + (slice(start, end, step),)
-    ].copy_(c))
+    return _zero_fill(
+        msg,
+        input_sizes,
+        lambda z, c: z[
+            (slice(None),) * (dim % len(input_sizes)) + (slice(start, end, step),)
+        ].copy_(c),
+    )
 
 
 def _new_zeros(func, msg, size, **kwargs):

@@ -163,7 +163,9 @@ class Registry:
         for n in ["ops_table", *names]:
             path = directory / f"{n}.py"
             if not path.exists():
-                raise FileNotFoundError(f"{path}: not a generated directory (run `generate --out-dir`)")
+                raise FileNotFoundError(
+                    f"{path}: not a generated directory (run `generate --out-dir`)"
+                )
             spec = importlib.util.spec_from_file_location(f"{prefix}.{n}", path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module

@@ -47,7 +47,9 @@ def _requires_grad(tree: Any) -> bool:
 def _differentiable_output(out: Any) -> bool:
     leaves, _ = tree_flatten(out)
     return any(
-        isinstance(x, torch.Tensor) and x.requires_grad and (x.is_floating_point() or x.is_complex())
+        isinstance(x, torch.Tensor)
+        and x.requires_grad
+        and (x.is_floating_point() or x.is_complex())
         for x in leaves
     )
 
@@ -119,7 +121,9 @@ class PatchHandle:
         try:
             for module in model.modules():
                 name = names[id(module)] or type(module).__name__
-                self._hooks.append(module.register_forward_pre_hook(self._enter(name, module is model)))
+                self._hooks.append(
+                    module.register_forward_pre_hook(self._enter(name, module is model))
+                )
                 self._hooks.append(
                     module.register_forward_hook(self._exit(module is model), always_call=True)
                 )

@@ -9,6 +9,7 @@ override with faster equivalents.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -26,6 +27,12 @@ def _normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, .
     if isinstance(dims, int):
         dims = (dims,)
     return tuple(sorted({d % ndim if ndim else 0 for d in dims}))
+
+
+def broadcast_value(a: Value) -> Value:
+    """The components of ``a`` expanded to their common shape."""
+    shape = torch.broadcast_shapes(*(c.shape for c in a))
+    return tuple(c.expand(shape) for c in a)
 
 
 def _strided(c: Tensor, dim: int, start: int) -> Tensor:
@@ -85,8 +92,8 @@ class Semiring:
         self, a: Value, dims: int | Sequence[int] | None = None, keepdim: bool = False
     ) -> Value:
         """⊕-reduction over ``dims`` (all dims when None)."""
-        shape = torch.broadcast_shapes(*(c.shape for c in a))
-        a = tuple(c.expand(shape) for c in a)
+        a = broadcast_value(a)
+        shape = a[0].shape
         d = _normalize_dims(dims, len(shape))
         if not d:
             return a
@@ -122,6 +129,8 @@ class Semiring:
 
     def exclusive_scan(self, a: Value, dim: int) -> Value:
         """Exclusive prefix ⊕ along ``dim``: out_i = a_0 ⊕ … ⊕ a_{i-1} (O(n) work)."""
+        a = broadcast_value(a)
+        dim = dim % a[0].dim()
         n = a[0].shape[dim]
         shape = list(a[0].shape)
         shape[dim] = 1
@@ -135,13 +144,13 @@ class Semiring:
         pair_prefix = self.exclusive_scan(self.add(evens, odds), dim)
         odd_out = self.add(pair_prefix, evens)
         out = tuple(
-            torch.stack([e, o], dim + 1).flatten(dim, dim + 1)
-            for e, o in zip(pair_prefix, odd_out)
+            torch.stack([e, o], dim + 1).flatten(dim, dim + 1) for e, o in zip(pair_prefix, odd_out)
         )
         return tuple(c.narrow(dim, 0, n) for c in out)
 
     def loo(self, a: Value, dim: int) -> Value:
         """Leave-one-out ⊕ along ``dim``: out_i = ⊕_{j≠i} a_j, from prefix and suffix scans."""
+        a = broadcast_value(a)
         dim = dim % a[0].dim()
         prefix = self.exclusive_scan(a, dim)
         flipped = tuple(c.flip(dim) for c in a)
@@ -150,11 +159,14 @@ class Semiring:
 
     def index_add(self, a: Value, index: Tensor, size: int) -> Value:
         """⊕-scatter rows: out[r] = ⊕ of a[i] over i with index[i] == r; out has ``size`` rows."""
+        a = broadcast_value(a)
         flat_index = index.reshape(-1)
         rows = torch.arange(size, device=index.device)
         onehot = rows[:, None] == flat_index[None, :]
         lifted = self.lift(onehot.to(a[0].dtype if a[0].is_floating_point() else torch.float))
-        return self.matmul(lifted, a)
+        trail = a[0].shape[1:]
+        flat = tuple(c.reshape(c.shape[0], math.prod(trail)) for c in a)
+        return tuple(c.reshape(size, *trail) for c in self.matmul(lifted, flat))
 
     def matmul(self, a: Value, b: Value) -> Value:
         """Semiring matmul with torch.matmul's batch broadcasting (both operands ≥ 2-D):

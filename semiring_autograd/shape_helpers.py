@@ -61,7 +61,10 @@ def is_basic_index(index: object) -> bool:
     """Whether ``index`` uses only ints, slices, None and Ellipsis (no tensors/lists)."""
     items = index if isinstance(index, tuple) else (index,)
     return all(
-        i is None or i is Ellipsis or isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool))
+        i is None
+        or i is Ellipsis
+        or isinstance(i, slice)
+        or (isinstance(i, int) and not isinstance(i, bool))
         for i in items
     )
 

@@ -148,6 +148,22 @@ def test_duplicate_op_is_an_error(tmp_path):
         load_entries(tmp_path)
 
 
+def test_ops_generating_the_same_python_name_are_an_error(tmp_path):
+    """``t`` and ``T`` differ as ops but would both generate the class ``T``."""
+    (tmp_path / "a.yaml").write_text("""
+- name: t(Tensor input) -> Tensor
+  torch: [torch.t]
+  granularity: op
+  input: grad
+- name: T(Tensor input) -> Tensor
+  torch: [torch.Tensor.T.__get__]
+  granularity: op
+  input: grad
+""")
+    with pytest.raises(DerivativesError, match="both generate the Python name 'T'"):
+        load_entries(tmp_path)
+
+
 def test_generate_check_is_clean():
     assert generate.main(["--check"]) == 0
 

@@ -1,0 +1,192 @@
+"""Brute-force oracles for semiring backprop, independent of the library's formulas.
+
+Two oracles, both built only from a semiring's own ``zero``/``one``/``lift``/``add``/``mul``
+applied to scalars in explicit Python loops:
+
+* :func:`op_oracle` — one op: the dense Jacobian of ``out = fn(*args)`` (torch.autograd,
+  float64) gives an edge out_i → arg_j for every non-zero entry; the result at arg_j is
+  ⊕_i lift(seed_i) ⊗ lift(J[i, j]).
+* :class:`Program` + :func:`path_enumeration` — a composition: each elementary op's Jacobian
+  gives the edges of an explicit scalar DAG, and every path from the seeded output elements
+  to the input elements is enumerated by depth-first search (⊗ along a path, ⊕ across paths).
+
+A derivative that is exactly 0 is no edge (lift(0) is the semiring's zero, which ⊗
+annihilates and ⊕ ignores), so zero Jacobian entries are skipped; so are zero seeds.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.functional import jacobian
+
+from semiring_autograd.semiring import Semiring, Value
+
+Node = tuple[str, int]
+"""A scalar node of the gradient graph: (tensor name, flat element index)."""
+
+
+def _as_tuple(x: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def dense_jacobians(fn: Callable[..., Tensor], args: Sequence[Tensor]) -> list[Tensor]:
+    """Per argument, the Jacobian of ``fn(*args)`` as a (out.numel(), arg.numel()) matrix."""
+    inputs = tuple(a.detach() for a in args)
+    out_numel = fn(*inputs).numel()
+    jacs = _as_tuple(jacobian(fn, inputs))
+    return [j.reshape(out_numel, a.numel()) for j, a in zip(jacs, inputs)]
+
+
+def _start_value(semiring: Semiring, seed: Tensor | None, index: int, like: Tensor) -> Value:
+    """lift(seed_i), or the semiring's one where no seed is given."""
+    if seed is None:
+        return semiring.one((), like)
+    return semiring.lift(seed.reshape(-1)[index])
+
+
+def _assemble(semiring: Semiring, scalars: list[Value], like: Tensor) -> Value:
+    """Stack per-element scalar values into one value shaped like ``like``."""
+    if not scalars:
+        return semiring.zero(like.shape, like)
+    return tuple(
+        torch.stack([s[c].reshape(()) for s in scalars]).reshape(like.shape)
+        for c in range(len(scalars[0]))
+    )
+
+
+def op_oracle(
+    semiring: Semiring, fn: Callable[..., Tensor], args: Sequence[Tensor], seed: Tensor | None
+) -> list[Value]:
+    """Per argument of ``out = fn(*args)``: ⊕_i lift(seed_i) ⊗ lift(J[i, j]) for every j.
+
+    ``seed`` has the output's shape (None: the semiring's one for every output element).
+    Each argument is treated as its own graph node set, even when the same tensor is passed
+    twice; use :func:`merge_positions` to combine those.
+    """
+    jacs = dense_jacobians(fn, args)
+    like = args[0].detach()
+    n_out = jacs[0].shape[0]
+    seeded = [i for i in range(n_out) if seed is None or seed.reshape(-1)[i] != 0]
+    starts = {i: _start_value(semiring, seed, i, like) for i in seeded}
+    results = []
+    for arg, jac in zip(args, jacs):
+        scalars = []
+        for j in range(jac.shape[1]):
+            acc = semiring.zero((), like)
+            for i in seeded:
+                if jac[i, j] != 0:
+                    acc = semiring.add(acc, semiring.mul(starts[i], semiring.lift(jac[i, j])))
+            scalars.append(acc)
+        results.append(_assemble(semiring, scalars, arg))
+    return results
+
+
+def merge_positions(
+    semiring: Semiring, values: Sequence[Value], positions: Sequence[int]
+) -> list[Value]:
+    """⊕-merge per-argument results that belong to the same tensor.
+
+    ``positions[k]`` is the index of the distinct input that argument ``k`` is; the result
+    has one value per distinct input, in index order."""
+    merged: dict[int, Value] = {}
+    for value, pos in zip(values, positions):
+        merged[pos] = value if pos not in merged else semiring.add(merged[pos], value)
+    return [merged[p] for p in range(len(merged))]
+
+
+class Program:
+    """A straight-line program of elementary ops on named float64 tensors.
+
+    ``Program(x=x, w=w)`` declares the inputs; ``p.op("h", fn, "x", "w")`` evaluates
+    ``h = fn(x, w)`` and records the Jacobian of that op with respect to each of its
+    arguments. The Jacobians define the scalar graph of :func:`path_enumeration`: one node
+    per element of every named tensor, one edge per non-zero Jacobian entry (a tensor passed
+    twice to one op gives two parallel edges).
+    """
+
+    def __init__(self, **inputs: Tensor) -> None:
+        self.inputs: dict[str, Tensor] = {k: v.detach() for k, v in inputs.items()}
+        self.values: dict[str, Tensor] = dict(self.inputs)
+        # consumer node -> [(producer node, local derivative)]
+        self.edges: dict[Node, list[tuple[Node, Tensor]]] = {}
+
+    def op(self, out: str, fn: Callable[..., Tensor], *args: str) -> Tensor:
+        """Record ``out = fn(*args)`` (``args`` name earlier tensors) and return its value."""
+        if out in self.values:
+            raise ValueError(f"{out!r} is already defined")
+        tensors = [self.values[a] for a in args]
+        value = fn(*tensors).detach()
+        self.values[out] = value
+        for name, jac in zip(args, dense_jacobians(fn, tensors)):
+            rows, cols = torch.nonzero(jac, as_tuple=True)
+            for i, j in zip(rows.tolist(), cols.tolist()):
+                self.edges.setdefault((out, i), []).append(((name, j), jac[i, j]))
+        return value
+
+    def path_sum(
+        self, semiring: Semiring, output: str, seed: Tensor | None, targets: Sequence[str]
+    ) -> list[Value]:
+        """Explicit path enumeration from ``output`` (seeded) to each tensor in ``targets``."""
+        like = self.values[output]
+        starts = [
+            ((output, i), _start_value(semiring, seed, i, like))
+            for i in range(like.numel())
+            if seed is None or seed.reshape(-1)[i] != 0
+        ]
+        totals = path_enumeration(semiring, self.edges, starts, set(self.inputs))
+        results = []
+        for name in targets:
+            target = self.values[name]
+            scalars = [
+                totals.get((name, j), semiring.zero((), like)) for j in range(target.numel())
+            ]
+            results.append(_assemble(semiring, scalars, target))
+        return results
+
+    def count_paths(self, output: str, index: int, target: str) -> list[int]:
+        """Number of paths from ``output``'s element ``index`` to each element of ``target``
+        (plain integers, for checking the Counting semiring and the enumeration itself)."""
+        counts = [0] * self.values[target].numel()
+
+        def walk(node: Node) -> None:
+            if node[0] == target:
+                counts[node[1]] += 1
+            for child, _ in self.edges.get(node, []):
+                walk(child)
+
+        walk((output, index))
+        return counts
+
+
+def path_enumeration(
+    semiring: Semiring,
+    edges: dict[Node, list[tuple[Node, Tensor]]],
+    starts: Sequence[tuple[Node, Value]],
+    leaves: set[str],
+) -> dict[Node, Value]:
+    """⊕ over every path from a start node to a leaf node of ⊗ over the path.
+
+    ``edges`` maps a node to its (producer node, local derivative) edges; ``starts`` pairs
+    each start node with its initial value (lift(seed) or one); a path ends at a node whose
+    tensor name is in ``leaves``. Depth-first: every path is walked on its own, the running
+    product is ``start ⊗ lift(w_1) ⊗ … ⊗ lift(w_k)`` in path order.
+    """
+    lifted = {
+        node: [(child, semiring.lift(w)) for child, w in out_edges]
+        for node, out_edges in edges.items()
+    }
+    totals: dict[Node, Value] = {}
+
+    def walk(node: Node, product: Value) -> None:
+        if node[0] in leaves:
+            totals[node] = product if node not in totals else semiring.add(totals[node], product)
+            return
+        for child, w in lifted.get(node, []):
+            walk(child, semiring.mul(product, w))
+
+    for node, value in starts:
+        walk(node, value)
+    return totals

@@ -1,0 +1,602 @@
+"""Every supported op × every built-in semiring against the brute-force oracle.
+
+An OpInfo-style table: one row per op (a name, a function of tensors, sample inputs), each
+sample run in a tiny module under ``sa.patch``. Checked per (op-sample, semiring): the
+forward equals the unpatched forward exactly; the raw semiring value and the readout at every
+input equal the oracle's (Jacobian ⊕/⊗ per op, path enumeration for compositions such as
+layer norm); for Real, the result also equals ``torch.autograd.grad``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import Program, merge_positions, op_oracle
+from torch import Tensor, nn
+
+import semiring_autograd as sa
+from semiring_autograd.semiring import Semiring, Value
+
+RTOL, ATOL = 1e-7, 1e-9
+REAL_RTOL, REAL_ATOL = 1e-10, 1e-12
+RNG_SEED = 1234  # torch's global seed before each forward (dropout draws its mask from it)
+
+_GEN = torch.Generator().manual_seed(0)
+
+
+def randn(*shape: int) -> Tensor:
+    return torch.randn(*shape, generator=_GEN, dtype=torch.float64)
+
+
+def positive(*shape: int) -> Tensor:
+    return torch.rand(*shape, generator=_GEN, dtype=torch.float64) * 1.5 + 0.5
+
+
+def away_from_zero(*shape: int) -> Tensor:
+    sign = torch.randint(0, 2, shape, generator=_GEN).to(torch.float64) * 2 - 1
+    return positive(*shape) * sign
+
+
+def with_zeros(*shape: int) -> Tensor:
+    x = randn(*shape)
+    x.view(-1)[::3] = 0.0
+    return x
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    inputs: tuple[Tensor, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+Oracle = Callable[[Semiring, Callable[..., Tensor], Sample, "Tensor | None", Tensor], list[Value]]
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """``fn(*sample.inputs, **sample.kwargs)`` is the module's forward; ``oracle`` overrides
+    the default (the Jacobian oracle of that function)."""
+
+    name: str
+    fn: Callable[..., Tensor]
+    samples: Callable[[], list[Sample]]
+    oracle: Oracle | None = None
+
+
+def _jacobian_oracle(
+    S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+) -> list[Value]:
+    return op_oracle(S, f, list(sample.inputs), seed)
+
+
+def _square_oracle(
+    S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+) -> list[Value]:
+    """``x * x``: two parallel edges x_j → y_j (one per argument position), ⊕-merged."""
+    (x,) = sample.inputs
+    return merge_positions(S, op_oracle(S, torch.mul, [x, x], seed), [0, 0])
+
+
+def _dropout_train_oracle(
+    S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+) -> list[Value]:
+    """Edges of weight mask/(1-p), the mask recovered from the unpatched output."""
+    p = sample.kwargs["p"]
+    kept = (ref_out.detach() != 0).to(torch.float64)
+    scale = kept / (1.0 - p)
+    return op_oracle(S, lambda x: x * scale, list(sample.inputs), seed)
+
+
+def _layer_norm_oracle(
+    S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+) -> list[Value]:
+    """Path enumeration through μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2);
+    n = c·s; y = n·w + b — each an elementary op whose Jacobian gives the edges."""
+    shape, eps = sample.kwargs["normalized_shape"], sample.kwargs.get("eps", 1e-5)
+    dims = tuple(range(-len(shape), 0))
+    names = ["x", "w", "b"][: len(sample.inputs)]
+    p = Program(**dict(zip(names, sample.inputs)))
+    p.op("mu", lambda x: x.mean(dims, keepdim=True), "x")
+    p.op("c", torch.sub, "x", "mu")
+    p.op("v", lambda c: (c * c).mean(dims, keepdim=True), "c")
+    p.op("s", lambda v: (v + eps).pow(-0.5), "v")
+    p.op("n", torch.mul, "c", "s")
+    if names == ["x", "w", "b"]:
+        p.op("y", lambda n, w, b: n * w + b, "n", "w", "b")
+    elif names == ["x", "w"]:
+        p.op("y", torch.mul, "n", "w")
+    else:
+        p.op("y", torch.clone, "n")
+    return p.path_sum(S, "y", seed, names)
+
+
+def _layer_norm(
+    x: Tensor,
+    w: Tensor | None = None,
+    b: Tensor | None = None,
+    *,
+    normalized_shape: tuple[int, ...],
+    eps: float = 1e-5,
+) -> Tensor:
+    return F.layer_norm(x, normalized_shape, w, b, eps)
+
+
+def _split_cat(x: Tensor) -> Tensor:
+    a, b, c = torch.split(x, 2, dim=1)
+    return torch.cat([a.exp(), b * 3, c], dim=1)
+
+
+def _split_sections_cat(x: Tensor) -> Tensor:
+    p, q = x.split([1, 3], 0)
+    return torch.cat([p.exp(), q * 3])
+
+
+def _chunk_product(x: Tensor) -> Tensor:
+    p, q = x.chunk(2, -1)
+    return p * q
+
+
+S_ = Sample  # short alias for the table
+
+OPS: list[OpRow] = [
+    # ------------------------------------------------------------------ linear algebra
+    OpRow(
+        "F.linear",
+        F.linear,
+        lambda: [
+            S_("1d_bias", (randn(3), randn(4, 3), randn(4))),
+            S_("3d_bias", (randn(2, 2, 3), randn(4, 3), randn(4))),
+            S_("2d_nobias", (randn(2, 3), randn(5, 3))),
+            S_("3d_nobias_wT", (randn(2, 2, 3), randn(3, 4).t())),
+        ],
+    ),
+    OpRow(
+        "torch.matmul",
+        torch.matmul,
+        lambda: [
+            S_("1d@1d", (randn(4), randn(4))),
+            S_("2d@1d", (randn(3, 4), randn(4))),
+            S_("1d@2d", (randn(4), randn(4, 3))),
+            S_("3d@2d", (randn(2, 3, 4), randn(4, 2))),
+            S_("4d@3d_broadcast", (randn(2, 1, 2, 3), randn(3, 3, 2))),
+            S_("2d@2d_noncontig", (randn(4, 3).t(), randn(4, 6)[:, ::2])),
+        ],
+    ),
+    OpRow(
+        "@",
+        lambda x, y: x @ y,
+        lambda: [
+            S_("2d@2d", (randn(3, 4), randn(4, 2))),
+            S_("3d@2d", (randn(2, 3, 4), randn(4, 2))),
+            S_("1d@2d", (randn(4), randn(4, 3))),
+        ],
+    ),
+    OpRow(
+        "torch.mm",
+        torch.mm,
+        lambda: [
+            S_("3x4@4x2", (randn(3, 4), randn(4, 2))),
+            S_("noncontig", (randn(4, 3).t(), randn(2, 4).t())),
+        ],
+    ),
+    OpRow("torch.bmm", torch.bmm, lambda: [S_("2x3x4@2x4x2", (randn(2, 3, 4), randn(2, 4, 2)))]),
+    OpRow(
+        "torch.addmm",
+        lambda c, a, b, **kw: torch.addmm(c, a, b, **kw),
+        lambda: [
+            S_(
+                "beta0.5_alpha2_bcast",
+                (randn(2), randn(3, 4), randn(4, 2)),
+                dict(beta=0.5, alpha=2),
+            ),
+            S_("default", (randn(3, 2), randn(3, 4), randn(4, 2))),
+            S_("alpha-1.5", (randn(3, 1), randn(3, 4), randn(4, 2)), dict(alpha=-1.5)),
+            S_("beta0_no_path_to_input", (randn(3, 2), randn(3, 4), randn(4, 2)), dict(beta=0)),
+        ],
+    ),
+    # ------------------------------------------------------------------ arithmetic
+    OpRow(
+        "x+y",
+        lambda x, y: x + y,
+        lambda: [
+            S_("bcast_3x1+1x4", (randn(3, 1), randn(1, 4))),
+            S_("bcast_2x3x4+4", (randn(2, 3, 4), randn(4))),
+        ],
+    ),
+    OpRow(
+        "x-y",
+        lambda x, y: x - y,
+        lambda: [
+            S_("bcast_3x4-3x1", (randn(3, 4), randn(3, 1))),
+            S_("bcast_4-2x1x4", (randn(4), randn(2, 1, 4))),
+        ],
+    ),
+    OpRow(
+        "x*y",
+        lambda x, y: x * y,
+        lambda: [
+            S_("bcast_3x1*1x4", (randn(3, 1), randn(1, 4))),
+            S_("bcast_2x3x4*3x1_noncontig", (randn(4, 3, 2).permute(2, 1, 0), randn(3, 1))),
+        ],
+    ),
+    OpRow(
+        "x/y",
+        lambda x, y: x / y,
+        lambda: [
+            S_("bcast_3x4/4", (randn(3, 4), away_from_zero(4))),
+            S_("bcast_3x1/2x1x4", (randn(3, 1), away_from_zero(2, 1, 4))),
+        ],
+    ),
+    OpRow("x+2.5", lambda x: x + 2.5, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("1+x", lambda x: 1 + x, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x-2", lambda x: x - 2, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("2-x", lambda x: 2 - x, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x*3", lambda x: x * 3, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("2*x", lambda x: 2 * x, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x/4", lambda x: x / 4, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("3/x", lambda x: 3 / x, lambda: [S_("3x4", (away_from_zero(3, 4),))]),
+    OpRow(
+        "torch.add_alpha",
+        lambda x, y: torch.add(x, y, alpha=2),
+        lambda: [S_("bcast_3x4+4", (randn(3, 4), randn(4)))],
+    ),
+    OpRow(
+        "torch.sub",
+        lambda x, y, **kw: torch.sub(x, y, **kw),
+        lambda: [
+            S_("bcast_3x4-1x4", (randn(3, 4), randn(1, 4))),
+            S_("alpha3", (randn(3, 4), randn(3, 4)), dict(alpha=3)),
+        ],
+    ),
+    OpRow("torch.mul", torch.mul, lambda: [S_("bcast", (randn(2, 3), randn(2, 1)))]),
+    OpRow("torch.div", torch.div, lambda: [S_("bcast", (randn(2, 3), away_from_zero(3)))]),
+    OpRow("x*x", lambda x: x * x, lambda: [S_("3x4", (randn(3, 4),))], _square_oracle),
+    OpRow("-x", lambda x: -x, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("torch.neg", torch.neg, lambda: [S_("2x3x2", (randn(2, 3, 2),))]),
+    # ------------------------------------------------------------------ pointwise
+    OpRow(
+        "torch.exp",
+        torch.exp,
+        lambda: [S_("3x4", (randn(3, 4),)), S_("noncontig", (randn(5, 4)[::2].t(),))],
+    ),
+    OpRow("torch.log", torch.log, lambda: [S_("3x4_pos", (positive(3, 4),))]),
+    OpRow("x.pow(3)", lambda x: x.pow(3), lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x**2", lambda x: x**2, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x.pow(0.5)", lambda x: x.pow(0.5), lambda: [S_("3x4_pos", (positive(3, 4),))]),
+    OpRow("torch.sqrt", torch.sqrt, lambda: [S_("3x4_pos", (positive(3, 4),))]),
+    OpRow("torch.rsqrt", torch.rsqrt, lambda: [S_("3x4_pos", (positive(3, 4),))]),
+    OpRow("torch.tanh", torch.tanh, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("torch.sigmoid", torch.sigmoid, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("F.relu", F.relu, lambda: [S_("3x4_zeros", (with_zeros(3, 4),))]),
+    OpRow("torch.relu", torch.relu, lambda: [S_("2x3x2_zeros", (with_zeros(2, 3, 2),))]),
+    OpRow("x.relu()", lambda x: x.relu(), lambda: [S_("3x4_zeros", (with_zeros(3, 4),))]),
+    OpRow(
+        "F.gelu",
+        lambda x, **kw: F.gelu(x, **kw),
+        lambda: [
+            S_("none", (randn(3, 4) * 2,), dict(approximate="none")),
+            S_("tanh", (randn(3, 4) * 2,), dict(approximate="tanh")),
+            S_("default", (randn(3, 4),)),
+        ],
+    ),
+    OpRow("F.silu", F.silu, lambda: [S_("3x4", (randn(3, 4) * 2,))]),
+    # ------------------------------------------------------------------ reductions
+    OpRow("x.sum()", lambda x: x.sum(), lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow(
+        "x.sum(dim,keepdim)",
+        lambda x, **kw: x.sum(**kw),
+        lambda: [
+            S_("dim1", (randn(3, 4),), dict(dim=1)),
+            S_("dim-1_keepdim", (randn(2, 3, 4),), dict(dim=-1, keepdim=True)),
+            S_("dim0_keepdim_noncontig", (randn(4, 3).t(),), dict(dim=0, keepdim=True)),
+        ],
+    ),
+    OpRow(
+        "x.sum((0,2))",
+        lambda x: x.sum((0, 2)),
+        lambda: [S_("2x3x4", (randn(2, 3, 4),))],
+    ),
+    OpRow("torch.sum(x,1)", lambda x: torch.sum(x, 1), lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x.mean()", lambda x: x.mean(), lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow(
+        "x.mean(dim=-1,keepdim=True)",
+        lambda x: x.mean(dim=-1, keepdim=True),
+        lambda: [S_("2x3x4", (randn(2, 3, 4),))],
+    ),
+    OpRow("x.mean(0)", lambda x: x.mean(0), lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow(
+        "torch.softmax",
+        lambda x, **kw: torch.softmax(x, **kw),
+        lambda: [
+            S_("dim-1", (randn(3, 4),), dict(dim=-1)),
+            S_("dim0", (randn(3, 4),), dict(dim=0)),
+            S_("3d_dim1", (randn(2, 3, 4),), dict(dim=1)),
+        ],
+    ),
+    OpRow(
+        "F.softmax",
+        lambda x: F.softmax(x, dim=-1),
+        lambda: [S_("noncontig", (randn(5, 3).t(),))],
+    ),
+    OpRow("x.softmax(-1)", lambda x: x.softmax(-1), lambda: [S_("2x2x4", (randn(2, 2, 4),))]),
+    OpRow(
+        "F.log_softmax",
+        lambda x: F.log_softmax(x, dim=1),
+        lambda: [S_("3x4", (randn(3, 4),))],
+    ),
+    OpRow(
+        "torch.log_softmax",
+        lambda x: torch.log_softmax(x, -1),
+        lambda: [S_("2x3x4", (randn(2, 3, 4),))],
+    ),
+    # ------------------------------------------------------------------ shape and view
+    OpRow(
+        "x.view",
+        lambda x, **kw: x.view(*kw["shape"]),
+        lambda: [
+            S_("4x5->2x10", (randn(4, 5),), dict(shape=(2, 10))),
+            S_("2x3x2->-1", (randn(2, 3, 2),), dict(shape=(-1,))),
+        ],
+    ),
+    OpRow(
+        "x.reshape",
+        lambda x: x.reshape(5, 4),
+        lambda: [S_("4x5", (randn(4, 5),)), S_("noncontig", (randn(5, 4).t(),))],
+    ),
+    OpRow(
+        "torch.reshape", lambda x: torch.reshape(x, (2, -1)), lambda: [S_("3x4", (randn(3, 4),))]
+    ),
+    OpRow("x.flatten(1)", lambda x: x.flatten(1), lambda: [S_("2x3x2", (randn(2, 3, 2),))]),
+    OpRow("torch.flatten", torch.flatten, lambda: [S_("2x3x2", (randn(2, 3, 2),))]),
+    OpRow(
+        "x.transpose",
+        lambda x, **kw: x.transpose(*kw["dims"]),
+        lambda: [
+            S_("0,1", (randn(3, 4),), dict(dims=(0, 1))),
+            S_("-1,0_3d", (randn(2, 3, 4),), dict(dims=(-1, 0))),
+        ],
+    ),
+    OpRow("x.t()", lambda x: x.t(), lambda: [S_("3x4", (randn(3, 4),)), S_("1d", (randn(4),))]),
+    OpRow("x.T", lambda x: x.T, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x.mT", lambda x: x.mT, lambda: [S_("2x3x4", (randn(2, 3, 4),))]),
+    OpRow(
+        "x.permute",
+        lambda x, **kw: x.permute(*kw["dims"]),
+        lambda: [
+            S_("2,0,1", (randn(2, 3, 4),), dict(dims=(2, 0, 1))),
+            S_("-1,0,1", (randn(2, 3, 4),), dict(dims=(-1, 0, 1))),
+        ],
+    ),
+    OpRow(
+        "x.contiguous()", lambda x: x.contiguous(), lambda: [S_("noncontig", (randn(4, 3).t(),))]
+    ),
+    OpRow(
+        "x.expand",
+        lambda x: x.expand(3, -1, -1).exp(),
+        lambda: [S_("2x3", (randn(2, 3),)), S_("1x2x3", (randn(1, 2, 3),))],
+    ),
+    OpRow(
+        "x.expand*y",
+        lambda x, y: x.expand(3, -1, -1) * y,
+        lambda: [S_("2x3*3x1x1", (randn(2, 3), randn(3, 1, 1)))],
+    ),
+    OpRow(
+        "x.unsqueeze",
+        lambda x, **kw: x.unsqueeze(kw["dim"]),
+        lambda: [
+            S_("dim1", (randn(3, 4),), dict(dim=1)),
+            S_("dim-1", (randn(3, 4),), dict(dim=-1)),
+        ],
+    ),
+    OpRow("x.squeeze()", lambda x: x.squeeze(), lambda: [S_("3x1x4x1", (randn(3, 1, 4, 1),))]),
+    OpRow(
+        "x.squeeze(dim)",
+        lambda x, **kw: x.squeeze(kw["dim"]),
+        lambda: [
+            S_("dim1", (randn(3, 1, 4),), dict(dim=1)),
+            S_("dim-1", (randn(3, 4, 1),), dict(dim=-1)),
+        ],
+    ),
+    # ------------------------------------------------------------------ indexing
+    OpRow("x[0]", lambda x: x[0], lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x[:,1:3]", lambda x: x[:, 1:3], lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow("x[...,None,::2]", lambda x: x[..., None, ::2], lambda: [S_("2x3x4", (randn(2, 3, 4),))]),
+    OpRow("x[1,...,-1]", lambda x: x[1, ..., -1], lambda: [S_("3x2x4", (randn(3, 2, 4),))]),
+    # ------------------------------------------------------------------ joining and splitting
+    OpRow(
+        "torch.cat",
+        lambda a, b, **kw: torch.cat([a, b], **kw),
+        lambda: [
+            S_("dim1", (randn(2, 3), randn(2, 2)), dict(dim=1)),
+            S_("dim-1_3d", (randn(2, 2, 1), randn(2, 2, 3)), dict(dim=-1)),
+            S_("dim0_noncontig", (randn(3, 2).t(), randn(1, 3))),
+        ],
+    ),
+    OpRow(
+        "torch.stack",
+        lambda a, b, **kw: torch.stack([a, b], **kw),
+        lambda: [
+            S_("dim0", (randn(2, 3), randn(2, 3)), dict(dim=0)),
+            S_("dim-1", (randn(2, 3), randn(2, 3)), dict(dim=-1)),
+        ],
+    ),
+    OpRow(
+        "torch.split",
+        _split_cat,
+        lambda: [S_("size2_dim1_3x5", (randn(3, 5),))],
+    ),
+    OpRow(
+        "torch.split[1]",
+        lambda x: torch.split(x, 2, dim=1)[1].tanh(),
+        lambda: [S_("size2_dim1_3x5_one_piece", (randn(3, 5),))],
+    ),
+    OpRow("x.split([1,3],0)", _split_sections_cat, lambda: [S_("4x3", (randn(4, 3),))]),
+    OpRow("x.chunk(2,-1)", _chunk_product, lambda: [S_("3x4", (randn(3, 4),))]),
+    # ------------------------------------------------------------------ layers
+    OpRow(
+        "F.embedding",
+        lambda w, **kw: F.embedding(kw["idx"], w, padding_idx=kw.get("padding_idx")),
+        lambda: [
+            S_("repeated", (randn(5, 3),), dict(idx=torch.tensor([[0, 2, 0], [4, 2, 2]]))),
+            S_("padding_idx2", (randn(5, 3),), dict(idx=torch.tensor([0, 2, 3, 2]), padding_idx=2)),
+            S_(
+                "padding_idx-1",
+                (randn(5, 3),),
+                dict(idx=torch.tensor([[4, 1], [1, 4]]), padding_idx=-1),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.dropout_eval",
+        lambda x: F.dropout(x, p=0.3, training=False),
+        lambda: [S_("3x4", (randn(3, 4),))],
+    ),
+    OpRow(
+        "F.dropout_train",
+        lambda x, **kw: F.dropout(x, p=kw["p"], training=True),
+        lambda: [
+            S_("p0.4_4x5", (randn(4, 5),), dict(p=0.4)),
+            S_("p0.5_2x3x2", (randn(2, 3, 2),), dict(p=0.5)),
+        ],
+        _dropout_train_oracle,
+    ),
+    OpRow(
+        "F.layer_norm",
+        _layer_norm,
+        lambda: [
+            S_("last1_affine", (randn(2, 4), randn(4), randn(4)), dict(normalized_shape=(4,))),
+            S_("last1_plain", (randn(3, 4),), dict(normalized_shape=(4,))),
+            S_(
+                "last2_affine",
+                (randn(2, 2, 3), randn(2, 3), randn(2, 3)),
+                dict(normalized_shape=(2, 3)),
+            ),
+            S_(
+                "last2_weight_only",
+                (randn(2, 2, 3), randn(2, 3)),
+                dict(normalized_shape=(2, 3), eps=1e-3),
+            ),
+        ],
+        _layer_norm_oracle,
+    ),
+]
+
+SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
+
+
+@dataclass(frozen=True)
+class Case:
+    row: OpRow
+    sample: Sample
+    ones_seed: bool
+
+    @property
+    def id(self) -> str:
+        return f"{self.row.name}[{self.sample.name}{',seed=None' if self.ones_seed else ''}]"
+
+    def fn(self, *inputs: Tensor) -> Tensor:
+        return self.row.fn(*inputs, **self.sample.kwargs)
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for row in OPS:
+        samples = row.samples()
+        cases += [Case(row, s, False) for s in samples]
+        cases.append(Case(row, samples[0], True))
+    return cases
+
+
+CASES = _cases()
+
+
+class Apply(nn.Module):
+    """The op under test as a module: forward(*inputs) = fn(*inputs)."""
+
+    def __init__(self, fn: Callable[..., Tensor]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return self.fn(*inputs)
+
+
+def _seed_for(case: Case, out: Tensor) -> Tensor | None:
+    """A random real seed with no zeros (entries of magnitude in [0.5, 1.5), both signs)."""
+    if case.ones_seed:
+        return None
+    g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
+    magnitude = torch.rand(out.shape, generator=g, dtype=torch.float64) + 0.5
+    sign = torch.randint(0, 2, out.shape, generator=g).to(torch.float64) * 2 - 1
+    return magnitude * sign
+
+
+def _leaves(case: Case) -> list[Tensor]:
+    """Fresh leaves sharing the sample's storage and strides (non-contiguous stays so)."""
+    return [t.detach().requires_grad_() for t in case.sample.inputs]
+
+
+def _raw_value(S: Semiring, message: Tensor | None, like: Tensor) -> Value:
+    """The semiring value of a raw ``sa.grad`` result (None: no path, the zero)."""
+    if message is None:
+        return S.zero(like.shape, like)
+    assert message.shape == like.shape, (message.shape, like.shape)
+    if isinstance(message, sa.Message):
+        assert message.semiring == S
+        return message.value
+    assert isinstance(S, sa.Real), f"raw result for {S!r} is a plain {type(message).__name__}"
+    return (message,)
+
+
+def _assert_value_close(actual: Value, expected: Value, what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} components, want {len(expected)}"
+    for k, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(
+            a, e, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}, component {k}: {m}"
+        )
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=[type(s).__name__ for s in SEMIRINGS])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_op_against_oracle(case: Case, S: Semiring):
+    module = Apply(case.fn)
+    ref_inputs = _leaves(case)
+    torch.manual_seed(RNG_SEED)
+    ref_out = module(*ref_inputs)
+
+    inputs = _leaves(case)
+    with sa.patch(module, S):
+        torch.manual_seed(RNG_SEED)
+        out = module(*inputs)
+    assert torch.equal(out, ref_out), "the patched forward differs from the unpatched one"
+
+    seed = _seed_for(case, out)
+    raw = sa.grad(out, inputs, seed=seed, raw=True, retain_graph=True)
+    readouts = sa.grad(out, inputs, seed=seed)
+    oracle = case.row.oracle or _jacobian_oracle
+    expected = oracle(S, case.fn, case.sample, seed, ref_out)
+
+    for k, (x, message, readout, want) in enumerate(zip(inputs, raw, readouts, expected)):
+        _assert_value_close(_raw_value(S, message, x), want, f"input {k} raw value")
+        torch.testing.assert_close(
+            readout, S.readout(want), rtol=RTOL, atol=ATOL, msg=lambda m: f"input {k} readout: {m}"
+        )
+
+    if isinstance(S, sa.Real):
+        grad_output = torch.ones_like(ref_out) if seed is None else seed
+        native = torch.autograd.grad(ref_out, ref_inputs, grad_output, allow_unused=True)
+        for k, (x, message, g) in enumerate(zip(inputs, raw, native)):
+            g = torch.zeros_like(x) if g is None else g
+            torch.testing.assert_close(
+                _raw_value(S, message, x)[0],
+                g,
+                rtol=REAL_RTOL,
+                atol=REAL_ATOL,
+                msg=lambda m: f"input {k} vs torch.autograd: {m}",
+            )
