@@ -5,8 +5,8 @@ multi-output ops), ``result`` (the op's primal output), ``aux`` (a forward helpe
 output), the op's parameters, earlier intermediates, the semiring primitives
 (:data:`semiring_autograd.primitives.PRIMITIVES`), the shape helpers, ``shapes(x)`` (the
 shapes of a tensor list or of a multi-output result), ``torch``, ``math`` and a few
-builtins. ``x.shape``, ``x.ndim`` and ``x.dim()`` of a tensor parameter read saved metadata
-instead of keeping the tensor alive.
+builtins. ``x.shape``, ``x.ndim``, ``x.dim()``, ``x.dtype`` and ``x.device`` of a tensor parameter
+read saved metadata instead of keeping the tensor alive.
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ import ast
 from dataclasses import dataclass
 
 from semiring_autograd.primitives import PRIMITIVES
-from semiring_autograd.shape_helpers import HELPERS
+from semiring_autograd import shape_helpers, tensor_helpers
+
+#: helper name -> the alias generated code imports its module as
+HELPERS = {
+    **{name: "H" for name in shape_helpers.HELPERS},
+    **{name: "TH" for name in tensor_helpers.HELPERS},
+}
 
 BUILTINS = frozenset(
     {
@@ -44,6 +50,8 @@ MODULES = frozenset({"torch", "math"})
 SPECIAL = frozenset({"grad", "grads", "result", "aux"})
 #: primitives that need the (dtype, device) reference of the op's output
 NEEDS_REF = frozenset({"lift", "zero", "fill_zero"})
+#: tensor attributes read from saved metadata: attribute -> what is saved (ndim from shape)
+META_ATTRS = {"shape": "shape", "ndim": "shape", "dtype": "dtype", "device": "device"}
 
 
 class FormulaError(ValueError):
@@ -55,7 +63,7 @@ class Analysis:
     """What a formula reads."""
 
     full: set[str]  # names read as values (tensors kept alive when they are tensor params)
-    meta: set[str]  # tensor params of which only .shape/.dim()/.ndim is read
+    meta: set[tuple[str, str]]  # (tensor param, "shape" | "dtype" | "device") read as metadata
     shapes: set[str]  # names read through shapes(...)
 
 
@@ -95,12 +103,12 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
                     continue
                 raise FormulaError(
                     f"{where}: unknown primitive or function {fname!r}; primitives are "
-                    f"{', '.join(PRIMITIVES)}; shape helpers are {', '.join(HELPERS)}"
+                    f"{', '.join(PRIMITIVES)}; helpers are {', '.join(HELPERS)}"
                 )
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if node.value.id in tensor_params and node.attr in ("shape", "ndim"):
+            if node.value.id in tensor_params and node.attr in META_ATTRS:
                 meta_nodes.add(id(node.value))
-                out.meta.add(node.value.id)
+                out.meta.add((node.value.id, META_ATTRS[node.attr]))
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -110,7 +118,7 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
             and not node.args
         ):
             meta_nodes.add(id(node.func.value))
-            out.meta.add(node.func.value.id)
+            out.meta.add((node.func.value.id, "shape"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             name = node.id
@@ -138,12 +146,12 @@ class _Rewriter(ast.NodeTransformer):
         if (
             isinstance(node.value, ast.Name)
             and node.value.id in self.tensor_params
-            and node.attr in ("shape", "ndim")
+            and node.attr in META_ATTRS
         ):
-            shape = ast.Name(f"{node.value.id}__shape", ast.Load())
-            if node.attr == "shape":
-                return shape
-            return ast.Call(ast.Name("len", ast.Load()), [shape], [])
+            saved = ast.Name(f"{node.value.id}__{META_ATTRS[node.attr]}", ast.Load())
+            if node.attr == "ndim":
+                return ast.Call(ast.Name("len", ast.Load()), [saved], [])
+            return saved
         return self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
@@ -166,7 +174,7 @@ class _Rewriter(ast.NodeTransformer):
             return ast.Name(f"{node.args[0].id}__shapes", ast.Load())
         if fname in HELPERS:
             return ast.Call(
-                ast.Attribute(ast.Name("H", ast.Load()), fname, ast.Load()),
+                ast.Attribute(ast.Name(HELPERS[fname], ast.Load()), fname, ast.Load()),
                 node.args,
                 node.keywords,
             )

@@ -64,7 +64,7 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     inter = {f.target: f for f in entry.intermediates}
     # which formulas read a name, directly or through intermediates
     readers: dict[str, list[str]] = {}
-    metas: set[str] = set()
+    metas: set[tuple[str, str]] = set()
     shapes: set[str] = set()
     for target, f in formulas.items():
         for source in [f, *(inter[i] for i in f.needs)]:
@@ -118,8 +118,8 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
             src = "output" if n == "result" else n
             items.append(f"{src} if ({_or([f'need_{t}' for t in readers[n]])}) else None")
         setup.append(f"ctx.save_for_backward({', '.join(items)})")
-    for n in sorted(metas):
-        setup.append(f"ctx.{n}__shape = None if {n} is None else {n}.shape")
+    for n, attr in sorted(metas):
+        setup.append(f"ctx.{n}__{attr} = None if {n} is None else {n}.{attr}")
     for n in sorted(shapes):
         src = "output" if n == "result" else n
         setup.append(f"ctx.{n}__shapes = [t.shape for t in {src}]")
@@ -157,8 +157,8 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     back.append("_ref = ctx._ref")
     if saved:
         back.append(f"{', '.join(saved)}, = ctx.saved_tensors")
-    for n in sorted(metas):
-        back.append(f"{n}__shape = ctx.{n}__shape")
+    for n, attr in sorted(metas):
+        back.append(f"{n}__{attr} = ctx.{n}__{attr}")
     for n in sorted(shapes):
         back.append(f"{n}__shapes = ctx.{n}__shapes")
     for n in ctx_params:

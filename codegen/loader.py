@@ -186,7 +186,7 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
             raise _fail(where, f"a Tensor[] parameter may only be read through shapes({key})")
     by_name = {f.target: f for f in intermediates}
     for f in [*intermediates, *formulas.values()]:
-        for name in f.reads.full | f.reads.meta | f.reads.shapes:
+        for name in f.reads.full | {n for n, _ in f.reads.meta} | f.reads.shapes:
             if name in by_name:
                 f.needs |= {name} | by_name[name].needs
     return OpEntry(

@@ -24,6 +24,7 @@ PARAM_TYPES = (
     "str?",
     "ScalarType?",
     "MemoryFormat",
+    "MemoryFormat?",
     "Any",
 )
 RETURN_TYPES = ("Tensor", "Tensor[]")

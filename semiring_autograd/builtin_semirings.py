@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .semiring import Semiring, Value
+from .semiring import Semiring, Value, message_dtype
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -22,7 +22,7 @@ _CHUNK_ELEMENTS = 1 << 22
 
 
 def _float_like(like: Tensor) -> torch.dtype:
-    return like.dtype if like.is_floating_point() else torch.get_default_dtype()
+    return message_dtype(like.dtype)
 
 
 def _full(shape: Sequence[int], value: float, like: Tensor) -> Tensor:

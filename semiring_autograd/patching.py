@@ -89,20 +89,19 @@ class _SemiringMode(TorchFunctionMode):
             return fn(call, **bound)
         if _is_inplace(func, kwargs):
             raise handle.unsupported(func, "it writes into a tensor in place")
-        if candidates:
-            why = (
-                "its arguments are not supported: "
-                + "; ".join(f"{op.name} requires `{op.accepts_text}`" for op in rejected)
-                if rejected
-                else "no entry's signature matches these arguments ("
-                + ", ".join(op.signature for op in candidates)
-                + ")"
-            )
-            raise handle.unsupported(func, why)
         out = func(*args, **kwargs)
-        if _differentiable_output(out):
+        if not _differentiable_output(out):
+            return out  # e.g. x.type() returning a string: nothing enters the gradient graph
+        if not candidates:
             raise handle.unsupported(func, "it has no semiring formula")
-        return out
+        if rejected:
+            why = "its arguments are not supported: " + "; ".join(
+                f"{op.name} requires `{op.accepts_text}`" for op in rejected
+            )
+        else:
+            signatures = ", ".join(op.signature for op in candidates)
+            why = f"no entry's signature matches these arguments ({signatures})"
+        raise handle.unsupported(func, why)
 
 
 class PatchHandle:

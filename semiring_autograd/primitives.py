@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .semiring import Semiring, Value
+from .semiring import Semiring, Value, message_dtype
 
 Ref = tuple[torch.dtype, torch.device]
 
@@ -38,17 +38,20 @@ PRIMITIVES = (
     "unbind",
     "stack",
     "fill_zero",
+    "cast",
 )
 
 
 def _as_tensor(x: Tensor | Number, ref: Ref) -> Tensor:
+    """``x`` as a floating tensor in message precision (half and bfloat16 are computed in
+    float32; bool and integer tensors take the output's message precision)."""
     if isinstance(x, Tensor):
-        return x
-    return torch.tensor(x, dtype=ref[0], device=ref[1])
+        return x.to(message_dtype(x.dtype if x.is_floating_point() else ref[0]))
+    return torch.tensor(x, dtype=message_dtype(ref[0]), device=ref[1])
 
 
 def lift(S: Semiring, w: Tensor | Number, ref: Ref) -> Value:
-    """lift(w): real local derivatives into the semiring."""
+    """lift(w): real local derivatives into the semiring (in message precision)."""
     return S.lift(_as_tensor(w, ref))
 
 
@@ -64,7 +67,7 @@ def add(S: Semiring, a: Value, b: Value) -> Value:
 
 def zero(S: Semiring, shape: Sequence[int], ref: Ref) -> Value:
     """The semiring zero (no path) of ``shape``."""
-    return S.zero(shape, torch.empty((), dtype=ref[0], device=ref[1]))
+    return S.zero(shape, torch.empty((), dtype=message_dtype(ref[0]), device=ref[1]))
 
 
 def sum(S: Semiring, a: Value, dims: Any = None, keepdim: bool = False) -> Value:
@@ -148,3 +151,10 @@ def fill_zero(
 ) -> list[Value]:
     """Replace symbolic zeros (None) by materialised semiring zeros of the given shapes."""
     return [zero(S, s, ref) if p is None else p for p, s in zip(parts, shapes)]
+
+
+def cast(S: Semiring, a: Value, dtype: torch.dtype, device: torch.device) -> Value:
+    """The message of a dtype/device cast's input: components moved to ``device``, floating
+    components in the message precision of ``dtype`` (identity edges)."""
+    target = message_dtype(dtype)
+    return _each(a, lambda c: c.to(device=device, dtype=target if c.is_floating_point() else None))

@@ -91,3 +91,7 @@ def fill_zero(
     parts: Sequence[Tensor | None], shapes: Sequence[Sequence[int]], ref: Ref
 ) -> list[Tensor]:
     return [zero(s, ref) if p is None else p for p, s in zip(parts, shapes)]
+
+
+def cast(a: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return a.to(device=device, dtype=dtype)

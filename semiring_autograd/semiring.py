@@ -29,6 +29,19 @@ def _normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, .
     return tuple(sorted({d % ndim if ndim else 0 for d in dims}))
 
 
+#: primal dtypes whose messages are kept in float32 (too coarse for products of many factors)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def message_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The floating dtype of semiring components for a primal of ``dtype``: the primal's own,
+    at least float32 (half and bfloat16 primals get float32 messages); float default for
+    non-floating primals."""
+    if dtype in _LOW_PRECISION:
+        return torch.float32
+    return dtype if dtype.is_floating_point else torch.get_default_dtype()
+
+
 def broadcast_value(a: Value) -> Value:
     """The components of ``a`` expanded to their common shape."""
     shape = torch.broadcast_shapes(*(c.shape for c in a))

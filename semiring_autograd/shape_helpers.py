@@ -53,8 +53,10 @@ def _broadcast(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
 
 
 def split_sizes(shapes: Sequence[Sequence[int]], dim: int) -> list[int]:
-    """Sizes along ``dim`` of the pieces that were concatenated."""
-    return [s[dim] for s in shapes]
+    """Sizes along ``dim`` of the pieces that were concatenated (0 for a legacy empty 1-D
+    tensor among higher-dimensional ones, which ``torch.cat`` skips)."""
+    ndim = max(len(s) for s in shapes)
+    return [0 if len(s) == 1 and s[0] == 0 and ndim > 1 else s[dim] for s in shapes]
 
 
 def is_basic_index(index: object) -> bool:
@@ -69,6 +71,21 @@ def is_basic_index(index: object) -> bool:
     )
 
 
+def attention_scale(query_shape: Sequence[int], scale: float | None) -> float:
+    """``scaled_dot_product_attention``'s factor: ``scale``, or 1/sqrt(head dim) when None."""
+    return 1.0 / math.sqrt(query_shape[-1]) if scale is None else scale
+
+
+def head_groups_shape(
+    query_shape: Sequence[int], kv_shape: Sequence[int], last: int
+) -> tuple[int, ...]:
+    """Shape splitting the query heads of a (*batch, query heads, rows, ``last``) tensor into
+    (kv heads, heads per kv head), for ⊕ over the query heads that share a key/value head."""
+    batch = _broadcast(query_shape[:-3], kv_shape[:-3])
+    heads, kv_heads = query_shape[-3], kv_shape[-3]
+    return (*batch, kv_heads, heads // kv_heads, kv_shape[-2], last)
+
+
 HELPERS = (
     "normalize_dims",
     "keepdim_shape",
@@ -77,4 +94,6 @@ HELPERS = (
     "promote_matmul_shapes",
     "split_sizes",
     "is_basic_index",
+    "attention_scale",
+    "head_groups_shape",
 )

@@ -53,6 +53,10 @@ class Sample:
     name: str
     inputs: tuple[Tensor, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the gradient passes through a half/bfloat16 tensor: Real messages are rounded there,
+    #: as torch.autograd's are, so Real is held to torch.autograd only (other semirings keep
+    #: float32 messages and still meet the exact oracle)
+    low_precision: bool = False
 
 
 Oracle = Callable[[Semiring, Callable[..., Tensor], Sample, "Tensor | None", Tensor], list[Value]]
@@ -140,6 +144,55 @@ def _split_sections_cat(x: Tensor) -> Tensor:
 def _chunk_product(x: Tensor) -> Tensor:
     p, q = x.chunk(2, -1)
     return p * q
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, *mask: Tensor, **kw: Any) -> Tensor:
+    """SDPA with a float mask passed as a (differentiable) fourth input, or a bool mask in kw."""
+    return F.scaled_dot_product_attention(q, k, v, *mask, **kw)
+
+
+def _sdpa_oracle(
+    S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+) -> list[Value]:
+    """Path enumeration through the stated composition: (for GQA, key/value heads copied to
+    their query heads); s = q·kᵀ·scale + mask; p = softmax(s) over keys; o = p·v."""
+    kw = sample.kwargs
+    names = ["q", "k", "v", "m"][: len(sample.inputs)]
+    q = sample.inputs[0]
+    scale = kw.get("scale") or 1.0 / q.shape[-1] ** 0.5
+    groups = q.shape[-3] // sample.inputs[1].shape[-3] if kw.get("enable_gqa") else 1
+    p = Program(**dict(zip(names, sample.inputs)))
+    p.op("kr", lambda k: k.repeat_interleave(groups, -3), "k")
+    p.op("vr", lambda v: v.repeat_interleave(groups, -3), "v")
+    length, source = q.shape[-2], sample.inputs[1].shape[-2]
+    excluded = torch.zeros(length, source, dtype=torch.bool)
+    if kw.get("is_causal"):
+        excluded |= ~torch.ones(length, source, dtype=torch.bool).tril()
+    if "attn_mask" in kw:
+        excluded = excluded | ~kw["attn_mask"]
+
+    def scores(q: Tensor, kr: Tensor, *m: Tensor) -> Tensor:
+        s = (q @ kr.mT) * scale + (m[0] if m else 0.0)
+        return s.masked_fill(excluded, float("-inf"))
+
+    p.op("s", scores, "q", "kr", *names[3:])
+    p.op("p", lambda s: torch.softmax(s, -1), "s")
+    p.op("o", torch.matmul, "p", "vr")
+    return p.path_sum(S, "o", seed, names)
+
+
+def _cast_round_trip(x: Tensor, **kw: Any) -> Tensor:
+    """float64 → (a cast under test) → float64, so input and output dtypes agree."""
+    y = {
+        "to_dtype": lambda: x.to(torch.float32),
+        "to_kw": lambda: x.to(dtype=torch.float32, device="cpu"),
+        "float": lambda: x.float(),
+        "half": lambda: x.half(),
+        "bfloat16": lambda: x.bfloat16(),
+        "type": lambda: x.type(torch.float32),
+        "type_as": lambda: x.type_as(torch.zeros((), dtype=torch.float32)),
+    }[kw["cast"]]()
+    return y.double() * 3.0
 
 
 S_ = Sample  # short alias for the table
@@ -485,6 +538,117 @@ OPS: list[OpRow] = [
         ],
         _layer_norm_oracle,
     ),
+    # ------------------------------------------------------------------ attention, masking, casts
+    OpRow(
+        "F.scaled_dot_product_attention",
+        _sdpa,
+        lambda: [
+            S_("plain", (randn(2, 2, 3, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 3))),
+            S_(
+                "bool_mask_scale",
+                (randn(1, 2, 3, 4), randn(1, 2, 5, 4), randn(1, 2, 5, 3)),
+                dict(
+                    attn_mask=torch.tensor(
+                        [[1, 1, 0, 1, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool
+                    ),
+                    scale=0.7,
+                ),
+            ),
+            S_(
+                "float_mask_input",
+                (randn(2, 1, 3, 4), randn(2, 1, 4, 4), randn(2, 1, 4, 2), randn(2, 1, 1, 4)),
+            ),
+            S_(
+                "causal",
+                (randn(1, 2, 4, 3), randn(1, 2, 4, 3), randn(1, 2, 4, 2)),
+                dict(is_causal=True),
+            ),
+            S_(
+                "gqa",
+                (randn(1, 4, 2, 3), randn(1, 2, 3, 3), randn(1, 2, 3, 2)),
+                dict(enable_gqa=True),
+            ),
+        ],
+        _sdpa_oracle,
+    ),
+    OpRow(
+        "x.masked_fill(scalar)",
+        lambda x, **kw: x.masked_fill(kw["mask"], -1e4),
+        lambda: [
+            S_("bcast_mask", (randn(3, 4),), dict(mask=torch.tensor([[True, False, False, True]]))),
+        ],
+    ),
+    OpRow(
+        "torch.masked_fill(tensor)",
+        lambda x, v, **kw: torch.masked_fill(x, kw["mask"], v),
+        lambda: [
+            S_(
+                "0d_value",
+                (randn(2, 3), randn(())),
+                dict(mask=torch.tensor([[True, False, True], [False, False, True]])),
+            ),
+        ],
+    ),
+    OpRow(
+        "torch.where",
+        lambda x, y, **kw: torch.where(kw["cond"], x, y),
+        lambda: [
+            S_(
+                "bcast",
+                (randn(3, 4), randn(4)),
+                dict(cond=torch.tensor([[True], [False], [True]])),
+            ),
+        ],
+    ),
+    OpRow(
+        "torch.where(scalar other)",
+        lambda x, **kw: torch.where(kw["cond"], x, 0.5),
+        lambda: [S_("3x2", (randn(3, 2),), dict(cond=torch.tensor([[True, False]] * 3)))],
+    ),
+    OpRow(
+        "torch.where(scalar input)",
+        lambda y, **kw: torch.where(kw["cond"], -2.0, y),
+        lambda: [S_("3x2", (randn(3, 2),), dict(cond=torch.tensor([[True, False]] * 3)))],
+    ),
+    OpRow(
+        "x.where",
+        lambda x, y, **kw: x.where(kw["cond"], y),
+        lambda: [S_("2x3", (randn(2, 3), randn(2, 3)), dict(cond=torch.rand(2, 3) > 0.5))],
+    ),
+    OpRow(
+        "torch.gather",
+        lambda x, **kw: torch.gather(x, kw["dim"], kw["index"]),
+        lambda: [
+            S_(
+                "dim1_repeats",
+                (randn(3, 4),),
+                dict(dim=1, index=torch.tensor([[0, 0, 3], [2, 1, 2], [3, 3, 3]])),
+            ),
+            S_(
+                "dim0_short",
+                (randn(3, 4),),
+                dict(dim=0, index=torch.tensor([[2, 0, 1, 2], [2, 2, 0, 1]])),
+            ),
+            S_(
+                "3d_dim-1",
+                (randn(2, 2, 3),),
+                dict(dim=-1, index=torch.tensor([[[2], [0]], [[1], [1]]])),
+            ),
+        ],
+    ),
+    OpRow(
+        "x.gather",
+        lambda x, **kw: x.gather(1, kw["index"]),
+        lambda: [S_("2x3", (randn(2, 3),), dict(index=torch.tensor([[1, 1], [0, 2]])))],
+    ),
+    OpRow(
+        "casts",
+        _cast_round_trip,
+        lambda: [
+            S_(c, (randn(3, 4),), dict(cast=c), low_precision=c in ("half", "bfloat16"))
+            for c in ("to_dtype", "to_kw", "float", "half", "bfloat16", "type", "type_as")
+        ],
+    ),
 ]
 
 SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
@@ -582,7 +746,10 @@ def test_op_against_oracle(case: Case, S: Semiring):
     oracle = case.row.oracle or _jacobian_oracle
     expected = oracle(S, case.fn, case.sample, seed, ref_out)
 
+    exact = not (isinstance(S, sa.Real) and case.sample.low_precision)
     for k, (x, message, readout, want) in enumerate(zip(inputs, raw, readouts, expected)):
+        if not exact:
+            continue
         _assert_value_close(_raw_value(S, message, x), want, f"input {k} raw value")
         torch.testing.assert_close(
             readout, S.readout(want), rtol=RTOL, atol=ATOL, msg=lambda m: f"input {k} readout: {m}"

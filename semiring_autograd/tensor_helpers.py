@@ -1,0 +1,72 @@
+"""Computations on saved primal tensors that YAML formulas may call (no semiring involved).
+
+They rebuild, in backward, primal quantities an op's forward computed internally (the
+attention probabilities of ``scaled_dot_product_attention``) or index arithmetic (the flat
+positions a ``gather`` read). Results are in message precision (see ``message_dtype``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .semiring import message_dtype
+
+
+def repeat_heads(x: Tensor, query_heads: int, enable_gqa: bool) -> Tensor:
+    """Key/value heads repeated to the query's head count (grouped-query attention), as
+    ``scaled_dot_product_attention(enable_gqa=True)`` does; ``x`` itself otherwise."""
+    if not enable_gqa or x.shape[-3] == query_heads:
+        return x
+    return x.repeat_interleave(query_heads // x.shape[-3], dim=-3)
+
+
+def attention_probs(
+    query: Tensor, key: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None
+) -> Tensor:
+    """softmax(q·kᵀ·scale + mask) along keys, as ``scaled_dot_product_attention`` computes it
+    (bool masks and ``is_causal`` exclude positions; float masks are added). A query row whose
+    keys are all excluded has probability 0 everywhere (no edges), not NaN."""
+    dtype = message_dtype(query.dtype)
+    q, k = query.to(dtype), key.to(dtype)
+    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * factor
+    length, source = scores.shape[-2], scores.shape[-1]
+    if is_causal:
+        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask.to(dtype)
+    top = scores.amax(-1, keepdim=True)
+    excluded = torch.isneginf(top)
+    weights = torch.exp(scores - torch.where(excluded, torch.zeros_like(top), top))
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(excluded, torch.zeros_like(weights), weights / total)
+
+
+def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor:
+    """For ``out = input.gather(dim, index)``: the flat position in ``input`` that each
+    element of ``out`` (flattened) was read from."""
+    ndim = len(input_shape)
+    dim = dim % ndim if ndim else 0
+    strides = torch.ones(ndim, dtype=torch.int64)
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * input_shape[d + 1]
+    flat = torch.zeros(index.shape, dtype=torch.int64, device=index.device)
+    for d in range(ndim):
+        if d == dim:
+            coord = index.to(torch.int64)
+        else:
+            view = [1] * ndim
+            view[d] = index.shape[d]
+            coord = torch.arange(index.shape[d], device=index.device).view(view)
+        flat = flat + coord * int(strides[d])
+    return flat.reshape(-1)
+
+
+HELPERS = ("repeat_heads", "attention_probs", "gather_positions")
