@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .errors import ForeignOpError, SemiringMismatchError
-from .semiring import Semiring, Value
+from .semiring import Semiring, Value, message_dtype
 
 aten = torch.ops.aten
 
@@ -59,18 +59,29 @@ class Message(Tensor):
         return handler(func, *args, **kwargs)
 
 
+def _in_precision(value: Value, dtype: torch.dtype) -> Value:
+    """Floating components in the message precision of a ``dtype`` primal (an op whose output
+    dtype differs from its input's, such as ``softmax(dtype=...)``, hands back components of
+    the output's precision)."""
+    target = message_dtype(dtype)
+    return tuple(
+        c.to(target) if c.is_floating_point() and c.dtype != target else c for c in value
+    )
+
+
 def wrap(semiring: Semiring, value: Value | None, like: Tensor) -> Message | None:
     """A message for ``value`` with ``like``'s metadata (None stays the symbolic zero)."""
     if value is None:
         return None
-    return Message(semiring, value, like.shape, like.dtype, like.device)
+    return Message(semiring, _in_precision(value, like.dtype), like.shape, like.dtype, like.device)
 
 
 def wrap_meta(semiring: Semiring, value: Value | None, meta) -> Message | None:
     """A message for ``value`` with metadata ``meta = (shape, dtype, device)``."""
     if value is None:
         return None
-    return Message(semiring, value, *meta)
+    shape, dtype, device = meta
+    return Message(semiring, _in_precision(value, dtype), shape, dtype, device)
 
 
 def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:

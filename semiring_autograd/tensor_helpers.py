@@ -2,7 +2,8 @@
 
 They rebuild, in backward, primal quantities an op's forward computed internally (the
 attention probabilities of ``scaled_dot_product_attention``) or index arithmetic (the flat
-positions a ``gather`` read). Results are in message precision (see ``message_dtype``).
+positions a ``gather`` read). They compute in at least float32 (see ``message_dtype``) and
+return the primal's dtype, so Real-semiring formulas stay in it as torch.autograd does.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def attention_probs(
     excluded = torch.isneginf(top)
     weights = torch.exp(scores - torch.where(excluded, torch.zeros_like(top), top))
     total = weights.sum(-1, keepdim=True)
-    return torch.where(excluded, torch.zeros_like(weights), weights / total)
+    probs = torch.where(excluded, torch.zeros_like(weights), weights / total)
+    return probs.to(query.dtype)
 
 
 def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor:
