@@ -255,6 +255,7 @@ def _table_context(entry: OpEntry) -> dict:
         "granularity": entry.granularity,
         "source_file": entry.source_file,
         "multi_output": schema.returns == "Tensor[]",
+        "forward_helper": entry.forward,
     }
 
 

@@ -28,6 +28,7 @@ from .errors import (
 from .message import Message
 from .op_table import Registry
 from .patching import PatchHandle, patch
+from .paths import Path, PathFinder, Step, top_path
 from .semiring import Semiring, Value
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "Message",
     "PatchError",
     "PatchHandle",
+    "Path",
+    "PathFinder",
     "Real",
     "Registry",
     "Semiring",
@@ -48,6 +51,7 @@ __all__ = [
     "SemiringLawError",
     "SemiringMismatchError",
     "SignedMaxProduct",
+    "Step",
     "UnsupportedOpError",
     "Value",
     "check_semiring",
@@ -56,6 +60,7 @@ __all__ = [
     "patch",
     "recorded_semiring",
     "seed_message",
+    "top_path",
 ]
 
 

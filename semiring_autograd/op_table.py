@@ -38,6 +38,7 @@ class OpSpec:
     granularity: str
     source_file: str
     multi_output: bool
+    forward_helper: str | None = None  # a forward_helpers function computing (output, aux)
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """Match a torch call to this signature; None when it does not fit."""

@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .errors import PatchError, UnsupportedOpError
-from .op_table import Registry, default_registry
+from .op_table import OpSpec, Registry, default_registry
+from .replay import Replay
 from .semiring import Semiring
 
 _LOCK = threading.Lock()
@@ -84,9 +85,13 @@ class _SemiringMode(TorchFunctionMode):
                 continue
             fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
             call = lambda: func(*args, **kwargs)  # noqa: E731 - the unpatched computation
+            replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
             if takes_semiring:
-                return fn(handle.semiring, call, **bound)
-            return fn(call, **bound)
+                out = fn(handle.semiring, call, **bound)
+            else:
+                out = fn(call, **bound)
+            handle.annotate(out, op, replay)
+            return out
         if _is_inplace(func, kwargs):
             raise handle.unsupported(func, "it writes into a tensor in place")
         out = func(*args, **kwargs)
@@ -107,10 +112,13 @@ class _SemiringMode(TorchFunctionMode):
 class PatchHandle:
     """Active patch of one model; a context manager, or call :meth:`remove`."""
 
-    def __init__(self, model: nn.Module, semiring: Semiring, registry: Registry):
+    def __init__(
+        self, model: nn.Module, semiring: Semiring, registry: Registry, paths: bool = False
+    ):
         self.model = model
         self.semiring = semiring
         self.registry = registry
+        self.paths = paths
         self.thread = threading.get_ident()
         self._mode = _SemiringMode(self)
         self._depth = 0
@@ -158,6 +166,21 @@ class PatchHandle:
 
         return hook
 
+    def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
+        """Name the backward node of ``out``: ``sa_op``, ``sa_module`` (the qualified name of
+        the module whose forward ran the op) and, when recording paths, ``sa_replay``."""
+        leaves, _ = tree_flatten(out)
+        node = next(
+            (t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None),
+            None,
+        )
+        if node is None:
+            return
+        node.sa_op = op.name
+        node.sa_module = self.current_module
+        if replay is not None:
+            node.sa_replay = replay
+
     @property
     def current_module(self) -> str:
         return self._stack[-1] if self._stack else type(self.model).__name__
@@ -195,12 +218,21 @@ class PatchHandle:
         self.remove()
 
 
-def patch(model: nn.Module, semiring: Semiring, *, registry: Registry | None = None) -> PatchHandle:
+def patch(
+    model: nn.Module,
+    semiring: Semiring,
+    *,
+    paths: bool = False,
+    registry: Registry | None = None,
+) -> PatchHandle:
     """Swap the generated semiring Functions in during ``model``'s forward (this thread only).
 
     Use as ``with sa.patch(model, sa.MaxProduct()): y = model(x)`` or keep the handle and
     call ``handle.remove()``. The forward computes exactly what the unpatched model computes;
     the recorded graph propagates ``semiring`` messages in backward (see :func:`sa.grad`).
+    Every backward node is named (``grad_fn.sa_op``, ``grad_fn.sa_module``). With
+    ``paths=True`` each node also keeps a replay of its call (its inputs stay alive until the
+    graph is freed), which :func:`sa.top_path` needs to name a path element by element.
     """
     if not isinstance(model, nn.Module):
         raise PatchError(f"sa.patch expects an nn.Module, got {type(model).__name__}")
@@ -221,7 +253,7 @@ def patch(model: nn.Module, semiring: Semiring, *, registry: Registry | None = N
             )
         _PATCHED.add(model)
     try:
-        return PatchHandle(model, semiring, registry or default_registry())
+        return PatchHandle(model, semiring, registry or default_registry(), paths)
     except BaseException:
         with _LOCK:
             _PATCHED.discard(model)

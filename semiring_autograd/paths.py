@@ -1,0 +1,342 @@
+"""Top gradient paths: the strongest path from an output to an input element, step by step.
+
+After a forward under ``sa.patch(model, sa.MaxProduct(), paths=True)`` (or
+``SignedMaxProduct``), one semiring backward records every node's merged incoming message
+m(y) and its outgoing message to each input. The path is then recovered from the input
+element back to the output (Viterbi backtracking), exactly at element level:
+
+* at a tensor consumed by several ops, the consumer whose outgoing message is largest at
+  the element won the engine's ⊕ merge;
+* inside that op, the output element i maximising m(y_i) ⊗ |∂y_i/∂x_j| won the op's
+  hidden ⊕ (the k of a matmul, the i of a softmax); ∂y/∂x_j is one column of the op's local
+  Jacobian, by forward-mode AD on the recorded call;
+* an op defined as a composition (layer norm, attention) is re-run as that composition on
+  its recorded inputs, seeded with its own incoming message, and the path continues through
+  its internal nodes (the attention probabilities among them).
+
+The product of the local derivatives along the path (times the seed) is the readout at the
+element: the path's weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .api import recorded_semiring, seed_message
+from .builtin_semirings import MaxProduct, SignedMaxProduct
+from .decompositions import DECOMPOSITIONS
+from .errors import SemiringAutogradError
+from .message import Message, wrap
+from .semiring import Semiring
+
+Key = tuple[Any, int]  # a tensor of the graph: (producing node, output number)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of a path: an element of a tensor, reached over an edge of ``local_derivative``
+    (None for the path's first node, the input element)."""
+
+    module: str
+    op: str
+    shape: tuple[int, ...]
+    index: tuple[int, ...]
+    local_derivative: float | None
+
+    def __str__(self) -> str:
+        edge = "" if self.local_derivative is None else f"× {self.local_derivative:+.4e}  "
+        index = ", ".join(map(str, self.index))
+        return f"{edge}{self.module}  {self.op}  [{index}] of {tuple(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Path:
+    """The strongest path from an input element to the output."""
+
+    weight: float
+    semiring: str
+    steps: tuple[Step, ...]
+
+    def __str__(self) -> str:
+        lines = [f"{self.semiring} path, weight {self.weight:.6e}, {len(self.steps)} nodes:"]
+        lines += [f"  {'' if i == 0 else '→ '}{step}" for i, step in enumerate(self.steps)]
+        return "\n".join(lines)
+
+
+class _Sub(nn.Module):
+    """A composite op's decomposition, as a module to patch."""
+
+    def __init__(self, replay, decomposition):
+        super().__init__()
+        self.replay, self.decomposition = replay, decomposition
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return self.replay.call(dict(enumerate(inputs)), fn=self.decomposition)
+
+
+def _reachable(roots: Sequence[Any]) -> list[Any]:
+    seen, order, stack = set(), [], [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        order.append(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return order
+
+
+def _key_of(t: Tensor, nodes: Sequence[Any]) -> Key:
+    if t.grad_fn is not None:
+        return (t.grad_fn, t.output_nr)
+    for node in nodes:
+        for child, nr in node.next_functions:
+            if child is not None and getattr(child, "variable", None) is t:
+                return (child, nr)
+    raise SemiringAutogradError("the input is not part of the graph behind the output")
+
+
+class PathFinder:
+    """One recorded semiring backward from a scalar ``output`` to ``input``; ``path(index)``
+    backtracks the strongest path to any element of ``input``."""
+
+    def __init__(
+        self,
+        output: Tensor,
+        input: Tensor,
+        seed: Tensor | None = None,
+        *,
+        which: str = "max",
+        _semiring: Semiring | None = None,
+    ):
+        semiring = _semiring or recorded_semiring(output)
+        if not isinstance(semiring, (MaxProduct, SignedMaxProduct)):
+            raise SemiringAutogradError(
+                f"top paths need a graph recorded with sa.MaxProduct() or sa.SignedMaxProduct(), "
+                f"not {semiring!r}"
+            )
+        if which not in ("max", "min") or (which == "min" and isinstance(semiring, MaxProduct)):
+            raise ValueError("which is 'max', or 'min' for SignedMaxProduct")
+        if seed is None and output.numel() != 1 and _semiring is None:
+            raise ValueError(
+                f"top_path needs a scalar output (got shape {tuple(output.shape)}): pick an "
+                "element, e.g. logits[0, -1, token_id]"
+            )
+        self.semiring, self.which, self.output = semiring, which, output
+        self.signed = isinstance(semiring, SignedMaxProduct)
+        nodes = _reachable([output.grad_fn])
+        if not any(hasattr(n, "sa_replay") for n in nodes):
+            raise SemiringAutogradError(
+                "this graph was recorded without paths: run the forward under "
+                "`sa.patch(model, semiring, paths=True)` to recover top paths"
+            )
+        self.incoming: dict[Any, tuple] = {}
+        self.outgoing: dict[Any, tuple] = {}
+        hooks = []
+        for node in nodes:
+            hooks.append(node.register_prehook(self._store_incoming(node)))
+            hooks.append(node.register_hook(self._store_outgoing(node)))
+        if seed is None:
+            seed = seed_message(semiring, output)
+        try:
+            (message,) = torch.autograd.grad(
+                output, input, seed, retain_graph=True, allow_unused=True
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        if message is None:
+            raise SemiringAutogradError("no path reaches the input from the output")
+        self.message = message
+        self.readout = semiring.readout(message.value)
+        self.root: Key = (output.grad_fn, output.output_nr)
+        self.start: Key = _key_of(input, nodes)
+        self.input_shape = tuple(input.shape)
+        self.consumers: dict[Key, list[tuple[Any, int]]] = {}
+        for node in nodes:
+            for position, (child, nr) in enumerate(node.next_functions):
+                if child is not None:
+                    self.consumers.setdefault((child, nr), []).append((node, position))
+
+    def _store_incoming(self, node):
+        def hook(grad_outputs):
+            self.incoming[node] = tuple(grad_outputs)
+
+        return hook
+
+    def _store_outgoing(self, node):
+        def hook(grad_inputs, grad_outputs):
+            self.outgoing[node] = tuple(grad_inputs)
+
+        return hook
+
+    # ----- the path's value at an element, for the sought extreme -----------------------
+    def _value(self, message: Tensor | None, which: str) -> Tensor | None:
+        """Flattened values whose max (which='max') or min is sought; no path → -inf/+inf."""
+        if message is None:
+            return None
+        if not self.signed:
+            (m,) = message.value
+            return torch.where(m > 0, m, -torch.inf).reshape(-1).double()
+        hi, lo = (c.reshape(-1).double() for c in message.value)
+        valid = hi >= lo
+        if which == "max":
+            return torch.where(valid, hi, -torch.inf)
+        return torch.where(valid, -lo, -torch.inf)  # the min, negated: always maximise
+
+    def default_index(self) -> int:
+        values = self._value(self.message, self.which)
+        return int(values.argmax())
+
+    def path(self, index: int | Sequence[int] | None = None) -> Path:
+        """The strongest path to ``input[index]`` (default: the element with the best readout)."""
+        if index is None:
+            flat = self.default_index()
+        elif isinstance(index, int):
+            flat = index
+        else:
+            flat = 0
+            for i, size in zip(index, self.input_shape):
+                flat = flat * size + (i % size)
+        total = self._value(self.message, self.which)[flat]
+        if not torch.isfinite(total):
+            raise SemiringAutogradError(f"no path reaches input element {self._unravel(flat)}")
+        start = Step("input", "input", self.input_shape, self._unravel(flat), None)
+        steps, _, _ = self._walk(self.start, flat, self.which)
+        weight = float(total) if (not self.signed or self.which == "max") else -float(total)
+        name = type(self.semiring).__name__ + (f" ({self.which})" if self.signed else "")
+        return Path(weight, name, (start, *steps))
+
+    def _unravel(self, flat: int, shape: Sequence[int] | None = None) -> tuple[int, ...]:
+        shape = tuple(self.input_shape if shape is None else shape)
+        out = []
+        for size in reversed(shape):
+            out.append(flat % size)
+            flat //= size
+        return tuple(reversed(out))
+
+    # ----- backtracking ---------------------------------------------------------------
+    def _walk(self, key: Key, element: int, which: str) -> tuple[list[Step], int, str]:
+        """Steps from tensor ``key``'s ``element`` to the output; also the output element
+        reached and the extreme sought there."""
+        steps: list[Step] = []
+        while key != self.root:
+            node, position = self._winning_consumer(key, element, which)
+            if not hasattr(node, "sa_replay"):
+                steps.append(self._tail(node))
+                break
+            if node.sa_op in DECOMPOSITIONS:
+                inner, element, which = self._through_composition(node, position, element, which)
+                steps += inner
+                key = (node, 0)
+                continue
+            step, key, element, which = self._through_op(node, position, element, which)
+            steps.append(step)
+        return steps, element, which
+
+    def _winning_consumer(self, key: Key, element: int, which: str) -> tuple[Any, int]:
+        """The consumer whose message to this tensor is best at ``element``: the winner of
+        the engine's ⊕ merge."""
+        best, best_value = None, -torch.inf
+        for node, position in self.consumers.get(key, []):
+            grads = self.outgoing.get(node)
+            if grads is None or position >= len(grads):
+                continue
+            values = self._value(grads[position], which)
+            if values is not None and values[element] > best_value:
+                best, best_value = (node, position), values[element]
+        if best is None:
+            raise SemiringAutogradError("path recovery lost the path (no consumer carries it)")
+        return best
+
+    def _through_op(self, node, position: int, element: int, which: str):
+        """The output element that won inside ``node``'s op, and the edge taken to it."""
+        columns = node.sa_replay.column(position, element)
+        best = None
+        for k, (w, message) in enumerate(zip(columns, self.incoming.get(node, ()))):
+            if message is None:
+                continue
+            w = w.double()
+            if self.signed:
+                hi, lo = (c.reshape(-1).double() for c in message.value)
+                valid = (hi >= lo) & (w != 0)
+                if which == "max":
+                    cand = torch.where(w > 0, hi * w, lo * w)
+                else:
+                    cand = -torch.where(w > 0, lo * w, hi * w)
+            else:
+                (m,) = message.value
+                m = m.reshape(-1).double()
+                valid = (m > 0) & (w != 0)
+                cand = m * w.abs()
+            cand = torch.where(valid, cand, -torch.inf)
+            i = int(cand.argmax())
+            if best is None or cand[i] > best[0]:
+                best = (cand[i], k, i, float(w[i]), tuple(message.shape))
+        if best is None or not torch.isfinite(best[0]):
+            raise SemiringAutogradError(f"path recovery lost the path inside {node.sa_op}")
+        _, k, i, w, shape = best
+        if self.signed and w < 0:
+            which = "min" if which == "max" else "max"
+        step = Step(node.sa_module, node.sa_op, shape, self._unravel(i, shape), w)
+        return step, (node, k), i, which
+
+    def _through_composition(self, node, position: int, element: int, which: str):
+        """Re-run a composite op as its composition and backtrack through its internal nodes,
+        seeded with the op's incoming message."""
+        replay = node.sa_replay
+        inputs = [
+            t.detach().requires_grad_(t.is_floating_point() and p == position)
+            for p, t in enumerate(replay.inputs())
+        ]
+        sub = _Sub(replay, DECOMPOSITIONS[node.sa_op])
+        from .patching import patch  # patching imports replay; avoid a cycle at import
+
+        with patch(sub, self.semiring, paths=True):
+            out = sub(*inputs)
+        (seed,) = self.incoming[node][:1]
+        if seed.semiring != self.semiring:
+            raise SemiringAutogradError("mixed semirings in one graph")
+        inner = PathFinder(
+            out, inputs[position], wrap(self.semiring, seed.value, out), which=which,
+            _semiring=self.semiring,
+        )
+        steps, element, which = inner._walk(inner.start, element, which)
+        label = f"{node.sa_op}: "
+        steps = [
+            Step(node.sa_module, label + s.op, s.shape, s.index, s.local_derivative) for s in steps
+        ]
+        return steps, element, which
+
+    def _tail(self, node) -> Step:
+        """Native structural ops between the last patched op and the output (indexing, views,
+        sums taken outside ``sa.patch``): edges of weight 1."""
+        names = []
+        current = node
+        while current is not None:
+            names.append(current.name())
+            if current is self.root[0]:
+                break
+            parents = self.consumers.get((current, 0), [])
+            current = parents[0][0] if parents else None
+        return Step(
+            "(outside sa.patch)", " → ".join(names), tuple(self.output.shape), (), 1.0
+        )
+
+
+def top_path(
+    output: Tensor,
+    input: Tensor,
+    index: int | Sequence[int] | None = None,
+    *,
+    which: str = "max",
+) -> Path:
+    """The strongest path from the scalar ``output`` to ``input[index]`` (default: the input
+    element with the largest readout), after a forward under
+    ``sa.patch(model, sa.MaxProduct(), paths=True)``; with ``SignedMaxProduct``, ``which``
+    picks the path of the largest ('max') or smallest ('min') signed product."""
+    return PathFinder(output, input, which=which).path(index)

@@ -1,0 +1,85 @@
+"""A recorded op call that can be re-run: local Jacobian columns for path recovery.
+
+Recorded by ``sa.patch(..., paths=True)`` on each backward node (``grad_fn.sa_replay``).
+Its inputs are numbered as the node's ``next_functions`` are (the op's tensor arguments in
+the order the generated Function receives them), so position ``p`` of the node is input
+``p`` here, even when one tensor is passed twice (``x * x`` has two inputs, two edges).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+
+@dataclass
+class Replay:
+    func: Callable[..., Any]
+    leaves: list[Any]  # the call's flattened (args, kwargs)
+    spec: TreeSpec
+    input_leaf: tuple[int, ...]  # for each node input position, its index in ``leaves``
+    rng_state: Tensor | None  # the CPU RNG state before the call, for ops that draw noise
+
+    @classmethod
+    def record(cls, func: Callable[..., Any], args: tuple, kwargs: dict, op, bound: dict):
+        """The replay of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as ``bound``."""
+        leaves, spec = tree_flatten((args, kwargs))
+        ordered = [bound[p.name] for p in op.params if p.type != "Tensor[]"]
+        ordered += [t for p in op.params if p.type == "Tensor[]" for t in bound[p.name]]
+        taken: set[int] = set()
+        positions = []
+        for value in ordered:
+            if not isinstance(value, Tensor):
+                continue
+            i = next(i for i, leaf in enumerate(leaves) if leaf is value and i not in taken)
+            taken.add(i)
+            positions.append(i)
+        rng = torch.get_rng_state() if op.forward_helper else None
+        return cls(func, leaves, spec, tuple(positions), rng)
+
+    def inputs(self) -> list[Tensor]:
+        """The op's tensor inputs, in node input order."""
+        return [self.leaves[i] for i in self.input_leaf]
+
+    def call(self, substitute: dict[int, Any] | None = None, fn: Callable | None = None) -> Any:
+        """Re-run the call (or ``fn`` with the same arguments), replacing node inputs
+        ``{position: value}``; noise-drawing ops draw the same noise again."""
+        leaves = list(self.leaves)
+        for position, value in (substitute or {}).items():
+            leaves[self.input_leaf[position]] = value
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        with self._same_noise():
+            return (fn or self.func)(*args, **kwargs)
+
+    def column(self, position: int, element: int) -> tuple[Tensor, ...]:
+        """∂out/∂x[element] for every output of the op (flattened), x = input ``position``:
+        one column of the op's local Jacobian, by forward-mode AD."""
+        primal = self.inputs()[position].detach().contiguous()  # no expanded (aliased) input
+        tangent = torch.zeros(primal.numel(), dtype=primal.dtype, device=primal.device)
+        tangent[element] = 1
+        tangent = tangent.view(primal.shape)
+        others = {
+            p: t.detach() for p, t in enumerate(self.inputs()) if p != position
+        }
+
+        def f(x: Tensor):
+            out = self.call({**others, position: x})
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+        with torch.no_grad():
+            _, columns = torch.func.jvp(f, (primal,), (tangent,))
+        return tuple(c.reshape(-1) for c in columns)
+
+    @contextlib.contextmanager
+    def _same_noise(self):
+        if self.rng_state is None:
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.rng_state)
+            yield
