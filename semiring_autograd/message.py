@@ -64,9 +64,7 @@ def _in_precision(value: Value, dtype: torch.dtype) -> Value:
     dtype differs from its input's, such as ``softmax(dtype=...)``, hands back components of
     the output's precision)."""
     target = message_dtype(dtype)
-    return tuple(
-        c.to(target) if c.is_floating_point() and c.dtype != target else c for c in value
-    )
+    return tuple(c.to(target) if c.is_floating_point() and c.dtype != target else c for c in value)
 
 
 def wrap(semiring: Semiring, value: Value | None, like: Tensor) -> Message | None:

@@ -302,7 +302,10 @@ class PathFinder:
         if seed.semiring != self.semiring:
             raise SemiringAutogradError("mixed semirings in one graph")
         inner = PathFinder(
-            out, inputs[position], wrap(self.semiring, seed.value, out), which=which,
+            out,
+            inputs[position],
+            wrap(self.semiring, seed.value, out),
+            which=which,
             _semiring=self.semiring,
         )
         steps, element, which = inner._walk(inner.start, element, which)
@@ -323,9 +326,7 @@ class PathFinder:
                 break
             parents = self.consumers.get((current, 0), [])
             current = parents[0][0] if parents else None
-        return Step(
-            "(outside sa.patch)", " → ".join(names), tuple(self.output.shape), (), 1.0
-        )
+        return Step("(outside sa.patch)", " → ".join(names), tuple(self.output.shape), (), 1.0)
 
 
 def top_path(

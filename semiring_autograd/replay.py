@@ -63,9 +63,7 @@ class Replay:
         tangent = torch.zeros(primal.numel(), dtype=primal.dtype, device=primal.device)
         tangent[element] = 1
         tangent = tangent.view(primal.shape)
-        others = {
-            p: t.detach() for p, t in enumerate(self.inputs()) if p != position
-        }
+        others = {p: t.detach() for p, t in enumerate(self.inputs()) if p != position}
 
         def f(x: Tensor):
             out = self.call({**others, position: x})

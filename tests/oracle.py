@@ -190,3 +190,27 @@ def path_enumeration(
     for node, value in starts:
         walk(node, value)
     return totals
+
+
+def best_paths(
+    program: Program, output: str, index: int, target: str, which: str = "abs"
+) -> dict[int, tuple[float, list[tuple[Node, float]]]]:
+    """For every element of ``target``, the path from ``(output, index)`` with the largest
+    |product| (``which='abs'``), largest signed product ('max') or smallest ('min'), by
+    enumerating every path: element → (product, [(node, local derivative of the edge into
+    it)] listed from the target element up to the output)."""
+    best: dict[int, tuple[float, list[tuple[Node, float]]]] = {}
+
+    def better(a: float, b: float) -> bool:
+        return {"abs": abs(a) > abs(b), "max": a > b, "min": a < b}[which]
+
+    def walk(node: Node, product: float, trail: list[tuple[Node, float]]) -> None:
+        if node[0] == target:
+            if node[1] not in best or better(product, best[node[1]][0]):
+                best[node[1]] = (product, list(reversed(trail)))
+            return
+        for child, w in program.edges.get(node, []):
+            walk(child, product * float(w), trail + [(node, float(w))])
+
+    walk((output, index), 1.0, [])
+    return best

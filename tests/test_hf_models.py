@@ -74,17 +74,17 @@ def assert_invariants(r: dict[str, Tensor], rtol: float, log_atol: float) -> Non
     b = boolean
     log_best = best[b].log()
     assert (log_best <= log[b] + log_atol + rtol * log[b].abs()).all(), "MaxProduct > exp(Log)"
-    assert (log[b] <= count[b] + log_best + log_atol + rtol * log[b].abs()).all(), (
-        "exp(Log) > exp(Counting) · MaxProduct"
-    )
+    assert (
+        log[b] <= count[b] + log_best + log_atol + rtol * log[b].abs()
+    ).all(), "exp(Log) > exp(Counting) · MaxProduct"
     torch.testing.assert_close(
         torch.maximum(signed[0].abs(), signed[1].abs()), best, rtol=rtol, atol=0.0
     )
     assert (entropy >= 0).all(), "negative entropy"
     assert (entropy[~b] == 0).all(), "entropy where no path exists"
-    assert (entropy[b] <= count[b] + log_atol + rtol * count[b].abs()).all(), (
-        "Entropy > log(#paths)"
-    )
+    assert (
+        entropy[b] <= count[b] + log_atol + rtol * count[b].abs()
+    ).all(), "Entropy > log(#paths)"
 
 
 # ----------------------------------------------------------------------------- tiny models

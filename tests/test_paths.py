@@ -1,0 +1,139 @@
+"""Top paths vs explicit path enumeration, and their structure on a Hugging Face model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import tiny_inputs, tiny_model
+from oracle import best_paths
+from test_compositions import MODELS, _setup
+
+import semiring_autograd as sa
+
+
+def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    flat = 0
+    for i, size in zip(index, shape):
+        flat = flat * size + i
+    return flat
+
+
+def _record(name: str, semiring: sa.Semiring):
+    model, x, program = _setup(name)
+    x = x.clone().requires_grad_()
+    with sa.patch(model, semiring, paths=True):
+        out = model(x)
+    return out, x, program
+
+
+@pytest.mark.parametrize("element", [(1, 2), (0, 0)])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_top_path_is_the_argmax_of_path_enumeration(name: str, element: tuple[int, int]):
+    """Every input element: the same nodes, the same local derivatives, the same weight."""
+    out, x, program = _record(name, sa.MaxProduct())
+    flat_out = _flat(element, tuple(out.shape))
+    finder = sa.PathFinder(out[element], x)
+    oracle = best_paths(program, "out", flat_out, "x")
+    assert oracle, "the oracle found no path"
+    for j, (product, trail) in oracle.items():
+        path = finder.path(j)
+        steps = path.steps[1:]
+        if steps and steps[-1].module == "(outside sa.patch)":
+            steps = steps[:-1]  # out[element] taken outside the patch: weight-1 edges
+        assert [_flat(s.index, s.shape) for s in steps] == [node[1] for node, _ in trail]
+        assert [s.shape for s in steps] == [tuple(program.values[n[0]].shape) for n, _ in trail]
+        torch.testing.assert_close(
+            torch.tensor([s.local_derivative for s in steps], dtype=torch.float64),
+            torch.tensor([w for _, w in trail], dtype=torch.float64),
+            rtol=1e-12,
+            atol=0.0,
+        )
+        assert path.weight == pytest.approx(abs(product), rel=1e-12)
+        assert path.weight == pytest.approx(float(finder.readout.reshape(-1)[j]), rel=1e-12)
+
+
+@pytest.mark.parametrize("which", ["max", "min"])
+def test_signed_top_path_is_the_extreme_signed_product(which: str):
+    out, x, program = _record("mlp", sa.SignedMaxProduct())
+    finder = sa.PathFinder(out[1, 2], x, which=which)
+    oracle = best_paths(program, "out", _flat((1, 2), tuple(out.shape)), "x", which=which)
+    readout = sa.grad(out[1, 2], x, retain_graph=True)[0 if which == "max" else 1]
+    for j, (product, trail) in oracle.items():
+        path = finder.path(j)
+        assert path.weight == pytest.approx(product, rel=1e-12)
+        assert path.weight == pytest.approx(float(readout.reshape(-1)[j]), rel=1e-12)
+        signed = 1.0
+        for step in path.steps[1:]:
+            signed *= step.local_derivative
+        assert signed == pytest.approx(product, rel=1e-12)
+
+
+def test_default_index_is_the_best_element_and_path_prints():
+    out, x, _ = _record("attention", sa.MaxProduct())
+    path = sa.top_path(out[2, 1], x)
+    readout = sa.grad(out[2, 1], x)
+    assert path.steps[0].index == tuple(int(i) for i in divmod(int(readout.argmax()), 4))
+    assert path.weight == pytest.approx(float(readout.max()), rel=1e-12)
+    text = str(path)
+    assert "MaxProduct path" in text and "v  linear" in text and "(outside sa.patch)" in text
+
+
+def test_tiny_bert_path_names_modules_indices_and_edges():
+    model = tiny_model("BertForSequenceClassification")
+    modules = dict(model.named_modules())
+    emb, mask = tiny_inputs(model)
+    x = emb.clone().requires_grad_()
+    with sa.patch(model, sa.MaxProduct(), paths=True):
+        logits = model(inputs_embeds=x, attention_mask=mask).logits
+    finder = sa.PathFinder(logits[1, 1], x)
+    # a token other than [CLS] reaches the pooled [CLS] output only through attention
+    token = 2
+    path = finder.path((1, token, int(finder.readout[1, token].argmax())))
+    product = 1.0
+    for prev, step in zip(path.steps, path.steps[1:]):
+        assert step.module in modules or step.module == "(outside sa.patch)", step.module
+        assert len(step.index) == len(step.shape)
+        assert all(0 <= i < n for i, n in zip(step.index, step.shape))
+        assert step.local_derivative != 0
+        product *= abs(step.local_derivative)
+        if step.op == "linear":  # the edge is W[i, j] of that module's own weight
+            weight = modules[step.module].weight
+            assert step.index[:-1] == prev.index[:-1]
+            want = weight[step.index[-1], prev.index[-1]]
+            assert step.local_derivative == pytest.approx(float(want), rel=1e-12)
+    assert product == pytest.approx(path.weight, rel=1e-9)
+    assert path.weight == pytest.approx(float(finder.readout[1, token].max()), rel=1e-12)
+    ops = [s.op for s in path.steps]
+    assert "scaled_dot_product_attention: softmax" in ops or any(
+        o.startswith("scaled_dot_product_attention: matmul") for o in ops
+    )
+    assert any(s.module.endswith("attention.self") for s in path.steps)
+
+
+def test_paths_need_recording_and_a_max_semiring():
+    model, x, _ = _setup("mlp")
+    x = x.clone().requires_grad_()
+    with sa.patch(model, sa.MaxProduct()):
+        out = model(x)
+    assert not any(hasattr(n, "sa_replay") for n in _nodes(out))  # nothing recorded
+    with pytest.raises(sa.SemiringAutogradError, match="paths=True"):
+        sa.top_path(out[0, 0], x)
+    with sa.patch(model, sa.Log(), paths=True):
+        out = model(x)
+    with pytest.raises(sa.SemiringAutogradError, match="MaxProduct"):
+        sa.top_path(out[0, 0], x)
+    with sa.patch(model, sa.MaxProduct(), paths=True):
+        out = model(x)
+    with pytest.raises(ValueError, match="scalar output"):
+        sa.top_path(out, x)
+
+
+def _nodes(out):
+    seen, stack = [], [out.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.append(n)
+        stack.extend(c for c, _ in n.next_functions)
+    return seen
