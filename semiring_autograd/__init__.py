@@ -6,6 +6,7 @@
 >>> score = sa.grad(y[0, 3], x)   # weight of the strongest path to every element of x
 """
 
+from .attribution import Attribution, attribute
 from .api import grad, message_value, recorded_semiring, seed_message
 from .builtin_semirings import (
     BUILTIN_SEMIRINGS,
@@ -30,8 +31,11 @@ from .op_table import Registry
 from .patching import PatchHandle, patch
 from .paths import Path, PathFinder, Step, top_path
 from .semiring import Semiring, Value
+from .tracing import TraceEvent, trace
 
 __all__ = [
+    "Attribution",
+    "attribute",
     "BUILTIN_SEMIRINGS",
     "Boolean",
     "Counting",
@@ -52,6 +56,7 @@ __all__ = [
     "SemiringMismatchError",
     "SignedMaxProduct",
     "Step",
+    "TraceEvent",
     "UnsupportedOpError",
     "Value",
     "check_semiring",
@@ -61,6 +66,7 @@ __all__ = [
     "recorded_semiring",
     "seed_message",
     "top_path",
+    "trace",
 ]
 
 

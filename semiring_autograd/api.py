@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from . import tracing
 from .builtin_semirings import Real
 from .errors import SemiringAutogradError, SemiringMismatchError
 from .message import Message, wrap
@@ -69,6 +70,7 @@ def grad(
     *,
     retain_graph: bool = False,
     raw: bool = False,
+    trace: bool | "tracing.trace" = False,
 ) -> Tensor | tuple[Tensor | None, ...] | None:
     """Semiring analogue of ``torch.autograd.grad``.
 
@@ -76,6 +78,8 @@ def grad(
     where ``seed`` gives real weights). Returns, per input, the readout (a plain tensor of
     the input's shape; SignedMaxProduct: shape (2, *input)), or with ``raw=True`` the
     message (``.value`` holds the semiring components; None where no path reaches).
+    ``trace=True`` (or an ``sa.trace`` instance) reports each backward node as it runs, as
+    inside ``with sa.trace():``.
     """
     single_input = isinstance(inputs, Tensor)
     ins = [inputs] if single_input else list(inputs)
@@ -87,9 +91,17 @@ def grad(
         raise ValueError(f"got {len(seeds)} seeds for {len(outs)} outputs")
     semiring = recorded_semiring(outs)
     grad_outputs = [seed_message(semiring, o, s) for o, s in zip(outs, seeds)]
-    results = torch.autograd.grad(
-        outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
-    )
+    own = tracing.trace() if trace is True else (trace or None)
+    if own is not None:
+        own.attach(outs)
+    tracing.attach_active(outs)
+    try:
+        results = torch.autograd.grad(
+            outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
+        )
+    finally:
+        if own is not None:
+            own.detach()
     real = type(semiring) is Real
     final = []
     for x, r in zip(ins, results):

@@ -23,11 +23,12 @@ def layer_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
 ) -> Tensor:
-    """μ = mean(x); c = x − μ; v = mean(c·c); s = (v + eps)^(−1/2); n = c·s; y = n·w + b."""
+    """μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2); n = c·s; y = n·w + b
+    (c² is one edge of weight 2c per element, as the YAML formula states, not c·c's two)."""
     dims = tuple(range(-len(tuple(normalized_shape)), 0))
     mu = input.mean(dims, keepdim=True)
     c = input - mu
-    v = (c * c).mean(dims, keepdim=True)
+    v = c.pow(2).mean(dims, keepdim=True)
     s = torch.rsqrt(v + eps)
     y = c * s
     if weight is not None:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from . import tracing
 from .api import recorded_semiring, seed_message
 from .builtin_semirings import MaxProduct, SignedMaxProduct
 from .decompositions import DECOMPOSITIONS
@@ -62,8 +63,25 @@ class Path:
     steps: tuple[Step, ...]
 
     def __str__(self) -> str:
+        """The chain from the input element to the output; runs of three or more identity
+        edges (weight exactly 1: residual adds, views, casts) are shown as one line."""
         lines = [f"{self.semiring} path, weight {self.weight:.6e}, {len(self.steps)} nodes:"]
-        lines += [f"  {'' if i == 0 else '→ '}{step}" for i, step in enumerate(self.steps)]
+        lines.append(f"  {self.steps[0]}")
+        i = 1
+        while i < len(self.steps):
+            run = i
+            while run < len(self.steps) and self.steps[run].local_derivative == 1.0:
+                run += 1
+            if run - i >= 3:
+                first, last = self.steps[i], self.steps[run - 1]
+                lines.append(
+                    f"  → × 1 ({run - i} identity edges: {first.module} {first.op} … "
+                    f"{last.module} {last.op})  [{', '.join(map(str, last.index))}]"
+                )
+                i = run
+                continue
+            lines.append(f"  → {self.steps[i]}")
+            i += 1
         return "\n".join(lines)
 
 
@@ -142,6 +160,7 @@ class PathFinder:
             hooks.append(node.register_hook(self._store_outgoing(node)))
         if seed is None:
             seed = seed_message(semiring, output)
+        tracing.attach_active([output])
         try:
             (message,) = torch.autograd.grad(
                 output, input, seed, retain_graph=True, allow_unused=True

