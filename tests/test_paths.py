@@ -100,7 +100,7 @@ def test_tiny_bert_path_names_modules_indices_and_edges():
         if step.op == "linear":  # the edge is W[i, j] of that module's own weight
             weight = modules[step.module].weight
             assert step.index[:-1] == prev.index[:-1]
-            want = weight[step.index[-1], prev.index[-1]]
+            want = weight.detach()[step.index[-1], prev.index[-1]]
             assert step.local_derivative == pytest.approx(float(want), rel=1e-12)
     assert product == pytest.approx(path.weight, rel=1e-9)
     assert path.weight == pytest.approx(float(finder.readout[1, token].max()), rel=1e-12)
