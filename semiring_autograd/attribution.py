@@ -161,11 +161,11 @@ embedding elements). Darker is higher; range {lo:.6g} to {hi:.6g}.</p>
                 "Attribution.plot needs matplotlib: pip install 'semiring-autograd[plot]'"
             ) from exc
         scores = self._display_scores().numpy()
-        fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(self.tokens)), 3))
+        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(self.tokens)), 3.5))
         ax.bar(range(len(self.tokens)), scores, color="#dc3c1e")
         ax.set_xticks(range(len(self.tokens)), [repr(t) for t in self.tokens], rotation=60)
         ax.set_ylabel(self.meaning)
-        ax.set_title(f"{type(self.semiring).__name__}, target {self.target}")
+        ax.set_title(f"{type(self.semiring).__name__}, target {self.target}", fontsize=9)
         fig.tight_layout()
         fig.savefig(path, format="png")
         plt.close(fig)
