@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .tensor_helpers import mask_scores
+
 
 def layer_norm(
     input: Tensor,
@@ -54,16 +56,7 @@ def scaled_dot_product_attention(
         groups = query.shape[-3] // key.shape[-3]
         key, value = (_repeat_heads(t, groups) for t in (key, value))
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    s = (query @ key.transpose(-2, -1)) * factor
-    length, source = s.shape[-2], s.shape[-1]
-    if is_causal:
-        keep = torch.ones(length, source, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(~attn_mask, -math.inf)
-        else:
-            s = s + attn_mask
+    s = mask_scores((query @ key.transpose(-2, -1)) * factor, attn_mask, is_causal)
     return s.softmax(-1) @ value
 
 

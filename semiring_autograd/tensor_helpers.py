@@ -33,22 +33,30 @@ def attention_probs(
     dtype = message_dtype(query.dtype)
     q, k = query.to(dtype), key.to(dtype)
     factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * factor
-    length, source = scores.shape[-2], scores.shape[-1]
-    if is_causal:
-        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
-        else:
-            scores = scores + attn_mask.to(dtype)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(dtype)
+    scores = mask_scores((q @ k.transpose(-2, -1)) * factor, attn_mask, is_causal)
     top = scores.amax(-1, keepdim=True)
     excluded = torch.isneginf(top)
     weights = torch.exp(scores - torch.where(excluded, torch.zeros_like(top), top))
     total = weights.sum(-1, keepdim=True)
     probs = torch.where(excluded, torch.zeros_like(weights), weights / total)
     return probs.to(query.dtype)
+
+
+def mask_scores(scores: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    """Attention scores with ``scaled_dot_product_attention``'s masking: ``is_causal`` and
+    a bool mask (True = attend) set excluded positions to −inf; a float mask is added."""
+    length, source = scores.shape[-2], scores.shape[-1]
+    if is_causal:
+        keep = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask
+    return scores
 
 
 def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor:
