@@ -220,7 +220,7 @@ def _attribute_one(
     found: list[Path | None] = []
     if want_paths:
         finder = PathFinder(y, x)
-        values = finder._value(finder.message, "max").view(x.shape)[0]
+        values = finder.element_values()[0]
         for t in range(ids.shape[1]):
             has_path = torch.isfinite(values[t]).any()
             found.append(finder.path((0, t, int(values[t].argmax()))) if has_path else None)

@@ -207,9 +207,13 @@ class PathFinder:
             return torch.where(valid, hi, -torch.inf)
         return torch.where(valid, -lo, -torch.inf)  # the min, negated: always maximise
 
+    def element_values(self) -> Tensor:
+        """Per input element (input's shape), the sought extreme's path weight in a form to
+        maximise (the min negated); -inf where no path reaches."""
+        return self._value(self.message, self.which).view(self.input_shape)
+
     def default_index(self) -> int:
-        values = self._value(self.message, self.which)
-        return int(values.argmax())
+        return int(self.element_values().argmax())
 
     def path(self, index: int | Sequence[int] | None = None) -> Path:
         """The strongest path to ``input[index]`` (default: the element with the best readout)."""
