@@ -21,12 +21,8 @@ POS_INF = float("inf")
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _float_like(like: Tensor) -> torch.dtype:
-    return message_dtype(like.dtype)
-
-
 def _full(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
-    return torch.full(tuple(shape), value, dtype=_float_like(like), device=like.device)
+    return torch.full(tuple(shape), value, dtype=message_dtype(like.dtype), device=like.device)
 
 
 def _loo_max(x: Tensor, dim: int, empty: float) -> Tensor:
@@ -339,7 +335,7 @@ class Counting(Log):
     name = "counting"
 
     def lift(self, w):
-        return (torch.where(w != 0, 0.0, NEG_INF).to(_float_like(w)),)
+        return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)
 
 
 class Entropy(Semiring):

@@ -9,12 +9,12 @@ function takes the torch function's own arguments.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from .shape_helpers import attention_scale
 from .tensor_helpers import mask_scores
 
 
@@ -55,7 +55,7 @@ def scaled_dot_product_attention(
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key, value = (_repeat_heads(t, groups) for t in (key, value))
-    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    factor = attention_scale(query.shape, scale)
     s = mask_scores((query @ key.transpose(-2, -1)) * factor, attn_mask, is_causal)
     return s.softmax(-1) @ value
 

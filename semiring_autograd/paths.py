@@ -31,7 +31,8 @@ from .api import recorded_semiring, seed_message
 from .builtin_semirings import MaxProduct, SignedMaxProduct
 from .decompositions import DECOMPOSITIONS
 from .errors import SemiringAutogradError
-from .message import Message, wrap
+from .graph import reachable_nodes
+from .message import wrap
 from .semiring import Semiring
 
 Key = tuple[Any, int]  # a tensor of the graph: (producing node, output number)
@@ -96,18 +97,6 @@ class _Sub(nn.Module):
         return self.replay.call(dict(enumerate(inputs)), fn=self.decomposition)
 
 
-def _reachable(roots: Sequence[Any]) -> list[Any]:
-    seen, order, stack = set(), [], [r for r in roots if r is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        order.append(node)
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return order
-
-
 def _key_of(t: Tensor, nodes: Sequence[Any]) -> Key:
     if t.grad_fn is not None:
         return (t.grad_fn, t.output_nr)
@@ -146,7 +135,7 @@ class PathFinder:
             )
         self.semiring, self.which, self.output = semiring, which, output
         self.signed = isinstance(semiring, SignedMaxProduct)
-        nodes = _reachable([output.grad_fn])
+        nodes = reachable_nodes([output.grad_fn])
         if not any(hasattr(n, "sa_replay") for n in nodes):
             raise SemiringAutogradError(
                 "this graph was recorded without paths: run the forward under "

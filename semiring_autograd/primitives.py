@@ -154,7 +154,7 @@ def fill_zero(
 
 
 def cast(S: Semiring, a: Value, dtype: torch.dtype, device: torch.device) -> Value:
-    """The message of a dtype/device cast's input: components moved to ``device``, floating
-    components in the message precision of ``dtype`` (identity edges)."""
-    target = message_dtype(dtype)
-    return _each(a, lambda c: c.to(device=device, dtype=target if c.is_floating_point() else None))
+    """The message of a dtype/device cast's input (identity edges): components moved to
+    ``device``; wrapping the result as the input's message puts floating components in the
+    message precision of ``dtype``."""
+    return _each(a, lambda c: c.to(device))

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .semiring import message_dtype
+from .shape_helpers import attention_scale
 
 
 def repeat_heads(x: Tensor, query_heads: int, enable_gqa: bool) -> Tensor:
@@ -32,7 +33,7 @@ def attention_probs(
     keys are all excluded has probability 0 everywhere (no edges), not NaN."""
     dtype = message_dtype(query.dtype)
     q, k = query.to(dtype), key.to(dtype)
-    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    factor = attention_scale(q.shape, scale)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(dtype)
     scores = mask_scores((q @ k.transpose(-2, -1)) * factor, attn_mask, is_causal)

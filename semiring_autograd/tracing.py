@@ -17,6 +17,7 @@ from typing import Any, Sequence, TextIO
 import torch
 from torch import Tensor
 
+from .graph import reachable_nodes
 from .message import Message
 
 _ACTIVE = threading.local()
@@ -79,17 +80,10 @@ class trace:
     def attach(self, outputs: Tensor | Sequence[Tensor]) -> None:
         """Hook every semiring node of the graph behind ``outputs``."""
         outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-        seen: set[Any] = set()
-        stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
+        for node in reachable_nodes(o.grad_fn for o in outs):
             if hasattr(node, "sa_op") and node not in self._hooked:
                 self._hooked.add(node)
                 self._handles.append(node.register_hook(self._hook(node)))
-            stack.extend(n for n, _ in node.next_functions)
 
     def detach(self) -> None:
         for h in self._handles:

@@ -10,6 +10,7 @@ from test_compositions import MODELS, _setup
 
 import semiring_autograd as sa
 from semiring_autograd.decompositions import DECOMPOSITIONS
+from semiring_autograd.graph import reachable_nodes
 
 
 def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
@@ -116,7 +117,9 @@ def test_paths_need_recording_and_a_max_semiring():
     x = x.clone().requires_grad_()
     with sa.patch(model, sa.MaxProduct()):
         out = model(x)
-    assert not any(hasattr(n, "sa_replay") for n in _nodes(out))  # nothing recorded
+    assert not any(
+        hasattr(n, "sa_replay") for n in reachable_nodes([out.grad_fn])
+    )  # nothing recorded
     with pytest.raises(sa.SemiringAutogradError, match="paths=True"):
         sa.top_path(out[0, 0], x)
     with sa.patch(model, sa.Log(), paths=True):
@@ -127,17 +130,6 @@ def test_paths_need_recording_and_a_max_semiring():
         out = model(x)
     with pytest.raises(ValueError, match="scalar output"):
         sa.top_path(out, x)
-
-
-def _nodes(out):
-    seen, stack = [], [out.grad_fn]
-    while stack:
-        n = stack.pop()
-        if n is None or n in seen:
-            continue
-        seen.append(n)
-        stack.extend(c for c, _ in n.next_functions)
-    return seen
 
 
 _COMPOSITES = {
