@@ -56,10 +56,10 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     tensor_params = {p.name for p in schema.params if p.is_tensor}
     multi = schema.returns == "Tensor[]"
 
-    def need_expr(target: str) -> str:
+    def need_expr(target: str, needs: str = "ctx.needs_input_grad") -> str:
         if lst is not None and target == lst.name:
-            return f"any(ctx.needs_input_grad[{list_offset}:])"
-        return f"ctx.needs_input_grad[{index[target]}]"
+            return f"any({needs}[{list_offset}:])"
+        return f"{needs}[{index[target]}]"
 
     formulas = entry.formulas
     inter = {f.target: f for f in entry.intermediates}
@@ -111,6 +111,7 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
         setup.append("ctx.mark_non_differentiable(aux)")
     first = "output[0]" if multi else "output"
     setup.append(f"ctx._ref = ({first}.dtype, {first}.device)")
+    setup.append("ctx._tensor_args = tuple(isinstance(x, torch.Tensor) for x in inputs)")
     for t in formulas:
         setup.append(f"need_{t} = {need_expr(t)}")
     if saved:
@@ -164,8 +165,9 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
         back.append(f"{n}__shapes = ctx.{n}__shapes")
     for n in ctx_params:
         back.append(f"{n} = ctx.{n}")
+    back.append("needs = input_demand(ctx, ctx._tensor_args)")
     for t in formulas:
-        back.append(f"need_{t} = {need_expr(t)}")
+        back.append(f"need_{t} = {need_expr(t, 'needs')}")
     for i in entry.intermediates:
         users = [t for t, f in formulas.items() if i.target in f.needs]
         code = rewrite(i.tree, real, tensor_params)
@@ -173,7 +175,7 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     for t, f in formulas.items():
         code = rewrite(f.tree, real, tensor_params)
         if lst is not None and t == lst.name:
-            needs = f"ctx.needs_input_grad[{list_offset}:]"
+            needs = f"needs[{list_offset}:]"
             wrap = "v" if real else "wrap_meta(S, v, m)"
             metas_src = f"ctx.{t}__meta" if not real else needs
             back.append(

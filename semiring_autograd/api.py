@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import tracing
+from . import demand, tracing
 from .builtin_semirings import Real
 from .errors import SemiringAutogradError, SemiringMismatchError
 from .message import Message, wrap
@@ -96,9 +96,10 @@ def grad(
         own.attach(outs)
     tracing.attach_active(outs)
     try:
-        results = torch.autograd.grad(
-            outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
-        )
+        with demand.requesting(outs, ins):
+            results = torch.autograd.grad(
+                outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
+            )
     finally:
         if own is not None:
             own.detach()

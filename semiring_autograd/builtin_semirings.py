@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from . import kernels
 from .semiring import Semiring, Value, message_dtype
 
 NEG_INF = float("-inf")
@@ -177,11 +178,15 @@ class MaxProduct(Semiring):
 
 
 def _max_times(a: Tensor, b: Tensor) -> Tensor:
-    """max_k a[..., i, k] · b[..., k, j], in row blocks so m×k×n is never held at once."""
+    """max_k a[..., i, k] · b[..., k, j] for non-negative a, b (0 where k is empty): the
+    fused kernel, else in row blocks so m×k×n is never held at once."""
     a3, b3, batch = _batch_flatten(a, b)
     m, k, n = a3.shape[-2], a3.shape[-1], b3.shape[-1]
     if k == 0:
         return a.new_zeros((*batch, m, n))
+    fused = kernels.max_times(a3, b3)
+    if fused is not None:
+        return fused.reshape(*batch, m, n)
     rows = max(1, _CHUNK_ELEMENTS // max(1, k * n * a3.shape[0]))
     out = (
         torch.cat(
@@ -246,6 +251,35 @@ class SignedMaxProduct(Semiring):
         )
 
 
+def _nan_empty(a: Value) -> tuple[Tensor, Tensor, bool]:
+    """A signed value's (hi, lo) with NaN marking empty entries, and whether it is a point
+    (hi == lo wherever it is not empty: a lifted derivative)."""
+    hi, lo = torch.broadcast_tensors(*a)
+    empty = hi < lo
+    point = torch.equal(torch.where(empty, 0.0, hi), torch.where(empty, 0.0, lo))
+    nan = torch.tensor(float("nan"), dtype=hi.dtype, device=hi.device)
+    return torch.where(empty, nan, hi), torch.where(empty, nan, lo), point
+
+
+def _signed_matmul_fused(a: Value, b: Value) -> Value | None:
+    """The fused signed matmul (None when the kernel is unavailable). A point operand
+    halves the corner products; a point on the left is moved to the right by transposing."""
+    if not kernels.enabled():
+        return None
+    (ah, al, a_point), (bh, bl, b_point) = _nan_empty(a), _nan_empty(b)
+    swap = a_point and not b_point
+    if swap:
+        ah, al, bh, bl = bh.mT, bl.mT, ah.mT, al.mT
+    a3h, b3h, batch = _batch_flatten(ah, bh)
+    a3l, b3l, _ = _batch_flatten(al, bl)
+    out = kernels.signed_times(a3h, a3l, b3h, None if (a_point or b_point) else b3l)
+    if out is None:
+        return None
+    shape = (*batch, a3h.shape[-2], b3h.shape[-1])
+    hi, lo = (c.reshape(shape) for c in out)
+    return (hi.mT, lo.mT) if swap else (hi, lo)
+
+
 def _signed_combine(a: Value, b: Value, mode: str | None) -> Value:
     """⊗ (mode None) or semiring matmul (mode "matmul") of signed (hi, lo) pairs."""
     if mode == "matmul":
@@ -253,6 +287,10 @@ def _signed_combine(a: Value, b: Value, mode: str | None) -> Value:
         a3h, b3h, batch = _batch_flatten(hi_a, hi_b)
         a3l, b3l, _ = _batch_flatten(lo_a.expand_as(hi_a), lo_b.expand_as(hi_b))
         m, k, n = a3h.shape[-2], a3h.shape[-1], b3h.shape[-1]
+        if k and m and n:
+            fused = _signed_matmul_fused(a, b)
+            if fused is not None:
+                return fused
         rows = max(1, _CHUNK_ELEMENTS // max(1, 4 * k * n * a3h.shape[0]))
         his, los = [], []
         for s in range(0, m, rows):

@@ -175,6 +175,25 @@ def _new_zeros(func, msg, size, **kwargs):
     return Message(msg.semiring, value, size, msg.dtype, msg.device)
 
 
+def _new_empty_strided(func, msg, size, stride, **kwargs):
+    return _new_zeros(func, msg, size)
+
+
+def _copy_inplace(func, dst, src, non_blocking=False):
+    if not isinstance(dst, Message) or not isinstance(src, Message):
+        raise ForeignOpError(
+            "a semiring message was copied to or from a plain tensor; messages only copy "
+            "into messages"
+        )
+    if dst.semiring != src.semiring:
+        raise SemiringMismatchError(
+            f"cannot copy a {src.semiring!r} message into a {dst.semiring!r} message"
+        )
+    value = tuple(c.expand(dst.shape).clone() for c in src.value)
+    dst.value = _in_precision(value, dst.dtype)
+    return dst
+
+
 def _zeros_like(func, msg, **kwargs):
     return _new_zeros(func, msg, msg.shape)
 
@@ -208,6 +227,8 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.slice_backward.default: _slice_backward,
     aten.new_zeros.default: _new_zeros,
     aten.zeros_like.default: _zeros_like,
+    aten.new_empty_strided.default: _new_empty_strided,
+    aten.copy_.default: _copy_inplace,
     aten._to_copy.default: _to_copy,
 }
 

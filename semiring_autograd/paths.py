@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import tracing
+from . import demand, tracing
 from .api import recorded_semiring, seed_message
 from .builtin_semirings import MaxProduct, SignedMaxProduct
 from .decompositions import DECOMPOSITIONS
@@ -151,9 +151,10 @@ class PathFinder:
             seed = seed_message(semiring, output)
         tracing.attach_active([output])
         try:
-            (message,) = torch.autograd.grad(
-                output, input, seed, retain_graph=True, allow_unused=True
-            )
+            with demand.requesting([output], [input]):
+                (message,) = torch.autograd.grad(
+                    output, input, seed, retain_graph=True, allow_unused=True
+                )
         finally:
             for h in hooks:
                 h.remove()

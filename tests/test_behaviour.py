@@ -328,3 +328,28 @@ def test_zero_derivatives_give_no_nan(S):
     for comp in value:
         assert not torch.isnan(comp).any()
     assert not torch.isnan(S.readout(value)).any()
+
+
+@pytest.mark.parametrize("S", ALL, ids=IDS)
+def test_unrequested_weights_get_no_message(S):
+    """Weights require grad but only the input is asked for: the engine would drop their
+    messages, so none is computed; asking for a weight still gets its message, and
+    ``.backward()`` still accumulates into every leaf."""
+    model, x = _mlp(), _x()
+    with sa.patch(model, S):
+        y = model(x)
+    sent = []
+    y.grad_fn.register_hook(lambda grad_in, grad_out: sent.append(grad_in))
+    sa.grad(y, x, retain_graph=True)
+    assert sent[-1][0] is not None and sent[-1][1] is None and sent[-1][2] is None
+    weight = model[2].weight
+    sa.grad(y, [x, weight], retain_graph=True)
+    assert sent[-1][1] is not None and sent[-1][2] is None
+    hidden = model[1](model[0](x))  # a non-leaf input: its producer's edges are used
+    with sa.patch(model[2], S):
+        z = model[2](hidden)
+    z.grad_fn.register_hook(lambda grad_in, grad_out: sent.append(grad_in))
+    sa.grad(z, hidden)
+    assert sent[-1][0] is not None and sent[-1][1] is None
+    y.backward(sa.seed_message(S, y))
+    assert all(p.grad is not None for p in model.parameters())

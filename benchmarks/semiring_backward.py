@@ -1,0 +1,269 @@
+"""Semiring backward vs native backward: time and peak-memory ratios, as a markdown table.
+
+For every case (BERT-base, GPT-2-small, MLP 784-500-10) and every built-in semiring, one
+run measures, on the same inputs (same seed):
+
+- native: forward + ``torch.autograd.grad`` of one output scalar w.r.t. the input
+  embeddings (the MLP: w.r.t. its input batch);
+- semiring: patched forward + ``sa.grad`` of the same scalar w.r.t. the same tensor.
+
+Each (case, mode) runs in its own subprocess, twice: once for time (first call reported
+apart, as it includes any kernel compilation; then the median of the repetitions after a
+warm-up) and once for peak memory (on CPU the process's peak resident set over one call,
+minus the resident set just before it; on CUDA ``torch.cuda.max_memory_allocated``).
+Ratios divide by the native figures of the same run.
+
+Usage: ``python benchmarks/semiring_backward.py [--device cuda] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+CASES = ("bert", "gpt2", "mlp")
+MODES = (
+    "native",
+    "Real",
+    "MaxProduct",
+    "SignedMaxProduct",
+    "Log",
+    "Entropy",
+    "Boolean",
+    "Counting",
+)
+CASE_TITLES = {
+    "bert": "BERT-base (random weights), sequence 128, batch 1",
+    "gpt2": "GPT-2-small (random weights), sequence 128, batch 1",
+    "mlp": "MLP 784-500-10, batch 32",
+}
+
+
+@dataclass
+class Workload:
+    """A model, the leaf to differentiate w.r.t., and the scalar to seed."""
+
+    model: torch.nn.Module
+    leaf: torch.Tensor
+    forward: Callable[[], torch.Tensor]
+
+
+def build(case: str, device: str) -> Workload:
+    """The model and inputs of ``case``, deterministic (seed 0), in float32 eval mode."""
+    torch.manual_seed(0)
+    if case == "mlp":
+        model = torch.nn.Sequential(
+            torch.nn.Linear(784, 500), torch.nn.Tanh(), torch.nn.Linear(500, 10)
+        )
+        leaf = torch.randn(32, 784, device=device)
+        model = model.to(device).eval()
+        leaf.requires_grad_(True)
+        return Workload(model, leaf, lambda: model(leaf)[:, 3].sum())
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if case == "bert":
+        config = transformers.BertConfig(attn_implementation="sdpa")
+        model = transformers.BertForSequenceClassification(config)
+    elif case == "gpt2":
+        config = transformers.GPT2Config(attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        raise ValueError(f"unknown case {case!r}; choose from {CASES}")
+    model = model.to(device).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 128), device=device)
+    with torch.no_grad():
+        leaf = model.get_input_embeddings()(ids)
+    leaf.requires_grad_(True)
+    if case == "bert":
+        return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, 1])
+    target = int(ids[0, -1])
+    return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
+
+
+def step(work: Workload, mode: str) -> torch.Tensor:
+    """One forward + backward of ``mode``; returns the result at the leaf."""
+    if mode == "native":
+        return torch.autograd.grad(work.forward(), work.leaf)[0]
+    import semiring_autograd as sa
+
+    semiring = getattr(sa, mode)()
+    with sa.patch(work.model, semiring):
+        out = work.forward()
+    return sa.grad(out, work.leaf)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _release_freed_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -> dict:
+    work = build(case, device)
+    _sync(device)
+    start = time.perf_counter()
+    step(work, mode)
+    _sync(device)
+    first = time.perf_counter() - start
+    step(work, mode)  # warm-up
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < reps or (spent < budget_s and len(times) < 5 * reps):
+        _sync(device)
+        start = time.perf_counter()
+        step(work, mode)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+        if spent > budget_s and len(times) >= 3:
+            break
+    return {"first_s": first, "median_s": statistics.median(times), "reps": len(times)}
+
+
+def worker_memory(case: str, mode: str, device: str) -> dict:
+    work = build(case, device)
+    step(work, mode)  # compile and allocate caches outside the measured call
+    if device == "cuda":
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(work, mode)
+        torch.cuda.synchronize()
+        return {"peak_bytes": torch.cuda.max_memory_allocated() - base}
+    _release_freed_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set (VmHWM) to the current one
+    base = _rss_bytes("VmRSS")
+    step(work, mode)
+    return {"peak_bytes": _rss_bytes("VmHWM") - base}
+
+
+def run_worker(args: list[str], env: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {args} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()})"
+    )
+
+
+def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str:
+    lines = [f"Machine: {machine(device)}, device {device}.", ""]
+    for case in cases:
+        native = results[case]["native"]
+        lines += [
+            f"**{CASE_TITLES[case]}** — native forward + backward "
+            f"{native['median_s'] * 1e3:.1f} ms, peak memory "
+            f"{native['peak_bytes'] / 2**20:.1f} MiB",
+            "",
+            "| semiring | median ms | time ratio | first call ms | peak MiB | memory ratio |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for mode in modes:
+            r = results[case][mode]
+            lines.append(
+                f"| {mode} | {r['median_s'] * 1e3:.1f} | "
+                f"{r['median_s'] / native['median_s']:.2f}× | {r['first_s'] * 1e3:.0f} | "
+                f"{r['peak_bytes'] / 2**20:.1f} | "
+                f"{r['peak_bytes'] / max(native['peak_bytes'], 1):.2f}× |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--semirings", nargs="+", default=list(MODES[1:]), choices=MODES[1:])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--reps", type=int, default=5, help="at least this many timed calls")
+    parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed calls")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    args = parser.parse_args(argv)
+    if args.worker:
+        kind, case, mode = args.worker
+        if kind == "time":
+            result = worker_time(case, mode, args.device, args.reps, args.budget)
+        else:
+            result = worker_memory(case, mode, args.device)
+        print(json.dumps(result))
+        return
+    modes = ["native", *args.semirings]
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for case in args.cases:
+            results[case] = {}
+            for mode in modes:
+                # a fresh compile cache per case and mode: "first call" includes compilation
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, case, mode))
+                common = ["--device", args.device, "--reps", str(args.reps)]
+                common += ["--budget", str(args.budget)]
+                timing = run_worker(["time", case, mode, *common], env)
+                memory = run_worker(["memory", case, mode, *common], env)
+                results[case][mode] = {**timing, **memory}
+                print(
+                    f"{case:>5} {mode:<17} median {timing['median_s'] * 1e3:9.1f} ms  "
+                    f"first {timing['first_s'] * 1e3:9.0f} ms  "
+                    f"peak {memory['peak_bytes'] / 2**20:8.1f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    text = table(results, args.device, args.cases, modes)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

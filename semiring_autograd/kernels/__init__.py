@@ -1,0 +1,272 @@
+"""Fused semiring matmuls that never hold the m×k×n product.
+
+There is no BLAS for max-times. Two fused paths compute it exactly:
+
+- CPU: ``extreme_matmul.cpp``, register-blocked SIMD loops, compiled on first use with the
+  system C++ compiler (``-O3 -march=native``) into a per-machine cache and called through
+  ctypes on ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+- CUDA: ``torch.compile`` of broadcast-multiply + reduction, which Inductor turns into one
+  Triton kernel (dynamic shapes, so one compilation serves every shape).
+
+``SEMIRING_AUTOGRAD_KERNELS=eager`` turns both off; so does a failed compilation (with one
+warning). Callers then fall back to blocked eager evaluation, which gives the same values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_SOURCE = Path(__file__).with_name("extreme_matmul.cpp")
+_ENV = "SEMIRING_AUTOGRAD_KERNELS"
+_LOCK = threading.Lock()
+#: below this many multiply-reduce steps a call runs on one thread
+_PARALLEL_WORK = 1 << 18
+
+
+def enabled() -> bool:
+    """False when ``SEMIRING_AUTOGRAD_KERNELS=eager`` asks for eager evaluation."""
+    return os.environ.get(_ENV, "").strip().lower() != "eager"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SEMIRING_AUTOGRAD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "semiring_autograd"
+    )
+    return Path(root)
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU model and its flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled CPU kernels (built once per source, compiler and CPU), or None."""
+    cxx = _compiler()
+    if cxx is None:
+        _warn("no C++ compiler found (set CXX)")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS]).encode() + _cpu_signature().encode())
+    target = _cache_dir() / f"extreme_matmul-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            proc = subprocess.run(
+                [cxx, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                _warn(f"{cxx} failed:\n{proc.stderr[-2000:]}")
+                return None
+            os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    lib = ctypes.CDLL(str(target))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+        getattr(lib, f"block_width_{suffix}").restype = ctypes.c_int
+        getattr(lib, f"max_times_{suffix}").argtypes = [ptr] * 3 + [i64] * 7 + [scalar]
+        getattr(lib, f"max_times_{suffix}").restype = None
+        getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7
+        getattr(lib, f"signed_times_{suffix}").restype = None
+    return lib
+
+
+def _warn(reason: str) -> None:
+    warnings.warn(
+        f"semiring_autograd: fused CPU semiring matmul unavailable ({reason}); using blocked "
+        f"eager evaluation, which is slower. Set {_ENV}=eager to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="semiring-kernel")
+
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _cpu_ready(*tensors: Tensor) -> ctypes.CDLL | None:
+    if not enabled() or any(t.device.type != "cpu" or t.dtype not in _SUFFIX for t in tensors):
+        return None
+    if len({t.dtype for t in tensors}) != 1:
+        return None
+    with _LOCK:
+        return _library()
+
+
+def _pad_columns(b: Tensor, width: int, fill: float) -> Tensor:
+    """``b`` (batch, k, n) contiguous with n padded to a multiple of ``width``."""
+    n = b.shape[-1]
+    padded = -(-n // width) * width
+    if padded == n:
+        return b.contiguous()
+    out = b.new_full((*b.shape[:-1], padded), fill)
+    out[..., :n] = b
+    return out
+
+
+def _run(fn, args_of, batch: int, blocks: int, work: int) -> None:
+    """Call ``fn(*args_of(b0, b1, c0, c1))`` on disjoint (batch, column-block) ranges."""
+    threads = max(1, torch.get_num_threads())
+    if threads == 1 or work < _PARALLEL_WORK:
+        fn(*args_of(0, batch, 0, blocks))
+        return
+    if blocks >= threads or blocks >= batch:
+        step = -(-blocks // threads)
+        ranges = [(0, batch, c, min(c + step, blocks)) for c in range(0, blocks, step)]
+    else:
+        step = -(-batch // threads)
+        ranges = [(b, min(b + step, batch), 0, blocks) for b in range(0, batch, step)]
+    list(_pool(threads).map(lambda r: fn(*args_of(*r)), ranges))
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def max_times(a: Tensor, b: Tensor, init: float = 0.0) -> Tensor | None:
+    """max(init, max_k a[bt, i, k] · b[bt, k, j]) for 3-D ``a`` (B, m, k) and ``b``
+    (B, k, n) on the fused path, or None when it is unavailable (caller falls back).
+    NaN entries never win."""
+    if a.device.type == "cuda" and enabled():
+        return _cuda_max_times(a, b, init)
+    lib = _cpu_ready(a, b)
+    if lib is None:
+        return None
+    suffix = _SUFFIX[a.dtype]
+    width = getattr(lib, f"block_width_{suffix}")()
+    batch, m, k = a.shape
+    n = b.shape[-1]
+    a = a.contiguous()
+    bp = _pad_columns(b, width, 0.0)
+    padded = bp.shape[-1]
+    out = a.new_empty((batch, m, padded))
+    fn = getattr(lib, f"max_times_{suffix}")
+    _run(
+        fn,
+        lambda b0, b1, c0, c1: (a.data_ptr(), bp.data_ptr(), out.data_ptr())
+        + (m, k, padded, b0, b1, c0, c1, init),
+        batch,
+        padded // width,
+        batch * m * k * padded,
+    )
+    return out[..., :n] if padded != n else out
+
+
+def signed_times(
+    a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """(max_k, min_k) over the corner products of signed pairs a (B, m, k) and b (B, k, n);
+    ``b_lo=None`` when b is a point (hi == lo). NaN marks an empty entry; an output with no
+    non-empty term is (-inf, +inf). None when the fused path is unavailable."""
+    if a_hi.device.type == "cuda" and enabled():
+        return _cuda_signed_times(a_hi, a_lo, b_hi, b_hi if b_lo is None else b_lo)
+    lib = _cpu_ready(a_hi, a_lo, b_hi, *(() if b_lo is None else (b_lo,)))
+    if lib is None:
+        return None
+    suffix = _SUFFIX[a_hi.dtype]
+    width = getattr(lib, f"block_width_{suffix}")()
+    batch, m, k = a_hi.shape
+    n = b_hi.shape[-1]
+    a_hi, a_lo = a_hi.contiguous(), a_lo.contiguous()
+    bh = _pad_columns(b_hi, width, float("nan"))
+    bl = None if b_lo is None else _pad_columns(b_lo, width, float("nan"))
+    padded = bh.shape[-1]
+    hi = a_hi.new_empty((batch, m, padded))
+    lo = a_hi.new_empty((batch, m, padded))
+    fn = getattr(lib, f"signed_times_{suffix}")
+    _run(
+        fn,
+        lambda b0, b1, c0, c1: tuple(map(_ptr, (a_hi, a_lo, bh, bl, hi, lo)))
+        + (m, k, padded, b0, b1, c0, c1),
+        batch,
+        padded // width,
+        batch * m * k * padded * (2 if b_lo is None else 4),
+    )
+    if padded != n:
+        hi, lo = hi[..., :n], lo[..., :n]
+    return hi, lo
+
+
+# ----- CUDA: Inductor/Triton -------------------------------------------------------------
+def _max_times_formula(a: Tensor, b: Tensor, init: float) -> Tensor:
+    p = a[:, :, :, None] * b[:, None, :, :]
+    p = torch.where(torch.isnan(p), torch.full_like(p, init), p)
+    return p.amax(dim=2).clamp_min(init)
+
+
+def _signed_formula(a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor):
+    ah, al = a_hi[:, :, :, None], a_lo[:, :, :, None]
+    bh, bl = b_hi[:, None, :, :], b_lo[:, None, :, :]
+    p1, p2, p3, p4 = ah * bh, ah * bl, al * bh, al * bl
+    top = torch.maximum(torch.maximum(p1, p2), torch.maximum(p3, p4))
+    bottom = torch.minimum(torch.minimum(p1, p2), torch.minimum(p3, p4))
+    empty = torch.isnan(top)
+    top = torch.where(empty, torch.full_like(top, float("-inf")), top)
+    bottom = torch.where(empty, torch.full_like(bottom, float("inf")), bottom)
+    return top.amax(dim=2), bottom.amin(dim=2)
+
+
+@functools.cache
+def _compiled(name: str):
+    formula = {"max": _max_times_formula, "signed": _signed_formula}[name]
+    return torch.compile(formula, dynamic=True, fullgraph=True)
+
+
+_CUDA_FAILED: set[str] = set()
+
+
+def _cuda_call(name: str, *args):
+    if name not in _CUDA_FAILED:
+        try:
+            return _compiled(name)(*args)
+        except Exception as error:  # noqa: BLE001 -- any compile failure means: fall back
+            _CUDA_FAILED.add(name)
+            warnings.warn(
+                f"semiring_autograd: torch.compile of the CUDA {name} matmul failed "
+                f"({type(error).__name__}: {error}); using blocked eager evaluation.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return None
+
+
+def _cuda_max_times(a: Tensor, b: Tensor, init: float) -> Tensor | None:
+    return _cuda_call("max", a, b, init)
+
+
+def _cuda_signed_times(a_hi, a_lo, b_hi, b_lo):
+    return _cuda_call("signed", a_hi, a_lo, b_hi, b_lo)

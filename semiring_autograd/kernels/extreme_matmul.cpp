@@ -1,0 +1,189 @@
+// Max-times and signed max/min-times matrix products for the CPU, in register blocks.
+//
+// Part of semiring_autograd. Compiled on first use by kernels/__init__.py with the system
+// C++ compiler (-O3 -march=native) and loaded with ctypes; no Python or torch headers.
+//
+// Every function works on contiguous row-major operands with a batch dimension:
+//   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
+//   block width W (the caller pads b), and fills out[bt, :, columns c0*W .. c1*W) for the
+//   batches bt in [b0, b1). Threads call it on disjoint (batch, column) ranges.
+//
+// A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
+// a min, because an update is `p > acc ? p : acc`, false for NaN.
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+template <typename T>
+struct Vec {
+    typedef T type __attribute__((vector_size(64)));
+    static constexpr int lanes = 64 / sizeof(T);
+};
+
+template <typename V>
+inline V load(const void* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+}
+
+template <typename V>
+inline void store(void* p, V v) {
+    std::memcpy(p, &v, sizeof(V));
+}
+
+template <typename V>
+inline V vmax(V x, V y) {
+    return x > y ? x : y;
+}
+
+template <typename V>
+inline V vmin(V x, V y) {
+    return x < y ? x : y;
+}
+
+constexpr int C = 2;  // vectors per row in a block: W = C * lanes columns
+
+// out[i, j] = max(init, max_k a[i, k] * b[k, j]) for R rows from i and W columns from j.
+template <typename T, int R>
+void max_block(const T* a, const T* b, T* out, int64_t k, int64_t n, T init) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    V acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = V{} + init;
+    for (int64_t q = 0; q < k; ++q) {
+        V bv[C];
+        for (int c = 0; c < C; ++c) bv[c] = load<V>(b + q * n + c * L);
+        for (int r = 0; r < R; ++r) {
+            const T s = a[r * k + q];
+            for (int c = 0; c < C; ++c) acc[r][c] = vmax(bv[c] * s, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) store(out + r * n + c * L, acc[r][c]);
+}
+
+// Signed pairs: a is (ahi, alo), b is (bhi, blo), or a single point b (bhi == blo) when
+// blo is null. hi[i, j] = max_k of the largest of the corner products, lo = min_k of the
+// smallest; empty (every k NaN) gives (-inf, +inf).
+template <typename T, int R, bool POINT>
+void signed_block(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi, T* lo,
+                  int64_t k, int64_t n) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const T inf = __builtin_inf();
+    V acc_hi[R][C], acc_lo[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            acc_hi[r][c] = V{} - inf;
+            acc_lo[r][c] = V{} + inf;
+        }
+    for (int64_t q = 0; q < k; ++q) {
+        V bh[C], bl[C];
+        for (int c = 0; c < C; ++c) {
+            bh[c] = load<V>(bhi + q * n + c * L);
+            bl[c] = POINT ? bh[c] : load<V>(blo + q * n + c * L);
+        }
+        for (int r = 0; r < R; ++r) {
+            const T sh = ahi[r * k + q], sl = alo[r * k + q];
+            for (int c = 0; c < C; ++c) {
+                V p1 = bh[c] * sh, p2 = bh[c] * sl, top, bottom;
+                if (POINT) {
+                    top = vmax(p1, p2);
+                    bottom = vmin(p1, p2);
+                } else {
+                    V p3 = bl[c] * sh, p4 = bl[c] * sl;
+                    top = vmax(vmax(p1, p2), vmax(p3, p4));
+                    bottom = vmin(vmin(p1, p2), vmin(p3, p4));
+                }
+                acc_hi[r][c] = vmax(top, acc_hi[r][c]);
+                acc_lo[r][c] = vmin(bottom, acc_lo[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            store(hi + r * n + c * L, acc_hi[r][c]);
+            store(lo + r * n + c * L, acc_lo[r][c]);
+        }
+}
+
+constexpr int ROWS = 4;
+
+template <typename T>
+void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
+               int64_t b1, int64_t c0, int64_t c1, T init) {
+    constexpr int W = C * Vec<T>::lanes;
+    for (int64_t bt = b0; bt < b1; ++bt) {
+        const T* ab = a + bt * m * k;
+        const T* bb = b + bt * k * n;
+        T* ob = out + bt * m * n;
+        for (int64_t cb = c0; cb < c1; ++cb) {
+            const int64_t j = cb * W;
+            int64_t i = 0;
+            for (; i + ROWS <= m; i += ROWS)
+                max_block<T, ROWS>(ab + i * k, bb + j, ob + i * n + j, k, n, init);
+            for (; i < m; ++i) max_block<T, 1>(ab + i * k, bb + j, ob + i * n + j, k, n, init);
+        }
+    }
+}
+
+template <typename T, bool POINT>
+void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi, T* lo,
+                  int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1, int64_t c0,
+                  int64_t c1) {
+    constexpr int W = C * Vec<T>::lanes;
+    for (int64_t bt = b0; bt < b1; ++bt) {
+        const int64_t ao = bt * m * k, bo = bt * k * n, oo = bt * m * n;
+        for (int64_t cb = c0; cb < c1; ++cb) {
+            const int64_t j = cb * W;
+            const T* bl = POINT ? nullptr : blo + bo + j;
+            int64_t i = 0;
+            for (; i + ROWS <= m; i += ROWS)
+                signed_block<T, ROWS, POINT>(ahi + ao + i * k, alo + ao + i * k, bhi + bo + j,
+                                             bl, hi + oo + i * n + j, lo + oo + i * n + j, k, n);
+            for (; i < m; ++i)
+                signed_block<T, 1, POINT>(ahi + ao + i * k, alo + ao + i * k, bhi + bo + j, bl,
+                                          hi + oo + i * n + j, lo + oo + i * n + j, k, n);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int block_width_f32() { return C * Vec<float>::lanes; }
+int block_width_f64() { return C * Vec<double>::lanes; }
+
+void max_times_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
+                   int64_t b0, int64_t b1, int64_t c0, int64_t c1, float init) {
+    max_times<float>(a, b, out, m, k, n, b0, b1, c0, c1, init);
+}
+
+void max_times_f64(const double* a, const double* b, double* out, int64_t m, int64_t k,
+                   int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, double init) {
+    max_times<double>(a, b, out, m, k, n, b0, b1, c0, c1, init);
+}
+
+void signed_times_f32(const float* ahi, const float* alo, const float* bhi, const float* blo,
+                      float* hi, float* lo, int64_t m, int64_t k, int64_t n, int64_t b0,
+                      int64_t b1, int64_t c0, int64_t c1) {
+    if (blo)
+        signed_times<float, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+    else
+        signed_times<float, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+}
+
+void signed_times_f64(const double* ahi, const double* alo, const double* bhi,
+                      const double* blo, double* hi, double* lo, int64_t m, int64_t k,
+                      int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1) {
+    if (blo)
+        signed_times<double, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+    else
+        signed_times<double, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+}
+
+}  // extern "C"

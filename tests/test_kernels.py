@@ -1,0 +1,128 @@
+"""The fused semiring matmuls against a plain broadcast-and-reduce oracle.
+
+The fused paths (C++ on CPU, Triton on CUDA) must give exactly the values of the eager
+formula: every product is the same floating-point multiply, and max/min are exact. The
+shapes cover block tails (rows not a multiple of 4, columns not a multiple of the SIMD
+block), empty-entry markers, batches and the multi-threaded split.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import semiring_autograd as sa
+from semiring_autograd import kernels
+from semiring_autograd.builtin_semirings import MaxProduct, SignedMaxProduct
+
+NAN, INF = float("nan"), float("inf")
+SHAPES = [
+    (1, 1, 1, 1),
+    (1, 5, 7, 3),
+    (2, 9, 33, 70),
+    (3, 4, 16, 32),
+    (1, 130, 64, 100),  # above the threading threshold, column split
+    (8, 64, 48, 20),  # above the threading threshold, batch split
+]
+DTYPES = [torch.float32, torch.float64]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _eager_max(a, b):
+    return (a[:, :, :, None] * b[:, None, :, :]).amax(2)
+
+
+def _eager_signed(ah, al, bh, bl):
+    corners = torch.stack([x[:, :, :, None] * y[:, None] for x in (ah, al) for y in (bh, bl)])
+    empty = torch.isnan(corners).any(0)
+    top = torch.where(empty, -INF, corners.amax(0)).amax(2)
+    bottom = torch.where(empty, INF, corners.amin(0)).amin(2)
+    return top, bottom
+
+
+def _signed_operand(shape, dtype, device, gen, point):
+    hi = torch.randn(shape, dtype=dtype, generator=gen).to(device)
+    lo = hi if point else hi - torch.rand(shape, dtype=dtype, generator=gen).to(device)
+    empty = torch.rand(shape, generator=gen).to(device) < 0.3
+    return hi.masked_fill(empty, NAN), lo.masked_fill(empty, NAN)
+
+
+@pytest.fixture(autouse=True)
+def _fused_available():
+    if not kernels.enabled():
+        pytest.skip("SEMIRING_AUTOGRAD_KERNELS=eager: the fused kernels are switched off")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_max_times_equals_broadcast_amax(shape, dtype, device):
+    gen = torch.Generator().manual_seed(sum(shape))
+    batch, m, k, n = shape
+    a = torch.rand(batch, m, k, dtype=dtype, generator=gen).to(device)
+    b = torch.rand(batch, k, n, dtype=dtype, generator=gen).to(device)
+    a[a < 0.2] = 0.0  # exact zeros: no edge, product 0
+    got = kernels.max_times(a, b)
+    assert got is not None, "the fused kernel is unavailable on this machine"
+    torch.testing.assert_close(got, _eager_max(a, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("point", [False, True], ids=["interval", "point"])
+def test_signed_times_equals_corner_products(shape, dtype, device, point):
+    gen = torch.Generator().manual_seed(sum(shape) + point)
+    batch, m, k, n = shape
+    ah, al = _signed_operand((batch, m, k), dtype, device, gen, point=False)
+    bh, bl = _signed_operand((batch, k, n), dtype, device, gen, point=point)
+    got = kernels.signed_times(ah, al, bh, None if point else bl)
+    assert got is not None, "the fused kernel is unavailable on this machine"
+    expected = _eager_signed(ah, al, bh, bl)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_all_empty_row_is_the_semiring_zero():
+    ah = torch.full((1, 2, 5), NAN)
+    bh = torch.randn(1, 5, 3)
+    hi, lo = kernels.signed_times(ah, ah, bh, None)
+    assert torch.all(hi == -INF) and torch.all(lo == INF)
+
+
+@pytest.mark.parametrize("semiring", [MaxProduct(), SignedMaxProduct()], ids=repr)
+def test_semiring_matmul_fused_equals_eager(semiring, monkeypatch):
+    """The semiring's matmul (batch broadcasting, a point operand on either side, lifted
+    zeros) gives the same value with the kernels on and off."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1, 6, 40, dtype=torch.float64, generator=gen)
+    w = torch.randn(3, 40, 9, dtype=torch.float64, generator=gen)
+    x[x.abs() < 0.5] = 0.0
+    message = semiring.matmul(semiring.lift(x), semiring.lift(w))  # an interval value
+    cases = [
+        (message, semiring.lift(torch.randn(9, 17, dtype=torch.float64, generator=gen))),
+        (semiring.lift(torch.randn(5, 6, dtype=torch.float64, generator=gen)), message),
+        (message, semiring.lift(torch.zeros(9, 4, dtype=torch.float64))),
+    ]
+    fused = [semiring.matmul(a, b) for a, b in cases]
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")
+    eager = [semiring.matmul(a, b) for a, b in cases]
+    for f, e in zip(fused, eager):
+        for fc, ec in zip(f, e):
+            torch.testing.assert_close(fc, ec, rtol=0, atol=0)
+
+
+def test_eager_switch_gives_the_same_model_result(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.Tanh(), torch.nn.Linear(50, 7))
+    x = torch.randn(4, 30, requires_grad=True)
+    results = {}
+    for mode in ("fused", "eager"):
+        if mode == "eager":
+            monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")
+        for S in (sa.MaxProduct(), sa.SignedMaxProduct()):
+            with sa.patch(model, S):
+                y = model(x)
+            results[mode, repr(S)] = sa.grad(y, x)
+    for S in ("MaxProduct()", "SignedMaxProduct()"):
+        torch.testing.assert_close(results["fused", S], results["eager", S], rtol=0, atol=0)
