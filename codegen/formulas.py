@@ -170,6 +170,14 @@ class _Rewriter(ast.NodeTransformer):
         if not isinstance(node.func, ast.Name):
             return node
         fname = node.func.id
+        if not self.real and fname == "matmul" and _is_primitive_call(node.args[1], "P", "lift"):
+            # matmul(x, lift(w)) -> matmul_lift: semirings skip work lift would do (log|w|)
+            lifted = node.args[1].args
+            return ast.Call(
+                ast.Attribute(ast.Name("P", ast.Load()), "matmul_lift", ast.Load()),
+                [ast.Name("S", ast.Load()), node.args[0], lifted[1], lifted[2]],
+                [],
+            )
         if fname == "shapes":
             return ast.Name(f"{node.args[0].id}__shapes", ast.Load())
         if fname in HELPERS:
@@ -198,6 +206,17 @@ class _Rewriter(ast.NodeTransformer):
             [ast.Name("S", ast.Load()), *args],
             node.keywords,
         )
+
+
+def _is_primitive_call(node: ast.AST, module: str, name: str) -> bool:
+    """Is ``node`` an already rewritten call ``module.name(...)``?"""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == name
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == module
+    )
 
 
 def rewrite(tree: ast.Expression, real: bool, tensor_params: set[str]) -> str:

@@ -69,14 +69,30 @@ class _LogSpaceGemm:
     the shifted products underflow."""
 
     @staticmethod
-    def run(la: Tensor, lb: Tensor, ra: Tensor | None, rb: Tensor | None):
-        a3, b3, batch = _batch_flatten(la, lb)
-        m, n = a3.shape[-2], b3.shape[-1]
+    def run(
+        la: Tensor,
+        lb: Tensor | None,
+        ra: Tensor | None,
+        rb: Tensor | None,
+        b_linear: Tensor | None = None,
+    ):
+        """``lb`` is b in log space; or pass ``b_linear`` = exp(lb) (|w| of a lifted ``w``,
+        no transcendental needed) and ``lb=None``."""
+        if b_linear is not None:
+            # no column shift: the GEMM takes |w| as it is (a shift would only rescale z)
+            a3, eb, batch = _batch_flatten(la, b_linear)
+            mb, b3 = 0.0, None
+        else:
+            a3, b3, batch = _batch_flatten(la, lb)
+        m, n = a3.shape[-2], (b3 if b3 is not None else eb).shape[-1]
         if a3.shape[-1] == 0:
             out = a3.new_full((*batch, m, n), NEG_INF)
             return out, (None if ra is None else torch.zeros_like(out))
-        ma, mb = _finite_max(a3, -1), _finite_max(b3, -2)
-        ea, eb = torch.exp(a3 - ma), torch.exp(b3 - mb)
+        ma = _finite_max(a3, -1)
+        ea = torch.exp(a3 - ma)
+        if b3 is not None:
+            mb = _finite_max(b3, -2)
+            eb = torch.exp(b3 - mb)
         z = ea @ eb
         out = torch.log(z) + ma + mb
         r = None
@@ -86,7 +102,11 @@ class _LogSpaceGemm:
             r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
         dtype = z.dtype
         bad = z < torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+        if b3 is None:
+            bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
         if bad.any():
+            if b3 is None:
+                b3 = torch.log(eb)
             reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
             bad = bad & reach
             where = bad.nonzero()
@@ -243,6 +263,15 @@ class SignedMaxProduct(Semiring):
     def matmul(self, a, b):
         return _signed_combine(a, b, "matmul")
 
+    def matmul_lift(self, a, w):
+        m, k, n = a[0].shape[-2], a[0].shape[-1], w.shape[-1]
+        if k and m and n:
+            point = torch.where(w != 0, w, torch.full_like(w, float("nan")))
+            fused = _signed_matmul_fused(a, point=point)
+            if fused is not None:
+                return fused
+        return self.matmul(a, self.lift(w))
+
     def index_add(self, a, index, size):
         hi, lo = torch.broadcast_tensors(*a)
         return (
@@ -261,12 +290,17 @@ def _nan_empty(a: Value) -> tuple[Tensor, Tensor, bool]:
     return torch.where(empty, nan, hi), torch.where(empty, nan, lo), point
 
 
-def _signed_matmul_fused(a: Value, b: Value) -> Value | None:
-    """The fused signed matmul (None when the kernel is unavailable). A point operand
-    halves the corner products; a point on the left is moved to the right by transposing."""
+def _signed_matmul_fused(a: Value, b: Value | None = None, point: Tensor | None = None):
+    """The fused signed matmul of a and b, or of a and a lifted ``point`` (NaN where
+    empty); None when the kernel is unavailable. A point operand halves the corner
+    products; a point on the left is moved to the right by transposing."""
     if not kernels.enabled():
         return None
-    (ah, al, a_point), (bh, bl, b_point) = _nan_empty(a), _nan_empty(b)
+    ah, al, a_point = _nan_empty(a)
+    if b is None:
+        bh, bl, b_point = point, point, True
+    else:
+        bh, bl, b_point = _nan_empty(b)
     swap = a_point and not b_point
     if swap:
         ah, al, bh, bl = bh.mT, bl.mT, ah.mT, al.mT
@@ -316,6 +350,26 @@ def _signed_combine(a: Value, b: Value, mode: str | None) -> Value:
     )
 
 
+def _log_loo(x: Tensor, dim: int) -> Tensor:
+    """log Σ_{j≠i} exp(x_j) along ``dim`` from the top two entries (no scan).
+
+    Shifted by the maximum, every position but the argmax keeps the argmax's term 1 in its
+    sum, so total - e_i loses no precision. The argmax position sums the others afresh,
+    shifted by the second largest, so a gap between the two never underflows."""
+    n = x.shape[dim]
+    if n <= 1:
+        return torch.full_like(x, NEG_INF)
+    top2, idx = x.topk(2, dim=dim)
+    first = idx.narrow(dim, 0, 1)
+    shift1 = torch.where(torch.isfinite(top2), top2, torch.zeros_like(top2))
+    s1, s2 = shift1.narrow(dim, 0, 1), shift1.narrow(dim, 1, 1)
+    e = torch.exp(x - s1)
+    rest = torch.log((e.sum(dim, keepdim=True) - e).clamp_min(0.0)) + s1
+    others = torch.exp(x - s2).scatter(dim, first, 0.0).sum(dim, keepdim=True)
+    at_max = torch.log(others) + s2
+    return rest.scatter(dim, first, at_max)
+
+
 class Log(Semiring):
     """(logaddexp, +) over log|w|: log of the total |path| weight, -inf where no path."""
 
@@ -343,19 +397,17 @@ class Log(Semiring):
         return (torch.logsumexp(a[0], dim=dims, keepdim=keepdim),)
 
     def loo(self, a, dim):
-        x = a[0]
-        n = x.shape[dim]
-        if n <= 1:
-            return (torch.full_like(x, NEG_INF),)
-        prefix = torch.logcumsumexp(x, dim)
-        suffix = torch.logcumsumexp(x.flip(dim), dim).flip(dim)
-        pad = x.narrow(dim, 0, 1).new_full(x.narrow(dim, 0, 1).shape, NEG_INF)
-        excl_prefix = torch.cat([pad, prefix.narrow(dim, 0, n - 1)], dim)
-        excl_suffix = torch.cat([suffix.narrow(dim, 1, n - 1), pad], dim)
-        return (torch.logaddexp(excl_prefix, excl_suffix),)
+        return (_log_loo(a[0], dim),)
 
     def matmul(self, a, b):
         return (_LogSpaceGemm.run(a[0], b[0], None, None)[0],)
+
+    def linear_lift(self, w: Tensor) -> Tensor:
+        """exp(lift(w)), computed without exp or log."""
+        return w.abs()
+
+    def matmul_lift(self, a, w):
+        return (_LogSpaceGemm.run(a[0], None, None, None, b_linear=self.linear_lift(w))[0],)
 
     def index_add(self, a, index, size):
         x = a[0]
@@ -374,6 +426,9 @@ class Counting(Log):
 
     def lift(self, w):
         return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)
+
+    def linear_lift(self, w):
+        return (w != 0).to(message_dtype(w.dtype))
 
 
 class Entropy(Semiring):
@@ -419,6 +474,12 @@ class Entropy(Semiring):
         la, ra = torch.broadcast_tensors(*a)
         lb, rb = torch.broadcast_tensors(*b)
         return _LogSpaceGemm.run(la, lb, ra, rb)
+
+    def matmul_lift(self, a, w):
+        la, ra = torch.broadcast_tensors(*a)
+        magnitude = w.abs()
+        rb = torch.where(w != 0, -torch.log(magnitude), torch.zeros_like(magnitude))
+        return _LogSpaceGemm.run(la, None, ra, rb, b_linear=magnitude)
 
     def index_add(self, a, index, size):
         la, r = torch.broadcast_tensors(*a)

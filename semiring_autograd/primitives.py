@@ -85,6 +85,12 @@ def matmul(S: Semiring, a: Value, b: Value) -> Value:
     return S.matmul(a, b)
 
 
+def matmul_lift(S: Semiring, a: Value, w: Tensor, ref: Ref) -> Value:
+    """matmul(a, lift(w)), which the generator emits for that pattern: a semiring may skip
+    materialising lift(w) (the log-space semirings never take log|w| only to exp it)."""
+    return S.matmul_lift(a, _as_tensor(w, ref))
+
+
 def loo(S: Semiring, a: Value, dim: int) -> Value:
     """Leave-one-out ⊕ along ``dim``."""
     return S.loo(a, dim)

@@ -197,6 +197,11 @@ class Semiring:
             return self.zero((*batch, m, n), a[0])
         return tuple(torch.cat(parts, dim=-2) for parts in zip(*pieces))
 
+    def matmul_lift(self, a: Value, w: Tensor) -> Value:
+        """matmul(a, lift(w)) for real derivatives ``w``; override to skip work ``lift``
+        does that the matmul would undo."""
+        return self.matmul(a, self.lift(w))
+
     # ----- helpers shared by formulas ---------------------------------------------------
     def sum_to(self, a: Value, shape: Sequence[int]) -> Value:
         """⊕ over the dims along which ``shape`` was broadcast to ``a``'s shape."""

@@ -126,3 +126,23 @@ def test_eager_switch_gives_the_same_model_result(monkeypatch):
             results[mode, repr(S)] = sa.grad(y, x)
     for S in ("MaxProduct()", "SignedMaxProduct()"):
         torch.testing.assert_close(results["fused", S], results["eager", S], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("semiring", [cls() for cls in sa.BUILTIN_SEMIRINGS], ids=repr)
+@pytest.mark.parametrize("extreme", [False, True], ids=["plain", "underflow"])
+def test_matmul_lift_equals_matmul_of_lift(semiring, extreme):
+    """The generator turns matmul(x, lift(w)) into matmul_lift(x, w); each semiring's fast
+    path must equal the definition (batch broadcasting, exact zeros in w, and products
+    so small that shift-and-GEMM underflows and the exact fallback runs)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=gen)
+    w = torch.randn(8, 6, dtype=torch.float64, generator=gen)
+    w[w.abs() < 0.4] = 0.0
+    if extreme:
+        x[..., :4] *= 1e-200  # row maxima and column maxima sit at different k
+        w[4:, :] *= 1e-200
+    a = semiring.matmul(semiring.lift(x), semiring.lift(torch.eye(8, dtype=torch.float64)))
+    got = semiring.matmul_lift(a, w)
+    expected = semiring.matmul(a, semiring.lift(w))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-300)

@@ -10,8 +10,10 @@
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -45,49 +47,53 @@ inline V vmin(V x, V y) {
 
 constexpr int C = 2;  // vectors per row in a block: W = C * lanes columns
 
-// out[i, j] = max(init, max_k a[i, k] * b[k, j]) for R rows from i and W columns from j.
+// out[i, j] = max(start, max_q a[i, q] * b[q, j]) for R rows from i, W columns from j and
+// q < kc, where start is `init`, or out's current value when `resume` (a later k block).
+// a has row stride lda; b is a packed strip (row stride W); out has row stride ldo.
 template <typename T, int R>
-void max_block(const T* a, const T* b, T* out, int64_t k, int64_t n, T init) {
+void max_block(const T* a, int64_t lda, const T* b, T* out, int64_t ldo, int64_t kc, T init,
+               bool resume) {
     typedef typename Vec<T>::type V;
-    constexpr int L = Vec<T>::lanes;
+    constexpr int L = Vec<T>::lanes, W = C * L;
     V acc[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = V{} + init;
-    for (int64_t q = 0; q < k; ++q) {
+        for (int c = 0; c < C; ++c)
+            acc[r][c] = resume ? load<V>(out + r * ldo + c * L) : V{} + init;
+    for (int64_t q = 0; q < kc; ++q) {
         V bv[C];
-        for (int c = 0; c < C; ++c) bv[c] = load<V>(b + q * n + c * L);
+        for (int c = 0; c < C; ++c) bv[c] = load<V>(b + q * W + c * L);
         for (int r = 0; r < R; ++r) {
-            const T s = a[r * k + q];
+            const T s = a[r * lda + q];
             for (int c = 0; c < C; ++c) acc[r][c] = vmax(bv[c] * s, acc[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) store(out + r * n + c * L, acc[r][c]);
+        for (int c = 0; c < C; ++c) store(out + r * ldo + c * L, acc[r][c]);
 }
 
 // Signed pairs: a is (ahi, alo), b is (bhi, blo), or a single point b (bhi == blo) when
-// blo is null. hi[i, j] = max_k of the largest of the corner products, lo = min_k of the
-// smallest; empty (every k NaN) gives (-inf, +inf).
+// POINT. hi[i, j] = max_q of the largest corner product, lo = min_q of the smallest; empty
+// (every q NaN) gives (-inf, +inf). Strides and `resume` as in max_block.
 template <typename T, int R, bool POINT>
-void signed_block(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi, T* lo,
-                  int64_t k, int64_t n) {
+void signed_block(const T* ahi, const T* alo, int64_t lda, const T* bhi, const T* blo, T* hi,
+                  T* lo, int64_t ldo, int64_t kc, bool resume) {
     typedef typename Vec<T>::type V;
-    constexpr int L = Vec<T>::lanes;
+    constexpr int L = Vec<T>::lanes, W = C * L;
     const T inf = __builtin_inf();
     V acc_hi[R][C], acc_lo[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
-            acc_hi[r][c] = V{} - inf;
-            acc_lo[r][c] = V{} + inf;
+            acc_hi[r][c] = resume ? load<V>(hi + r * ldo + c * L) : V{} - inf;
+            acc_lo[r][c] = resume ? load<V>(lo + r * ldo + c * L) : V{} + inf;
         }
-    for (int64_t q = 0; q < k; ++q) {
+    for (int64_t q = 0; q < kc; ++q) {
         V bh[C], bl[C];
         for (int c = 0; c < C; ++c) {
-            bh[c] = load<V>(bhi + q * n + c * L);
-            bl[c] = POINT ? bh[c] : load<V>(blo + q * n + c * L);
+            bh[c] = load<V>(bhi + q * W + c * L);
+            bl[c] = POINT ? bh[c] : load<V>(blo + q * W + c * L);
         }
         for (int r = 0; r < R; ++r) {
-            const T sh = ahi[r * k + q], sl = alo[r * k + q];
+            const T sh = ahi[r * lda + q], sl = alo[r * lda + q];
             for (int c = 0; c < C; ++c) {
                 V p1 = bh[c] * sh, p2 = bh[c] * sl, top, bottom;
                 if (POINT) {
@@ -105,27 +111,44 @@ void signed_block(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
-            store(hi + r * n + c * L, acc_hi[r][c]);
-            store(lo + r * n + c * L, acc_lo[r][c]);
+            store(hi + r * ldo + c * L, acc_hi[r][c]);
+            store(lo + r * ldo + c * L, acc_lo[r][c]);
         }
 }
 
 constexpr int ROWS = 4;
+constexpr int64_t KC = 256;  // k block: a packed strip block (KC x W) stays in L1
+
+// Copy columns [j, j + W) of the k x n matrix b into a contiguous k x W strip, so the
+// kernel's loads are unit-stride whatever n is (large power-of-two row strides would
+// otherwise map every row of the strip onto the same cache sets).
+template <typename T>
+void pack(const T* b, int64_t k, int64_t n, int64_t j, std::vector<T>& strip) {
+    constexpr int W = C * Vec<T>::lanes;
+    strip.resize(k * W);
+    for (int64_t q = 0; q < k; ++q) std::memcpy(&strip[q * W], b + q * n + j, W * sizeof(T));
+}
 
 template <typename T>
 void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
                int64_t b1, int64_t c0, int64_t c1, T init) {
     constexpr int W = C * Vec<T>::lanes;
+    std::vector<T> strip;
     for (int64_t bt = b0; bt < b1; ++bt) {
         const T* ab = a + bt * m * k;
-        const T* bb = b + bt * k * n;
         T* ob = out + bt * m * n;
         for (int64_t cb = c0; cb < c1; ++cb) {
             const int64_t j = cb * W;
-            int64_t i = 0;
-            for (; i + ROWS <= m; i += ROWS)
-                max_block<T, ROWS>(ab + i * k, bb + j, ob + i * n + j, k, n, init);
-            for (; i < m; ++i) max_block<T, 1>(ab + i * k, bb + j, ob + i * n + j, k, n, init);
+            pack(b + bt * k * n, k, n, j, strip);
+            for (int64_t q0 = 0; q0 < k; q0 += KC) {
+                const int64_t kc = std::min(KC, k - q0);
+                const T* sb = strip.data() + q0 * W;
+                int64_t i = 0;
+                for (; i + ROWS <= m; i += ROWS)
+                    max_block<T, ROWS>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
+                for (; i < m; ++i)
+                    max_block<T, 1>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
+            }
         }
     }
 }
@@ -135,18 +158,29 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
                   int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1, int64_t c0,
                   int64_t c1) {
     constexpr int W = C * Vec<T>::lanes;
+    std::vector<T> strip_hi, strip_lo;
     for (int64_t bt = b0; bt < b1; ++bt) {
         const int64_t ao = bt * m * k, bo = bt * k * n, oo = bt * m * n;
         for (int64_t cb = c0; cb < c1; ++cb) {
             const int64_t j = cb * W;
-            const T* bl = POINT ? nullptr : blo + bo + j;
-            int64_t i = 0;
-            for (; i + ROWS <= m; i += ROWS)
-                signed_block<T, ROWS, POINT>(ahi + ao + i * k, alo + ao + i * k, bhi + bo + j,
-                                             bl, hi + oo + i * n + j, lo + oo + i * n + j, k, n);
-            for (; i < m; ++i)
-                signed_block<T, 1, POINT>(ahi + ao + i * k, alo + ao + i * k, bhi + bo + j, bl,
-                                          hi + oo + i * n + j, lo + oo + i * n + j, k, n);
+            pack(bhi + bo, k, n, j, strip_hi);
+            if (!POINT) pack(blo + bo, k, n, j, strip_lo);
+            for (int64_t q0 = 0; q0 < k; q0 += KC) {
+                const int64_t kc = std::min(KC, k - q0);
+                const T* sh = strip_hi.data() + q0 * W;
+                const T* sl = POINT ? nullptr : strip_lo.data() + q0 * W;
+                int64_t i = 0;
+                for (; i + ROWS <= m; i += ROWS) {
+                    const int64_t x = ao + i * k + q0, o = oo + i * n + j;
+                    signed_block<T, ROWS, POINT>(ahi + x, alo + x, k, sh, sl, hi + o, lo + o, n,
+                                                 kc, q0);
+                }
+                for (; i < m; ++i) {
+                    const int64_t x = ao + i * k + q0, o = oo + i * n + j;
+                    signed_block<T, 1, POINT>(ahi + x, alo + x, k, sh, sl, hi + o, lo + o, n, kc,
+                                              q0);
+                }
+            }
         }
     }
 }
