@@ -55,13 +55,12 @@ def _batch_flatten(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...
 def _finite_max(x: Tensor, dim: int) -> Tensor:
     """amax with keepdim, replacing an all -inf slice's max by 0 (a harmless shift)."""
     m = x.amax(dim=dim, keepdim=True)
-    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return m.masked_fill(~torch.isfinite(m), 0.0)
 
 
 def _safe_weight(x: Tensor, total: Tensor) -> Tensor:
     """exp(x - total), 0 where total is -inf (then x is -inf too)."""
-    shift = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
-    return torch.exp(x - shift)
+    return torch.exp(x - total.masked_fill(torch.isneginf(total), 0.0))
 
 
 class _LogSpaceGemm:
@@ -75,9 +74,11 @@ class _LogSpaceGemm:
         ra: Tensor | None,
         rb: Tensor | None,
         b_linear: Tensor | None = None,
+        b_linear_r: Tensor | None = None,
     ):
         """``lb`` is b in log space; or pass ``b_linear`` = exp(lb) (|w| of a lifted ``w``,
-        no transcendental needed) and ``lb=None``."""
+        no transcendental needed) and ``lb=None``; then ``b_linear_r`` = exp(lb)·rb
+        replaces ``rb``."""
         if b_linear is not None:
             # no column shift: the GEMM takes |w| as it is (a shift would only rescale z)
             a3, eb, batch = _batch_flatten(la, b_linear)
@@ -97,8 +98,13 @@ class _LogSpaceGemm:
         out = torch.log(z) + ma + mb
         r = None
         if ra is not None:
-            ra3, rb3, _ = _batch_flatten(ra, rb)
-            num = (ea * ra3) @ eb + ea @ (eb * rb3)
+            if b_linear_r is not None:
+                ra3, ebr, _ = _batch_flatten(ra, b_linear_r)
+                rb3 = None
+            else:
+                ra3, rb3, _ = _batch_flatten(ra, rb)
+                ebr = eb * rb3
+            num = (ea * ra3) @ eb + ea @ ebr
             r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
         dtype = z.dtype
         bad = z < torch.finfo(dtype).tiny / torch.finfo(dtype).eps
@@ -107,6 +113,8 @@ class _LogSpaceGemm:
         if bad.any():
             if b3 is None:
                 b3 = torch.log(eb)
+            if r is not None and rb3 is None:
+                rb3 = torch.where(eb > 0, ebr / eb, 0.0)
             reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
             bad = bad & reach
             where = bad.nonzero()
@@ -370,6 +378,30 @@ def _log_loo(x: Tensor, dim: int) -> Tensor:
     return rest.scatter(dim, first, at_max)
 
 
+def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
+    """Leave-one-out ⊕ of Entropy values (log Z, r) along ``dim``, with the shifts of
+    :func:`_log_loo`: r of the rest is Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j."""
+    n = la.shape[dim]
+    if n <= 1:
+        return torch.full_like(la, NEG_INF), torch.zeros_like(r)
+    top2, idx = la.topk(2, dim=dim)
+    first = idx.narrow(dim, 0, 1)
+    shift = top2.masked_fill(~torch.isfinite(top2), 0.0)
+    s1, s2 = shift.narrow(dim, 0, 1), shift.narrow(dim, 1, 1)
+
+    def ratio(num: Tensor, den: Tensor) -> Tensor:
+        return torch.where(den > 0, num / den.masked_fill(den <= 0, 1.0), 0.0)
+
+    e = torch.exp(la - s1)
+    er = e * r
+    den = (e.sum(dim, keepdim=True) - e).clamp_min(0.0)
+    rest_l, rest_r = torch.log(den) + s1, ratio(er.sum(dim, keepdim=True) - er, den)
+    e2 = torch.exp(la - s2).scatter(dim, first, 0.0)
+    den2 = e2.sum(dim, keepdim=True)
+    at_l, at_r = torch.log(den2) + s2, ratio((e2 * r).sum(dim, keepdim=True), den2)
+    return rest_l.scatter(dim, first, at_l), rest_r.scatter(dim, first, at_r)
+
+
 class Log(Semiring):
     """(logaddexp, +) over log|w|: log of the total |path| weight, -inf where no path."""
 
@@ -447,7 +479,7 @@ class Entropy(Semiring):
 
     def lift(self, w):
         la = torch.log(w.abs())
-        return (la, torch.where(w != 0, -la, torch.zeros_like(la)))
+        return (la, (-la).masked_fill(w == 0, 0.0))
 
     def add(self, a, b):
         la = torch.logaddexp(a[0], b[0])
@@ -457,7 +489,7 @@ class Entropy(Semiring):
     def mul(self, a, b):
         la = a[0] + b[0]
         r = a[1] + b[1]
-        return (la, torch.where(torch.isneginf(la), torch.zeros_like(r), r))
+        return (la, r.masked_fill(torch.isneginf(la), 0.0))
 
     def readout(self, a):
         la, r = torch.broadcast_tensors(*a)
@@ -478,8 +510,11 @@ class Entropy(Semiring):
     def matmul_lift(self, a, w):
         la, ra = torch.broadcast_tensors(*a)
         magnitude = w.abs()
-        rb = torch.where(w != 0, -torch.log(magnitude), torch.zeros_like(magnitude))
-        return _LogSpaceGemm.run(la, None, ra, rb, b_linear=magnitude)
+        weighted_r = -torch.special.xlogy(magnitude, magnitude)  # |w|·(-log|w|), 0 at 0
+        return _LogSpaceGemm.run(la, None, ra, None, b_linear=magnitude, b_linear_r=weighted_r)
+
+    def loo(self, a, dim):
+        return _entropy_loo(*torch.broadcast_tensors(*a), dim)
 
     def index_add(self, a, index, size):
         la, r = torch.broadcast_tensors(*a)

@@ -80,4 +80,20 @@ def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor
     return flat.reshape(-1)
 
 
-HELPERS = ("repeat_heads", "attention_probs", "gather_positions")
+def gelu_derivative(x: Tensor, approximate: str) -> Tensor:
+    """d gelu(x) / dx elementwise, by torch's own fused GELU backward (one pass)."""
+    return torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate=approximate)
+
+
+def silu_derivative(x: Tensor) -> Tensor:
+    """d silu(x) / dx elementwise, by torch's own fused SiLU backward (one pass)."""
+    return torch.ops.aten.silu_backward(torch.ones_like(x), x)
+
+
+HELPERS = (
+    "repeat_heads",
+    "attention_probs",
+    "gather_positions",
+    "gelu_derivative",
+    "silu_derivative",
+)

@@ -146,3 +146,22 @@ def test_matmul_lift_equals_matmul_of_lift(semiring, extreme):
     expected = semiring.matmul(a, semiring.lift(w))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize("semiring", [sa.Log(), sa.Counting(), sa.Entropy()], ids=repr)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_top_two_loo_equals_scan_loo(semiring, dim):
+    """The top-two leave-one-out (Log, Entropy) against the generic prefix/suffix-scan ⊕,
+    with empty entries, ties, a gap of 1000 nats and rows that are all empty."""
+    gen = torch.Generator().manual_seed(11)
+    la = torch.randn(4, 6, 5, dtype=torch.float64, generator=gen) * 20
+    la[0, 1, :] = -INF
+    la[1, :, 2] = -INF
+    la[2, 3, :] = 3.0
+    la[3, 2, 4] = 1000.0
+    value = (la,) if semiring.n_components == 1 else (la, torch.rand(la.shape, generator=gen))
+    value = semiring.mul(value, semiring.one(la.shape, la))  # r = 0 where la = -inf
+    got = semiring.loo(value, dim)
+    expected = sa.Semiring.loo(semiring, value, dim)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
