@@ -18,13 +18,13 @@ def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
     """The semiring the graph behind ``outputs`` was recorded with under ``sa.patch``."""
     outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     found: set[Semiring] = set()
-    seen: set[int] = set()
+    seen: set = set()  # the nodes themselves: ids of freed node wrappers get reused
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or node in seen:
             continue
-        seen.add(id(node))
+        seen.add(node)
         semiring = getattr(node, "semiring", None)
         if isinstance(semiring, Semiring):
             found.add(semiring)

@@ -247,12 +247,15 @@ def _compiled(name: str):
 
 
 _CUDA_FAILED: set[str] = set()
+_RECOMPILE_LIMIT = 64
 
 
 def _cuda_call(name: str, *args):
     if name not in _CUDA_FAILED:
         try:
-            return _compiled(name)(*args)
+            # one compilation per dtype and size-1 pattern; allow more than dynamo's default
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return _compiled(name)(*args)
         except Exception as error:  # noqa: BLE001 -- any compile failure means: fall back
             _CUDA_FAILED.add(name)
             warnings.warn(
