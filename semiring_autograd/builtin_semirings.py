@@ -269,16 +269,13 @@ class SignedMaxProduct(Semiring):
         return (_loo_max(hi, dim, NEG_INF), -_loo_max(-lo, dim, NEG_INF))
 
     def matmul(self, a, b):
-        return _signed_combine(a, b, "matmul")
+        fused = _signed_matmul_fused(a, b)
+        return fused if fused is not None else _signed_combine(a, b, "matmul")
 
     def matmul_lift(self, a, w):
-        m, k, n = a[0].shape[-2], a[0].shape[-1], w.shape[-1]
-        if k and m and n:
-            point = torch.where(w != 0, w, torch.full_like(w, float("nan")))
-            fused = _signed_matmul_fused(a, point=point)
-            if fused is not None:
-                return fused
-        return self.matmul(a, self.lift(w))
+        point = torch.where(w != 0, w, torch.full_like(w, float("nan")))
+        fused = _signed_matmul_fused(a, point=point)
+        return fused if fused is not None else _signed_combine(a, self.lift(w), "matmul")
 
     def index_add(self, a, index, size):
         hi, lo = torch.broadcast_tensors(*a)
@@ -300,8 +297,8 @@ def _nan_empty(a: Value) -> tuple[Tensor, Tensor, bool]:
 
 def _signed_matmul_fused(a: Value, b: Value | None = None, point: Tensor | None = None):
     """The fused signed matmul of a and b, or of a and a lifted ``point`` (NaN where
-    empty); None when the kernel is unavailable. A point operand halves the corner
-    products; a point on the left is moved to the right by transposing."""
+    empty); None when the kernel is unavailable or a dimension is empty. A point operand
+    halves the corner products; a point on the left is moved to the right by transposing."""
     if not kernels.enabled():
         return None
     ah, al, a_point = _nan_empty(a)
@@ -309,6 +306,8 @@ def _signed_matmul_fused(a: Value, b: Value | None = None, point: Tensor | None 
         bh, bl, b_point = point, point, True
     else:
         bh, bl, b_point = _nan_empty(b)
+    if 0 in (ah.shape[-2], ah.shape[-1], bh.shape[-1]):
+        return None
     swap = a_point and not b_point
     if swap:
         ah, al, bh, bl = bh.mT, bl.mT, ah.mT, al.mT
@@ -329,10 +328,6 @@ def _signed_combine(a: Value, b: Value, mode: str | None) -> Value:
         a3h, b3h, batch = _batch_flatten(hi_a, hi_b)
         a3l, b3l, _ = _batch_flatten(lo_a.expand_as(hi_a), lo_b.expand_as(hi_b))
         m, k, n = a3h.shape[-2], a3h.shape[-1], b3h.shape[-1]
-        if k and m and n:
-            fused = _signed_matmul_fused(a, b)
-            if fused is not None:
-                return fused
         rows = max(1, _CHUNK_ELEMENTS // max(1, 4 * k * n * a3h.shape[0]))
         his, los = [], []
         for s in range(0, m, rows):
@@ -358,6 +353,14 @@ def _signed_combine(a: Value, b: Value, mode: str | None) -> Value:
     )
 
 
+def _top_two_shifts(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Along ``dim`` (n ≥ 2): the argmax position and the largest and second largest
+    entries as shifts (0 where not finite), each with ``dim`` kept as size 1."""
+    top2, idx = x.topk(2, dim=dim)
+    shift = top2.masked_fill(~torch.isfinite(top2), 0.0)
+    return idx.narrow(dim, 0, 1), shift.narrow(dim, 0, 1), shift.narrow(dim, 1, 1)
+
+
 def _log_loo(x: Tensor, dim: int) -> Tensor:
     """log Σ_{j≠i} exp(x_j) along ``dim`` from the top two entries (no scan).
 
@@ -367,10 +370,7 @@ def _log_loo(x: Tensor, dim: int) -> Tensor:
     n = x.shape[dim]
     if n <= 1:
         return torch.full_like(x, NEG_INF)
-    top2, idx = x.topk(2, dim=dim)
-    first = idx.narrow(dim, 0, 1)
-    shift1 = torch.where(torch.isfinite(top2), top2, torch.zeros_like(top2))
-    s1, s2 = shift1.narrow(dim, 0, 1), shift1.narrow(dim, 1, 1)
+    first, s1, s2 = _top_two_shifts(x, dim)
     e = torch.exp(x - s1)
     rest = torch.log((e.sum(dim, keepdim=True) - e).clamp_min(0.0)) + s1
     others = torch.exp(x - s2).scatter(dim, first, 0.0).sum(dim, keepdim=True)
@@ -384,10 +384,7 @@ def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
     n = la.shape[dim]
     if n <= 1:
         return torch.full_like(la, NEG_INF), torch.zeros_like(r)
-    top2, idx = la.topk(2, dim=dim)
-    first = idx.narrow(dim, 0, 1)
-    shift = top2.masked_fill(~torch.isfinite(top2), 0.0)
-    s1, s2 = shift.narrow(dim, 0, 1), shift.narrow(dim, 1, 1)
+    first, s1, s2 = _top_two_shifts(la, dim)
 
     def ratio(num: Tensor, den: Tensor) -> Tensor:
         return torch.where(den > 0, num / den.masked_fill(den <= 0, 1.0), 0.0)

@@ -157,33 +157,48 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _cpu_call(
+    name: str,
+    a_parts: list[Tensor],
+    b_parts: list[Tensor | None],
+    fill: float,
+    outputs: int,
+    extra: tuple = (),
+    cost: int = 1,
+) -> list[Tensor] | None:
+    """Run the C kernel ``name`` on (B, m, k) operands ``a_parts`` and (B, k, n) operands
+    ``b_parts`` (None passes a null pointer), whose columns are padded with ``fill`` to the
+    block width; returns ``outputs`` (B, m, n) tensors, or None when unavailable."""
+    lib = _cpu_ready(*a_parts, *(t for t in b_parts if t is not None))
+    if lib is None:
+        return None
+    suffix = _SUFFIX[a_parts[0].dtype]
+    width = getattr(lib, f"block_width_{suffix}")()
+    batch, m, k = a_parts[0].shape
+    n = b_parts[0].shape[-1]
+    a_parts = [t.contiguous() for t in a_parts]
+    b_parts = [None if t is None else _pad_columns(t, width, fill) for t in b_parts]
+    padded = b_parts[0].shape[-1]
+    outs = [a_parts[0].new_empty((batch, m, padded)) for _ in range(outputs)]
+    pointers = tuple(map(_ptr, (*a_parts, *b_parts, *outs)))
+    _run(
+        getattr(lib, f"{name}_{suffix}"),
+        lambda b0, b1, c0, c1: pointers + (m, k, padded, b0, b1, c0, c1, *extra),
+        batch,
+        padded // width,
+        batch * m * k * padded * cost,
+    )
+    return [o[..., :n] if padded != n else o for o in outs]
+
+
 def max_times(a: Tensor, b: Tensor, init: float = 0.0) -> Tensor | None:
     """max(init, max_k a[bt, i, k] · b[bt, k, j]) for 3-D ``a`` (B, m, k) and ``b``
     (B, k, n) on the fused path, or None when it is unavailable (caller falls back).
     NaN entries never win."""
     if a.device.type == "cuda" and enabled():
-        return _cuda_max_times(a, b, init)
-    lib = _cpu_ready(a, b)
-    if lib is None:
-        return None
-    suffix = _SUFFIX[a.dtype]
-    width = getattr(lib, f"block_width_{suffix}")()
-    batch, m, k = a.shape
-    n = b.shape[-1]
-    a = a.contiguous()
-    bp = _pad_columns(b, width, 0.0)
-    padded = bp.shape[-1]
-    out = a.new_empty((batch, m, padded))
-    fn = getattr(lib, f"max_times_{suffix}")
-    _run(
-        fn,
-        lambda b0, b1, c0, c1: (a.data_ptr(), bp.data_ptr(), out.data_ptr())
-        + (m, k, padded, b0, b1, c0, c1, init),
-        batch,
-        padded // width,
-        batch * m * k * padded,
-    )
-    return out[..., :n] if padded != n else out
+        return _cuda_call("max", a, b, init)
+    out = _cpu_call("max_times", [a], [b], 0.0, 1, extra=(init,))
+    return None if out is None else out[0]
 
 
 def signed_times(
@@ -193,32 +208,10 @@ def signed_times(
     ``b_lo=None`` when b is a point (hi == lo). NaN marks an empty entry; an output with no
     non-empty term is (-inf, +inf). None when the fused path is unavailable."""
     if a_hi.device.type == "cuda" and enabled():
-        return _cuda_signed_times(a_hi, a_lo, b_hi, b_hi if b_lo is None else b_lo)
-    lib = _cpu_ready(a_hi, a_lo, b_hi, *(() if b_lo is None else (b_lo,)))
-    if lib is None:
-        return None
-    suffix = _SUFFIX[a_hi.dtype]
-    width = getattr(lib, f"block_width_{suffix}")()
-    batch, m, k = a_hi.shape
-    n = b_hi.shape[-1]
-    a_hi, a_lo = a_hi.contiguous(), a_lo.contiguous()
-    bh = _pad_columns(b_hi, width, float("nan"))
-    bl = None if b_lo is None else _pad_columns(b_lo, width, float("nan"))
-    padded = bh.shape[-1]
-    hi = a_hi.new_empty((batch, m, padded))
-    lo = a_hi.new_empty((batch, m, padded))
-    fn = getattr(lib, f"signed_times_{suffix}")
-    _run(
-        fn,
-        lambda b0, b1, c0, c1: tuple(map(_ptr, (a_hi, a_lo, bh, bl, hi, lo)))
-        + (m, k, padded, b0, b1, c0, c1),
-        batch,
-        padded // width,
-        batch * m * k * padded * (2 if b_lo is None else 4),
-    )
-    if padded != n:
-        hi, lo = hi[..., :n], lo[..., :n]
-    return hi, lo
+        return _cuda_call("signed", a_hi, a_lo, b_hi, b_hi if b_lo is None else b_lo)
+    cost = 2 if b_lo is None else 4
+    out = _cpu_call("signed_times", [a_hi, a_lo], [b_hi, b_lo], float("nan"), 2, cost=cost)
+    return None if out is None else (out[0], out[1])
 
 
 # ----- CUDA: Inductor/Triton -------------------------------------------------------------
@@ -265,11 +258,3 @@ def _cuda_call(name: str, *args):
                 stacklevel=3,
             )
     return None
-
-
-def _cuda_max_times(a: Tensor, b: Tensor, init: float) -> Tensor | None:
-    return _cuda_call("max", a, b, init)
-
-
-def _cuda_signed_times(a_hi, a_lo, b_hi, b_lo):
-    return _cuda_call("signed", a_hi, a_lo, b_hi, b_lo)
