@@ -95,23 +95,26 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     )
     if entry.forward:
         args = ", ".join(f"list({p.name})" if p.is_tensor_list else p.name for p in schema.params)
-        forward_body = f"return FH.{entry.forward}({args})"
+        compute = f"FH.{entry.forward}({args})"
     elif multi:
-        forward_body = "return tuple(call())"
+        compute = "tuple(call())"
     else:
         tensors = ", ".join(sorted(tensor_params)) or ""
-        forward_body = f"return _fresh(call(){', ' + tensors if tensors else ''})"
+        compute = f"_fresh(call(){', ' + tensors if tensors else ''})"
 
-    # ---- setup_context
-    setup = [f"{unpack} = inputs", "ctx.set_materialize_grads(False)"]
+    # ---- forward and context set-up in one method: a Function with a separate
+    # setup_context pays for an inspect.signature bind on every apply
+    setup = [f"outputs = {compute}", "ctx.set_materialize_grads(False)"]
     setup.append("ctx.semiring = S")
     setup.append(f"ctx.op_name = {name!r}")
     if entry.has_aux:
-        setup.append("output, aux = output")
+        setup.append("output, aux = outputs")
         setup.append("ctx.mark_non_differentiable(aux)")
+    else:
+        setup.append("output = outputs")
     first = "output[0]" if multi else "output"
     setup.append(f"ctx._ref = ({first}.dtype, {first}.device)")
-    setup.append("ctx._tensor_args = tuple(isinstance(x, torch.Tensor) for x in inputs)")
+    setup.append(f"ctx._tensor_args = tuple(isinstance(x, torch.Tensor) for x in ({unpack}))")
     for t in formulas:
         setup.append(f"need_{t} = {need_expr(t)}")
     if saved:
@@ -135,6 +138,8 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
                 setup.append(
                     f"ctx.{t}__meta = None if {t} is None else ({t}.shape, {t}.dtype, {t}.device)"
                 )
+
+    setup.append("return outputs")
 
     # ---- backward
     back: list[str] = []
@@ -210,10 +215,13 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
         "func_name": schema.func_name,
         "granularity_short": entry.granularity.splitlines()[0],
         "forward_params": ", ".join(
-            prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else [])
+            ["ctx"]
+            + prefix
+            + ["call"]
+            + [p.name for p in nonlist]
+            + ([f"*{lst.name}"] if lst else [])
         ),
-        "forward_body": forward_body,
-        "setup_body": "\n".join(setup),
+        "forward_body": "\n".join(setup),
         "backward_body": "\n".join(back),
         "dispatch_params": dispatch_params,
         "dispatch_body": dispatch_body,

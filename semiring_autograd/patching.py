@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -41,8 +45,16 @@ def _name_of(func: Any) -> str:
 
 
 def _requires_grad(tree: Any) -> bool:
-    leaves, _ = tree_flatten(tree)
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+    """Whether a tensor requiring grad sits in ``tree`` (nested tuples, lists and dicts:
+    the containers torch functions take). Called on every torch call under the patch, so a
+    plain loop rather than a pytree flatten."""
+    if isinstance(tree, torch.Tensor):
+        return tree.requires_grad
+    if isinstance(tree, (tuple, list)):
+        return any(_requires_grad(x) for x in tree)
+    if isinstance(tree, dict):
+        return any(_requires_grad(x) for x in tree.values())
+    return False
 
 
 def _differentiable_output(out: Any) -> bool:
@@ -71,7 +83,7 @@ class _SemiringMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled() or not _requires_grad((args, kwargs)):
+        if not torch.is_grad_enabled() or not (_requires_grad(args) or _requires_grad(kwargs)):
             return func(*args, **kwargs)
         handle = self.handle
         candidates = handle.registry.candidates(func)
@@ -124,56 +136,55 @@ class PatchHandle:
         self._depth = 0
         self._stack: list[str] = []
         self._hooks: list[Any] = []
-        names = {id(m): n for n, m in model.named_modules()}
+        #: module -> qualified name, for the modules of this model
+        self._names = {m: n or type(m).__name__ for n, m in model.named_modules()}
+        # two process-wide module hooks that ignore other models and threads: cheaper
+        # than a pair of hooks on each of the model's modules
         try:
-            for module in model.modules():
-                name = names[id(module)] or type(module).__name__
-                self._hooks.append(
-                    module.register_forward_pre_hook(self._enter(name, module is model))
-                )
-                self._hooks.append(
-                    module.register_forward_hook(self._exit(module is model), always_call=True)
-                )
+            self._hooks.append(register_module_forward_pre_hook(self._enter))
+            self._hooks.append(register_module_forward_hook(self._exit, always_call=True))
         except BaseException:
             self._remove_hooks()
             raise
 
     # ----- hooks
-    def _enter(self, name: str, root: bool):
-        def hook(module, args):
-            if threading.get_ident() != self.thread:
-                return None
-            self._stack.append(name)
-            if root:
-                if self._depth == 0:
-                    self._mode.__enter__()
-                self._depth += 1
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(module)
+        if name is None or threading.get_ident() != self.thread:
             return None
+        self._stack.append(name)
+        if module is self.model:
+            if self._depth == 0:
+                self._mode.__enter__()
+            self._depth += 1
+        return None
 
-        return hook
-
-    def _exit(self, root: bool):
-        def hook(module, args, output):
-            if threading.get_ident() != self.thread:
-                return None
-            if self._stack:
-                self._stack.pop()
-            if root:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._mode.__exit__(None, None, None)
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module not in self._names or threading.get_ident() != self.thread:
             return None
-
-        return hook
+        if self._stack:
+            self._stack.pop()
+        if module is self.model:
+            self._depth -= 1
+            if self._depth == 0:
+                self._mode.__exit__(None, None, None)
+        return None
 
     def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
         """Name the backward node of ``out``: ``sa_op``, ``sa_module`` (the qualified name of
         the module whose forward ran the op) and, when recording paths, ``sa_replay``."""
-        leaves, _ = tree_flatten(out)
-        node = next(
-            (t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None),
-            None,
-        )
+        if isinstance(out, torch.Tensor):
+            node = out.grad_fn
+        else:
+            leaves, _ = tree_flatten(out)
+            node = next(
+                (
+                    t.grad_fn
+                    for t in leaves
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                ),
+                None,
+            )
         if node is None:
             return
         node.sa_op = op.name
