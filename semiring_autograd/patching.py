@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .errors import PatchError, UnsupportedOpError
+from .native_backward import substitute
 from .op_table import OpSpec, Registry, default_registry
 from .replay import Replay
 from .semiring import Semiring
@@ -76,6 +77,27 @@ def _is_inplace(func: Any, kwargs: dict) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+class UnpatchedCall:
+    """The torch call an op entry serves, as the generated Function receives it: ``call()``
+    computes it unpatched; ``call.substituted({id(t): u})`` with tensors swapped."""
+
+    __slots__ = ("func", "args", "kwargs")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+
+    def __call__(self) -> Any:
+        return self.func(*self.args, **self.kwargs)
+
+    def substituted(self, replace: dict[int, torch.Tensor]) -> Any:
+        return self.func(
+            *(substitute(a, replace) for a in self.args),
+            **{k: substitute(v, replace) for k, v in self.kwargs.items()},
+        )
+
+
 class _SemiringMode(TorchFunctionMode):
     def __init__(self, handle: "PatchHandle"):
         super().__init__()
@@ -96,7 +118,7 @@ class _SemiringMode(TorchFunctionMode):
                 rejected.append(op)
                 continue
             fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
-            call = lambda: func(*args, **kwargs)  # noqa: E731 - the unpatched computation
+            call = UnpatchedCall(func, args, kwargs)
             replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
             if takes_semiring:
                 out = fn(handle.semiring, call, **bound)
