@@ -165,3 +165,40 @@ def test_top_two_loo_equals_scan_loo(semiring, dim):
     expected = sa.Semiring.loo(semiring, value, dim)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture
+def library_without_openmp(tmp_path, monkeypatch):
+    """The kernels built without -fopenmp (a compiler lacking it): the thread-pool split."""
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_OPENMP_FLAGS", [])
+    kernels._library.cache_clear()
+    yield kernels._library()
+    kernels._library.cache_clear()
+
+
+@pytest.mark.parametrize("shape", SHAPES[-2:], ids=str)
+def test_thread_pool_split_without_openmp(library_without_openmp, shape, monkeypatch):
+    assert library_without_openmp is not None and not library_without_openmp.uses_openmp()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # an uneven split
+    gen = torch.Generator().manual_seed(7)
+    batch, m, k, n = shape
+    a = torch.rand(batch, m, k, generator=gen)
+    b = torch.rand(batch, k, n, generator=gen)
+    torch.testing.assert_close(kernels.max_times(a, b), _eager_max(a, b), rtol=0, atol=0)
+    ah, al = _signed_operand((batch, m, k), torch.float32, "cpu", gen, point=False)
+    bh, bl = _signed_operand((batch, k, n), torch.float32, "cpu", gen, point=False)
+    got = kernels.signed_times(ah, al, bh, bl)
+    for g, e in zip(got, _eager_signed(ah, al, bh, bl)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_openmp_build_shares_torch_runtime():
+    """Built with OpenMP, the library must not load a second OpenMP runtime next to torch's
+    (two teams would compete for the cores)."""
+    lib = kernels._library()
+    if lib is None or not lib.uses_openmp():
+        pytest.skip("the kernels were built without OpenMP on this machine")
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes

@@ -3,8 +3,12 @@
 There is no BLAS for max-times. Two fused paths compute it exactly:
 
 - CPU: ``extreme_matmul.cpp``, register-blocked SIMD loops, compiled on first use with the
-  system C++ compiler (``-O3 -march=native``) into a per-machine cache and called through
-  ctypes on ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+  system C++ compiler (``-O3 -march=native -fopenmp``) into a per-machine cache and called
+  through ctypes (which releases the GIL) on ``torch.get_num_threads()`` threads. With
+  OpenMP the library shares the libgomp torch loaded, so its team is torch's intra-op
+  threads; a pool of other threads would compete with them, as torch's idle OpenMP workers
+  spin for milliseconds after each op (measured: a kernel after any torch op ran 1.9x
+  slower). Without OpenMP it falls back to a thread pool of its own.
 - CUDA: ``torch.compile`` of broadcast-multiply + reduction, which Inductor turns into one
   Triton kernel (dynamic shapes, so one compilation serves every shape).
 
@@ -67,6 +71,22 @@ def _compiler() -> str | None:
 
 
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+#: tried first: the kernels then run on torch's own OpenMP threads (see the .cpp)
+_OPENMP_FLAGS = ["-fopenmp"]
+
+
+def _build(cxx: str, flags: list[str], target: Path) -> str | None:
+    """Compile the source into ``target``; the compiler's error output on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run(
+            [cxx, *flags, str(_SOURCE), "-o", str(built)], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            return proc.stderr[-2000:]
+        os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    return None
 
 
 @functools.cache
@@ -77,26 +97,27 @@ def _library() -> ctypes.CDLL | None:
         _warn("no C++ compiler found (set CXX)")
         return None
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS]).encode() + _cpu_signature().encode())
-    target = _cache_dir() / f"extreme_matmul-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            proc = subprocess.run(
-                [cxx, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True
-            )
-            if proc.returncode != 0:
-                _warn(f"{cxx} failed:\n{proc.stderr[-2000:]}")
-                return None
-            os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    target = None
+    for flags in (_FLAGS + _OPENMP_FLAGS, _FLAGS):
+        key = hashlib.sha256(source + " ".join([cxx, *flags]).encode() + _cpu_signature().encode())
+        target = _cache_dir() / f"extreme_matmul-{key.hexdigest()[:16]}.so"
+        if target.exists():
+            break
+        error = _build(cxx, flags, target)
+        if error is None:
+            break
+        target = None
+    if target is None:
+        _warn(f"{cxx} failed:\n{error}")
+        return None
     lib = ctypes.CDLL(str(target))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.uses_openmp.restype = i32
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
-        getattr(lib, f"block_width_{suffix}").restype = ctypes.c_int
-        getattr(lib, f"max_times_{suffix}").argtypes = [ptr] * 3 + [i64] * 7 + [scalar]
+        getattr(lib, f"block_width_{suffix}").restype = i32
+        getattr(lib, f"max_times_{suffix}").argtypes = [ptr] * 3 + [i64] * 7 + [scalar, i32]
         getattr(lib, f"max_times_{suffix}").restype = None
-        getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7
+        getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7 + [i32]
         getattr(lib, f"signed_times_{suffix}").restype = None
     return lib
 
@@ -138,11 +159,16 @@ def _pad_columns(b: Tensor, width: int, fill: float) -> Tensor:
     return out
 
 
-def _run(fn, args_of, batch: int, blocks: int, work: int) -> None:
-    """Call ``fn(*args_of(b0, b1, c0, c1))`` on disjoint (batch, column-block) ranges."""
+def _run(fn, args_of, batch: int, blocks: int, work: int, openmp: bool) -> None:
+    """Call ``fn(*args_of(b0, b1, c0, c1), threads)`` over every (batch, column block): once,
+    on torch's OpenMP threads, when the library has OpenMP; else on disjoint ranges in a
+    thread pool of our own."""
     threads = max(1, torch.get_num_threads())
     if threads == 1 or work < _PARALLEL_WORK:
-        fn(*args_of(0, batch, 0, blocks))
+        fn(*args_of(0, batch, 0, blocks), 1)
+        return
+    if openmp:
+        fn(*args_of(0, batch, 0, blocks), threads)
         return
     if blocks >= threads or blocks >= batch:
         step = -(-blocks // threads)
@@ -150,7 +176,7 @@ def _run(fn, args_of, batch: int, blocks: int, work: int) -> None:
     else:
         step = -(-batch // threads)
         ranges = [(b, min(b + step, batch), 0, blocks) for b in range(0, batch, step)]
-    list(_pool(threads).map(lambda r: fn(*args_of(*r)), ranges))
+    list(_pool(threads).map(lambda r: fn(*args_of(*r), 1), ranges))
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -187,6 +213,7 @@ def _cpu_call(
         batch,
         padded // width,
         batch * m * k * padded * cost,
+        bool(lib.uses_openmp()),
     )
     return [o[..., :n] if padded != n else o for o in outs]
 

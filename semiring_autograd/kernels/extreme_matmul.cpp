@@ -1,12 +1,14 @@
 // Max-times and signed max/min-times matrix products for the CPU, in register blocks.
 //
 // Part of semiring_autograd. Compiled on first use by kernels/__init__.py with the system
-// C++ compiler (-O3 -march=native) and loaded with ctypes; no Python or torch headers.
+// C++ compiler (-O3 -march=native, -fopenmp where it builds) and loaded with ctypes; no
+// Python or torch headers.
 //
 // Every function works on contiguous row-major operands with a batch dimension:
 //   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
 //   block width W (the caller pads b), and fills out[bt, :, columns c0*W .. c1*W) for the
-//   batches bt in [b0, b1). Threads call it on disjoint (batch, column) ranges.
+//   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
+//   disjoint (batch, column) ranges on threads of its own).
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN.
@@ -129,60 +131,85 @@ void pack(const T* b, int64_t k, int64_t n, int64_t j, std::vector<T>& strip) {
     for (int64_t q = 0; q < k; ++q) std::memcpy(&strip[q * W], b + q * n + j, W * sizeof(T));
 }
 
+// Run body(bt, cb, scratch) for every batch bt in [b0, b1) and column block cb in [c0, c1):
+// on `threads` OpenMP threads when built with OpenMP. The library then shares the OpenMP
+// runtime torch already loaded (same soname), so the team is torch's own intra-op threads,
+// not a second pool competing with them for the cores.
+struct Scratch {
+    std::vector<float> f32[2];
+    std::vector<double> f64[2];
+    std::vector<float>* get(float*) { return f32; }
+    std::vector<double>* get(double*) { return f64; }
+};
+
+template <typename Body>
+void for_blocks(int64_t b0, int64_t b1, int64_t c0, int64_t c1, int threads, Body body) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        Scratch scratch;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bt = b0; bt < b1; ++bt)
+            for (int64_t cb = c0; cb < c1; ++cb) body(bt, cb, scratch);
+    }
+#else
+    (void)threads;
+    Scratch scratch;
+    for (int64_t bt = b0; bt < b1; ++bt)
+        for (int64_t cb = c0; cb < c1; ++cb) body(bt, cb, scratch);
+#endif
+}
+
 template <typename T>
 void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
-               int64_t b1, int64_t c0, int64_t c1, T init) {
+               int64_t b1, int64_t c0, int64_t c1, T init, int threads) {
     constexpr int W = C * Vec<T>::lanes;
-    std::vector<T> strip;
-    for (int64_t bt = b0; bt < b1; ++bt) {
+    for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
+        std::vector<T>& strip = scratch.get(static_cast<T*>(nullptr))[0];
         const T* ab = a + bt * m * k;
         T* ob = out + bt * m * n;
-        for (int64_t cb = c0; cb < c1; ++cb) {
-            const int64_t j = cb * W;
-            pack(b + bt * k * n, k, n, j, strip);
-            for (int64_t q0 = 0; q0 < k; q0 += KC) {
-                const int64_t kc = std::min(KC, k - q0);
-                const T* sb = strip.data() + q0 * W;
-                int64_t i = 0;
-                for (; i + ROWS <= m; i += ROWS)
-                    max_block<T, ROWS>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
-                for (; i < m; ++i)
-                    max_block<T, 1>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
-            }
+        const int64_t j = cb * W;
+        pack(b + bt * k * n, k, n, j, strip);
+        for (int64_t q0 = 0; q0 < k; q0 += KC) {
+            const int64_t kc = std::min(KC, k - q0);
+            const T* sb = strip.data() + q0 * W;
+            int64_t i = 0;
+            for (; i + ROWS <= m; i += ROWS)
+                max_block<T, ROWS>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
+            for (; i < m; ++i)
+                max_block<T, 1>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
         }
-    }
+    });
 }
 
 template <typename T, bool POINT>
 void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi, T* lo,
                   int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1, int64_t c0,
-                  int64_t c1) {
+                  int64_t c1, int threads) {
     constexpr int W = C * Vec<T>::lanes;
-    std::vector<T> strip_hi, strip_lo;
-    for (int64_t bt = b0; bt < b1; ++bt) {
+    for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
+        std::vector<T>* strips = scratch.get(static_cast<T*>(nullptr));
         const int64_t ao = bt * m * k, bo = bt * k * n, oo = bt * m * n;
-        for (int64_t cb = c0; cb < c1; ++cb) {
-            const int64_t j = cb * W;
-            pack(bhi + bo, k, n, j, strip_hi);
-            if (!POINT) pack(blo + bo, k, n, j, strip_lo);
-            for (int64_t q0 = 0; q0 < k; q0 += KC) {
-                const int64_t kc = std::min(KC, k - q0);
-                const T* sh = strip_hi.data() + q0 * W;
-                const T* sl = POINT ? nullptr : strip_lo.data() + q0 * W;
-                int64_t i = 0;
-                for (; i + ROWS <= m; i += ROWS) {
-                    const int64_t x = ao + i * k + q0, o = oo + i * n + j;
-                    signed_block<T, ROWS, POINT>(ahi + x, alo + x, k, sh, sl, hi + o, lo + o, n,
-                                                 kc, q0);
-                }
-                for (; i < m; ++i) {
-                    const int64_t x = ao + i * k + q0, o = oo + i * n + j;
-                    signed_block<T, 1, POINT>(ahi + x, alo + x, k, sh, sl, hi + o, lo + o, n, kc,
-                                              q0);
-                }
+        const int64_t j = cb * W;
+        pack(bhi + bo, k, n, j, strips[0]);
+        if (!POINT) pack(blo + bo, k, n, j, strips[1]);
+        for (int64_t q0 = 0; q0 < k; q0 += KC) {
+            const int64_t kc = std::min(KC, k - q0);
+            const T* sh = strips[0].data() + q0 * W;
+            const T* sl = POINT ? nullptr : strips[1].data() + q0 * W;
+            int64_t i = 0;
+            for (; i + ROWS <= m; i += ROWS) {
+                const int64_t x = ao + i * k + q0, o = oo + i * n + j;
+                signed_block<T, ROWS, POINT>(ahi + x, alo + x, k, sh, sl, hi + o, lo + o, n, kc,
+                                             q0);
+            }
+            for (; i < m; ++i) {
+                const int64_t x = ao + i * k + q0, o = oo + i * n + j;
+                signed_block<T, 1, POINT>(ahi + x, alo + x, k, sh, sl, hi + o, lo + o, n, kc,
+                                          q0);
             }
         }
-    }
+    });
 }
 
 }  // namespace
@@ -192,32 +219,41 @@ extern "C" {
 int block_width_f32() { return C * Vec<float>::lanes; }
 int block_width_f64() { return C * Vec<double>::lanes; }
 
+#ifdef _OPENMP
+int uses_openmp() { return 1; }
+#else
+int uses_openmp() { return 0; }
+#endif
+
 void max_times_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
-                   int64_t b0, int64_t b1, int64_t c0, int64_t c1, float init) {
-    max_times<float>(a, b, out, m, k, n, b0, b1, c0, c1, init);
+                   int64_t b0, int64_t b1, int64_t c0, int64_t c1, float init, int threads) {
+    max_times<float>(a, b, out, m, k, n, b0, b1, c0, c1, init, threads);
 }
 
 void max_times_f64(const double* a, const double* b, double* out, int64_t m, int64_t k,
-                   int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, double init) {
-    max_times<double>(a, b, out, m, k, n, b0, b1, c0, c1, init);
+                   int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, double init,
+                   int threads) {
+    max_times<double>(a, b, out, m, k, n, b0, b1, c0, c1, init, threads);
 }
 
 void signed_times_f32(const float* ahi, const float* alo, const float* bhi, const float* blo,
                       float* hi, float* lo, int64_t m, int64_t k, int64_t n, int64_t b0,
-                      int64_t b1, int64_t c0, int64_t c1) {
+                      int64_t b1, int64_t c0, int64_t c1, int threads) {
     if (blo)
-        signed_times<float, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+        signed_times<float, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
     else
-        signed_times<float, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+        signed_times<float, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
 }
 
 void signed_times_f64(const double* ahi, const double* alo, const double* bhi,
                       const double* blo, double* hi, double* lo, int64_t m, int64_t k,
-                      int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1) {
+                      int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, int threads) {
     if (blo)
-        signed_times<double, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+        signed_times<double, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1,
+                                    threads);
     else
-        signed_times<double, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1);
+        signed_times<double, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1,
+                                   threads);
 }
 
 }  // extern "C"
