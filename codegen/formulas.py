@@ -170,11 +170,16 @@ class _Rewriter(ast.NodeTransformer):
         if not isinstance(node.func, ast.Name):
             return node
         fname = node.func.id
-        if not self.real and fname == "matmul" and _is_primitive_call(node.args[1], "P", "lift"):
-            # matmul(x, lift(w)) -> matmul_lift: semirings skip work lift would do (log|w|)
+        if (
+            not self.real
+            and fname in ("matmul", "mul")
+            and _is_primitive_call(node.args[1], "P", "lift")
+        ):
+            # matmul(x, lift(w)) -> matmul_lift, mul(x, lift(w)) -> mul_lift: semirings skip
+            # work lift would do (log|w| only to exp it, a signed point's four corners)
             lifted = node.args[1].args
             return ast.Call(
-                ast.Attribute(ast.Name("P", ast.Load()), "matmul_lift", ast.Load()),
+                ast.Attribute(ast.Name("P", ast.Load()), f"{fname}_lift", ast.Load()),
                 [ast.Name("S", ast.Load()), node.args[0], lifted[1], lifted[2]],
                 [],
             )

@@ -201,20 +201,26 @@ class MaxProduct(Semiring):
     def matmul(self, a, b):
         return (_max_times(a[0], b[0]),)
 
+    def matmul_lift(self, a, w):
+        return (_max_times(a[0], w, abs_b=True),)
+
     def index_add(self, a, index, size):
         return (_scatter_extreme(a[0], index, size, "amax", 0.0),)
 
 
-def _max_times(a: Tensor, b: Tensor) -> Tensor:
-    """max_k a[..., i, k] · b[..., k, j] for non-negative a, b (0 where k is empty): the
-    fused kernel, else in row blocks so m×k×n is never held at once."""
+def _max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
+    """max_k a[..., i, k] · b[..., k, j] for non-negative a, b (0 where k is empty), or
+    with |b| when ``abs_b`` (b a real derivative): the fused kernel, else in row blocks so
+    m×k×n is never held at once."""
     a3, b3, batch = _batch_flatten(a, b)
     m, k, n = a3.shape[-2], a3.shape[-1], b3.shape[-1]
     if k == 0:
         return a.new_zeros((*batch, m, n))
-    fused = kernels.max_times(a3, b3)
+    fused = kernels.max_times(a3, b3, abs_b=abs_b)
     if fused is not None:
         return fused.reshape(*batch, m, n)
+    if abs_b:
+        b3 = b3.abs()
     rows = max(1, _CHUNK_ELEMENTS // max(1, k * n * a3.shape[0]))
     out = (
         torch.cat(
@@ -273,9 +279,17 @@ class SignedMaxProduct(Semiring):
         return fused if fused is not None else _signed_combine(a, b, "matmul")
 
     def matmul_lift(self, a, w):
-        point = torch.where(w != 0, w, torch.full_like(w, float("nan")))
-        fused = _signed_matmul_fused(a, point=point)
+        fused = _signed_matmul_fused(a, point=w)
         return fused if fused is not None else _signed_combine(a, self.lift(w), "matmul")
+
+    def mul_lift(self, a, w):
+        # w > 0 keeps the order of (hi, lo), w < 0 swaps it; an empty (-inf, +inf) stays
+        # empty either way, and w = 0 is no edge
+        pos = w > 0
+        hi = torch.where(pos, a[0], a[1]) * w
+        lo = torch.where(pos, a[1], a[0]) * w
+        zero = w == 0
+        return (hi.masked_fill(zero, NEG_INF), lo.masked_fill(zero, POS_INF))
 
     def index_add(self, a, index, size):
         hi, lo = torch.broadcast_tensors(*a)
@@ -296,9 +310,10 @@ def _nan_empty(a: Value) -> tuple[Tensor, Tensor, bool]:
 
 
 def _signed_matmul_fused(a: Value, b: Value | None = None, point: Tensor | None = None):
-    """The fused signed matmul of a and b, or of a and a lifted ``point`` (NaN where
-    empty); None when the kernel is unavailable or a dimension is empty. A point operand
-    halves the corner products; a point on the left is moved to the right by transposing."""
+    """The fused signed matmul of a and b, or of a and lift(``point``) for real derivatives
+    ``point`` (0: no edge); None when the kernel is unavailable or a dimension is empty. A
+    point operand halves the corner products; a point on the left is moved to the right by
+    transposing."""
     if not kernels.enabled():
         return None
     ah, al, a_point = _nan_empty(a)
@@ -313,7 +328,9 @@ def _signed_matmul_fused(a: Value, b: Value | None = None, point: Tensor | None 
         ah, al, bh, bl = bh.mT, bl.mT, ah.mT, al.mT
     a3h, b3h, batch = _batch_flatten(ah, bh)
     a3l, b3l, _ = _batch_flatten(al, bl)
-    out = kernels.signed_times(a3h, a3l, b3h, None if (a_point or b_point) else b3l)
+    out = kernels.signed_times(
+        a3h, a3l, b3h, None if (a_point or b_point) else b3l, zero_empty=b is None
+    )
     if out is None:
         return None
     shape = (*batch, a3h.shape[-2], b3h.shape[-1])

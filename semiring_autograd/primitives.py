@@ -91,6 +91,12 @@ def matmul_lift(S: Semiring, a: Value, w: Tensor, ref: Ref) -> Value:
     return S.matmul_lift(a, _as_tensor(w, ref))
 
 
+def mul_lift(S: Semiring, a: Value, w: Tensor | Number, ref: Ref) -> Value:
+    """mul(a, lift(w)), which the generator emits for that pattern (the signed semiring
+    multiplies by a point without building lift(w) and its four corner products)."""
+    return S.mul_lift(a, _as_tensor(w, ref))
+
+
 def loo(S: Semiring, a: Value, dim: int) -> Value:
     """Leave-one-out ⊕ along ``dim``."""
     return S.loo(a, dim)

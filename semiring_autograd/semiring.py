@@ -197,6 +197,11 @@ class Semiring:
             return self.zero((*batch, m, n), a[0])
         return tuple(torch.cat(parts, dim=-2) for parts in zip(*pieces))
 
+    def mul_lift(self, a: Value, w: Tensor) -> Value:
+        """a ⊗ lift(w) for real derivatives ``w``, broadcasting; override to skip
+        materialising lift(w)."""
+        return self.mul(a, self.lift(w))
+
     def matmul_lift(self, a: Value, w: Tensor) -> Value:
         """matmul(a, lift(w)) for real derivatives ``w``; override to skip work ``lift``
         does that the matmul would undo."""

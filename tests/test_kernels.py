@@ -141,11 +141,36 @@ def test_matmul_lift_equals_matmul_of_lift(semiring, extreme):
     if extreme:
         x[..., :4] *= 1e-200  # row maxima and column maxima sit at different k
         w[4:, :] *= 1e-200
+    x[0, 0, 0, :3] = 0.0  # no edge (empty for the signed semiring)
     a = semiring.matmul(semiring.lift(x), semiring.lift(torch.eye(8, dtype=torch.float64)))
+    # intervals too (hi > lo for the signed semiring)
+    a = semiring.add(a, semiring.lift(torch.randn(x.shape, dtype=torch.float64, generator=gen)))
     got = semiring.matmul_lift(a, w)
     expected = semiring.matmul(a, semiring.lift(w))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize("semiring", [cls() for cls in sa.BUILTIN_SEMIRINGS], ids=repr)
+@pytest.mark.parametrize(
+    "shapes", [((3, 4), (3, 4)), ((3, 1), (1, 4)), ((2, 3, 4), ()), ((4,), (3, 4))], ids=str
+)
+def test_mul_lift_equals_mul_of_lift(semiring, shapes):
+    """The generator turns mul(x, lift(w)) into mul_lift(x, w): equal to the definition for
+    points, intervals and empty entries, both signs and exact zeros in w, broadcasting."""
+    gen = torch.Generator().manual_seed(3)
+    a_shape, w_shape = shapes
+    x = torch.randn(a_shape, dtype=torch.float64, generator=gen)
+    x[x.abs() < 0.3] = 0.0
+    a = semiring.lift(x)
+    other = semiring.lift(torch.randn(a_shape, dtype=torch.float64, generator=gen))
+    a = tuple(torch.where(x > 0.5, s, c) for s, c in zip(semiring.add(a, other), a))
+    w = torch.randn(w_shape, dtype=torch.float64, generator=gen)
+    w[w.abs() < 0.4] = 0.0
+    got = semiring.mul_lift(a, w)
+    expected = semiring.mul(a, semiring.lift(w))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("semiring", [sa.Log(), sa.Counting(), sa.Entropy()], ids=repr)

@@ -115,9 +115,9 @@ def _library() -> ctypes.CDLL | None:
     lib.uses_openmp.restype = i32
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         getattr(lib, f"block_width_{suffix}").restype = i32
-        getattr(lib, f"max_times_{suffix}").argtypes = [ptr] * 3 + [i64] * 7 + [scalar, i32]
+        getattr(lib, f"max_times_{suffix}").argtypes = [ptr] * 3 + [i64] * 7 + [scalar, i32, i32]
         getattr(lib, f"max_times_{suffix}").restype = None
-        getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7 + [i32]
+        getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7 + [i32, i32]
         getattr(lib, f"signed_times_{suffix}").restype = None
     return lib
 
@@ -218,26 +218,39 @@ def _cpu_call(
     return [o[..., :n] if padded != n else o for o in outs]
 
 
-def max_times(a: Tensor, b: Tensor, init: float = 0.0) -> Tensor | None:
+#: how the C kernels read b (PackMode in the .cpp)
+_PACK_COPY, _PACK_ABS, _PACK_ZERO_EMPTY = 0, 1, 2
+
+
+def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> Tensor | None:
     """max(init, max_k a[bt, i, k] · b[bt, k, j]) for 3-D ``a`` (B, m, k) and ``b``
-    (B, k, n) on the fused path, or None when it is unavailable (caller falls back).
-    NaN entries never win."""
+    (B, k, n) on the fused path, with |b| in place of b when ``abs_b``; None when the fused
+    path is unavailable (the caller falls back). NaN entries never win."""
     if a.device.type == "cuda" and enabled():
-        return _cuda_call("max", a, b, init)
-    out = _cpu_call("max_times", [a], [b], 0.0, 1, extra=(init,))
+        return _cuda_call("max", a, b.abs() if abs_b else b, init)
+    mode = _PACK_ABS if abs_b else _PACK_COPY
+    out = _cpu_call("max_times", [a], [b], 0.0, 1, extra=(init, mode))
     return None if out is None else out[0]
 
 
 def signed_times(
-    a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None
+    a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None, zero_empty: bool = False
 ) -> tuple[Tensor, Tensor] | None:
     """(max_k, min_k) over the corner products of signed pairs a (B, m, k) and b (B, k, n);
-    ``b_lo=None`` when b is a point (hi == lo). NaN marks an empty entry; an output with no
+    ``b_lo=None`` when b is a point (hi == lo). NaN marks an empty entry, and so does an
+    exact 0 in b when ``zero_empty`` (b is a lifted derivative); an output with no
     non-empty term is (-inf, +inf). None when the fused path is unavailable."""
     if a_hi.device.type == "cuda" and enabled():
+        if zero_empty:
+            nan = torch.tensor(float("nan"), dtype=b_hi.dtype, device=b_hi.device)
+            b_hi = torch.where(b_hi == 0, nan, b_hi)
+            b_lo = None if b_lo is None else torch.where(b_lo == 0, nan, b_lo)
         return _cuda_call("signed", a_hi, a_lo, b_hi, b_hi if b_lo is None else b_lo)
     cost = 2 if b_lo is None else 4
-    out = _cpu_call("signed_times", [a_hi, a_lo], [b_hi, b_lo], float("nan"), 2, cost=cost)
+    mode = _PACK_ZERO_EMPTY if zero_empty else _PACK_COPY
+    out = _cpu_call(
+        "signed_times", [a_hi, a_lo], [b_hi, b_lo], float("nan"), 2, extra=(mode,), cost=cost
+    )
     return None if out is None else (out[0], out[1])
 
 
