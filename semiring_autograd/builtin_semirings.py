@@ -476,6 +476,9 @@ class Counting(Log):
     def linear_lift(self, w):
         return (w != 0).to(message_dtype(w.dtype))
 
+    def mul_lift(self, a, w):
+        return (torch.where(w == 0, NEG_INF, a[0]),)
+
 
 class Entropy(Semiring):
     """The expectation semiring ⟨|w|, −|w| log|w|⟩ kept in log space as (log Z, r), with
@@ -524,8 +527,14 @@ class Entropy(Semiring):
     def matmul_lift(self, a, w):
         la, ra = torch.broadcast_tensors(*a)
         magnitude = w.abs()
-        weighted_r = -torch.special.xlogy(magnitude, magnitude)  # |w|·(-log|w|), 0 at 0
+        # |w|·(-log|w|), 0 at w = 0: in place, several times faster than xlogy on CPU
+        weighted_r = torch.log(magnitude).mul_(magnitude).neg_().masked_fill_(magnitude == 0, 0.0)
         return _LogSpaceGemm.run(la, None, ra, None, b_linear=magnitude, b_linear_r=weighted_r)
+
+    def mul_lift(self, a, w):
+        log_w = torch.log(w.abs())  # -inf at 0: no edge
+        la = a[0] + log_w
+        return (la, (a[1] - log_w).masked_fill(torch.isneginf(la), 0.0))
 
     def loo(self, a, dim):
         return _entropy_loo(*torch.broadcast_tensors(*a), dim)
