@@ -63,6 +63,17 @@ def _safe_weight(x: Tensor, total: Tensor) -> Tensor:
     return torch.exp(x - total.masked_fill(torch.isneginf(total), 0.0))
 
 
+def _gemm_exact(z: Tensor, tiny: float, may_overflow: bool) -> bool:
+    """Whether every shifted GEMM sum in ``z`` is trustworthy: none below ``tiny`` (where
+    the products may have underflowed) and, when ``may_overflow``, none infinite. One
+    reduction instead of elementwise masks; a NaN anywhere answers False (then the caller
+    checks element by element)."""
+    if z.numel() == 0:
+        return True
+    low, high = torch.aminmax(z)
+    return bool(low >= tiny) and not (may_overflow and bool(high == POS_INF))
+
+
 class _LogSpaceGemm:
     """(logsumexp, weighted mean) matmul via shift-and-GEMM, exact blocked fallback where
     the shifted products underflow."""
@@ -95,7 +106,9 @@ class _LogSpaceGemm:
             mb = _finite_max(b3, -2)
             eb = torch.exp(b3 - mb)
         z = ea @ eb
-        out = torch.log(z) + ma + mb
+        out = torch.log(z).add_(ma)
+        if b3 is not None:
+            out.add_(mb)
         r = None
         if ra is not None:
             if b_linear_r is not None:
@@ -107,6 +120,8 @@ class _LogSpaceGemm:
             num = (ea * ra3) @ eb + ea @ ebr
             r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
         dtype = z.dtype
+        if _gemm_exact(z, torch.finfo(dtype).tiny / torch.finfo(dtype).eps, b3 is None):
+            return out.reshape(*batch, m, n), (None if r is None else r.reshape(*batch, m, n))
         bad = z < torch.finfo(dtype).tiny / torch.finfo(dtype).eps
         if b3 is None:
             bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
