@@ -44,13 +44,19 @@ def _or(conds: list[str]) -> str:
     return " or ".join(sorted(set(conds))) if conds else "False"
 
 
-def _native_bodies(name: str, unpack: str) -> tuple[list[str], list[str]]:
-    """Forward and backward of a Real Function that runs torch's own backward of the op."""
-    forward = [
+def _ctx_header(name: str, args: str) -> list[str]:
+    """The context every generated forward records (``args``: its arguments after ctx)."""
+    return [
         "ctx.set_materialize_grads(False)",
         "ctx.semiring = S",
         f"ctx.op_name = {name!r}",
-        f"ctx._tensor_args = tuple(isinstance(x, torch.Tensor) for x in ({unpack}))",
+        f"ctx._tensor_args = tuple(isinstance(x, torch.Tensor) for x in ({args}))",
+    ]
+
+
+def _native_bodies(name: str, unpack: str) -> tuple[list[str], list[str]]:
+    """Forward and backward of a Real Function that runs torch's own backward of the op."""
+    forward = _ctx_header(name, unpack) + [
         f"outputs, ctx._native = NB.native_forward(call, ({unpack}), ctx.needs_input_grad)",
         "return outputs",
     ]
@@ -108,7 +114,7 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
         if p.name in readers and p.name not in tensor_params and not p.is_tensor_list
     ]
 
-    # ---- forward
+    # ---- forward (``unpack``: the Function's arguments after ctx, as apply receives them)
     unpack = ", ".join(
         prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else [])
     )
@@ -123,9 +129,7 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
 
     # ---- forward and context set-up in one method: a Function with a separate
     # setup_context pays for an inspect.signature bind on every apply
-    setup = [f"outputs = {compute}", "ctx.set_materialize_grads(False)"]
-    setup.append("ctx.semiring = S")
-    setup.append(f"ctx.op_name = {name!r}")
+    setup = [f"outputs = {compute}", *_ctx_header(name, unpack)]
     if entry.has_aux:
         setup.append("output, aux = outputs")
         setup.append("ctx.mark_non_differentiable(aux)")
@@ -133,7 +137,6 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
         setup.append("output = outputs")
     first = "output[0]" if multi else "output"
     setup.append(f"ctx._ref = ({first}.dtype, {first}.device)")
-    setup.append(f"ctx._tensor_args = tuple(isinstance(x, torch.Tensor) for x in ({unpack}))")
     for t in formulas:
         setup.append(f"need_{t} = {need_expr(t)}")
     if saved:
@@ -226,23 +229,14 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
 
     # ---- dispatch function
     dispatch_params = ", ".join(prefix + ["call"] + [p.name for p in schema.params])
-    apply_args = ", ".join(
-        prefix + ["call"] + [p.name for p in nonlist] + ([f"*{lst.name}"] if lst else [])
-    )
-    dispatch_body = f"out = {schema.class_name}.apply({apply_args})\n"
+    dispatch_body = f"out = {schema.class_name}.apply({unpack})\n"
     dispatch_body += "return out[0]" if entry.has_aux else "return out"
     return {
         "class_name": schema.class_name,
         "full_name": name,
         "func_name": schema.func_name,
         "granularity_short": entry.granularity.splitlines()[0],
-        "forward_params": ", ".join(
-            ["ctx"]
-            + prefix
-            + ["call"]
-            + [p.name for p in nonlist]
-            + ([f"*{lst.name}"] if lst else [])
-        ),
+        "forward_params": f"ctx, {unpack}",
         "forward_body": "\n".join(setup),
         "backward_body": "\n".join(back),
         "dispatch_params": dispatch_params,

@@ -120,9 +120,10 @@ class _LogSpaceGemm:
             num = (ea * ra3) @ eb + ea @ ebr
             r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
         dtype = z.dtype
-        if _gemm_exact(z, torch.finfo(dtype).tiny / torch.finfo(dtype).eps, b3 is None):
+        tiny = torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+        if _gemm_exact(z, tiny, b3 is None):
             return out.reshape(*batch, m, n), (None if r is None else r.reshape(*batch, m, n))
-        bad = z < torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+        bad = z < tiny
         if b3 is None:
             bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
         if bad.any():

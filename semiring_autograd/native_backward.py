@@ -65,13 +65,3 @@ def native_backward(native: Native, grad: Tensor, needs: Sequence[bool]) -> tupl
     for i, g in zip(wanted, grads):
         result[i] = g
     return tuple(result)
-
-
-def substitute(value: Any, replace: dict[int, Tensor]) -> Any:
-    """``value`` with the tensors whose ids are keys of ``replace`` swapped in (inside
-    plain tuples and lists too)."""
-    if isinstance(value, Tensor):
-        return replace.get(id(value), value)
-    if type(value) in (tuple, list):
-        return type(value)(substitute(x, replace) for x in value)
-    return value

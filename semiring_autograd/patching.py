@@ -23,7 +23,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .errors import PatchError, UnsupportedOpError
-from .native_backward import substitute
 from .op_table import OpSpec, Registry, default_registry
 from .replay import Replay
 from .semiring import Semiring
@@ -77,6 +76,16 @@ def _is_inplace(func: Any, kwargs: dict) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+def _substitute(value: Any, replace: dict[int, torch.Tensor]) -> Any:
+    """``value`` with the tensors whose ids are keys of ``replace`` swapped in (inside
+    plain tuples and lists too)."""
+    if isinstance(value, torch.Tensor):
+        return replace.get(id(value), value)
+    if type(value) in (tuple, list):
+        return type(value)(_substitute(x, replace) for x in value)
+    return value
+
+
 class UnpatchedCall:
     """The torch call an op entry serves, as the generated Function receives it: ``call()``
     computes it unpatched; ``call.substituted({id(t): u})`` with tensors swapped."""
@@ -93,8 +102,8 @@ class UnpatchedCall:
 
     def substituted(self, replace: dict[int, torch.Tensor]) -> Any:
         return self.func(
-            *(substitute(a, replace) for a in self.args),
-            **{k: substitute(v, replace) for k, v in self.kwargs.items()},
+            *(_substitute(a, replace) for a in self.args),
+            **{k: _substitute(v, replace) for k, v in self.kwargs.items()},
         )
 
 
