@@ -83,6 +83,52 @@ def test_signed_times_equals_corner_products(shape, dtype, device, point):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("zero_empty", [False, True], ids=["zero", "zero_empty"])
+def test_pair_lift_matmul_equals_corner_products(shape, dtype, device, zero_empty):
+    """The point-first kernel (a ⊗ lift(w) for a signed pair a and a real w) against the
+    corner products: empty entries given as hi < lo, exact zeros in w (no edge when
+    ``zero_empty``), a w shared by the batch, and transposed operands (any strides)."""
+    gen = torch.Generator().manual_seed(sum(shape) + zero_empty)
+    batch, m, k, n = shape
+    ah, al = _signed_operand((batch, m, k), dtype, device, gen, point=False)
+    empty = torch.isnan(ah)
+    w = torch.randn(1, n, k, dtype=dtype, generator=gen).to(device).mT  # strides (.., 1, k)
+    w = w.masked_fill(torch.rand(w.shape, generator=gen).to(device) < 0.2, 0.0)
+    got = kernels.pair_lift_matmul(
+        ah.masked_fill(empty, -INF), al.masked_fill(empty, INF), w, zero_empty
+    )
+    assert got is not None, "the fused kernel is unavailable on this machine"
+    point = w.masked_fill(w == 0, NAN) if zero_empty else w
+    expected = _eager_signed(ah, al, point.expand(batch, k, n), point.expand(batch, k, n))
+    for g, e in zip(got, expected):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", [((70000,), (70000,)), ((300, 1), (300, 250))], ids=str)
+def test_signed_mul_lift_kernel_equals_formula(dtype, shapes, monkeypatch):
+    """The one-pass signed a ⊗ lift(w) above the threading threshold and with a broadcast
+    operand, against the semiring's torch formula (kernels switched off)."""
+    gen = torch.Generator().manual_seed(5)
+    a_shape, w_shape = shapes
+    hi = torch.randn(a_shape, dtype=dtype, generator=gen)
+    lo = hi - torch.rand(a_shape, dtype=dtype, generator=gen)
+    empty = torch.rand(a_shape, generator=gen) < 0.2
+    a = (hi.masked_fill(empty, -INF), lo.masked_fill(empty, INF))
+    w = torch.randn(w_shape, dtype=dtype, generator=gen)
+    w[torch.rand(w_shape, generator=gen) < 0.2] = 0.0
+    got = kernels.signed_mul_lift(*a, w)
+    assert got is not None, "the fused kernel is unavailable on this machine"
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")
+    expected = SignedMaxProduct().mul_lift(a, w)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 def test_all_empty_row_is_the_semiring_zero():
     ah = torch.full((1, 2, 5), NAN)
     bh = torch.randn(1, 5, 3)
@@ -215,6 +261,18 @@ def test_thread_pool_split_without_openmp(library_without_openmp, shape, monkeyp
     bh, bl = _signed_operand((batch, k, n), torch.float32, "cpu", gen, point=False)
     got = kernels.signed_times(ah, al, bh, bl)
     for g, e in zip(got, _eager_signed(ah, al, bh, bl)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    empty = torch.isnan(ah)
+    got = kernels.pair_lift_matmul(ah.masked_fill(empty, -INF), al.masked_fill(empty, INF), bh)
+    for g, e in zip(got, _eager_signed(ah, al, bh, bh)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    w = torch.randn(batch, m, k, generator=gen)
+    w[w.abs() < 0.3] = 0.0
+    got = kernels.signed_mul_lift(ah.nan_to_num(-INF), al.nan_to_num(INF), w)
+    expected = SignedMaxProduct().mul(
+        (ah.nan_to_num(-INF), al.nan_to_num(INF)), SignedMaxProduct().lift(w)
+    )
+    for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 

@@ -39,6 +39,8 @@ _ENV = "SEMIRING_AUTOGRAD_KERNELS"
 _LOCK = threading.Lock()
 #: below this many multiply-reduce steps a call runs on one thread
 _PARALLEL_WORK = 1 << 18
+#: the same for an elementwise kernel's entries
+_PARALLEL_ENTRIES = 1 << 15
 
 
 def enabled() -> bool:
@@ -119,6 +121,12 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"max_times_{suffix}").restype = None
         getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7 + [i32, i32]
         getattr(lib, f"signed_times_{suffix}").restype = None
+        getattr(lib, f"lift_times_{suffix}").argtypes = (
+            [ptr, i64, i64, i64] + [ptr] * 2 + [i64] * 3 + [ptr] * 2 + [i64] * 7 + [i32, i32]
+        )
+        getattr(lib, f"lift_times_{suffix}").restype = None
+        getattr(lib, f"signed_mul_lift_{suffix}").argtypes = [ptr] * 5 + [i64, i32]
+        getattr(lib, f"signed_mul_lift_{suffix}").restype = None
     return lib
 
 
@@ -252,6 +260,73 @@ def signed_times(
         "signed_times", [a_hi, a_lo], [b_hi, b_lo], float("nan"), 2, extra=(mode,), cost=cost
     )
     return None if out is None else (out[0], out[1])
+
+
+def pair_lift_matmul(
+    a_hi: Tensor, a_lo: Tensor, w: Tensor, zero_empty: bool = False
+) -> tuple[Tensor, Tensor] | None:
+    """The signed matmul of the pair a (B, m, k) and lift(w), for a real (B or 1, k, n)
+    ``w``: (max_k, min_k) of a_hi·w where w > 0 and a_lo·w where w < 0, and the other ends,
+    as contiguous (B, m, n) tensors. 2 products and 2 extremes per term where the corner
+    form needs 6. An a entry with a_hi < a_lo is empty, and so is a w entry of 0 when
+    ``zero_empty`` (lift(0) is no edge); an output with no non-empty term is (-inf, +inf).
+    Any strides; None when the fused path is unavailable."""
+    if w.device.type == "cuda" and enabled():
+        empty = a_hi < a_lo
+        nan = torch.tensor(float("nan"), dtype=w.dtype, device=w.device)
+        if zero_empty:
+            w = torch.where(w == 0, nan, w)
+        a_hi, a_lo = torch.where(empty, nan, a_hi), torch.where(empty, nan, a_lo)
+        return _cuda_call("signed", a_hi, a_lo, w, w)
+    lib = _cpu_ready(w, a_hi, a_lo)
+    if lib is None:
+        return None
+    if a_hi.stride() != a_lo.stride():
+        a_hi, a_lo = a_hi.contiguous(), a_lo.contiguous()
+    suffix = _SUFFIX[w.dtype]
+    width = getattr(lib, f"block_width_{suffix}")()
+    batch, m, k = a_hi.shape
+    n = w.shape[-1]
+    hi, lo = (w.new_empty((batch, m, n)) for _ in range(2))
+    # the kernel computes lift(wᵀ) ⊗ aᵀ, transposed: wᵀ's rows are its point rows
+    w_strides = (w.stride(0) if w.shape[0] > 1 else 0, w.stride(2), w.stride(1))
+    a_strides = (a_hi.stride(0), a_hi.stride(2), a_hi.stride(1))
+    head = (w.data_ptr(), *w_strides, a_hi.data_ptr(), a_lo.data_ptr(), *a_strides)
+    tail = (hi.data_ptr(), lo.data_ptr(), n, k, m)
+    blocks = -(-m // width)
+    _run(
+        getattr(lib, f"lift_times_{suffix}"),
+        lambda b0, b1, c0, c1: head + tail + (b0, b1, c0, c1, int(zero_empty)),
+        batch,
+        blocks,
+        batch * m * k * n * 2,
+        bool(lib.uses_openmp()),
+    )
+    return hi, lo
+
+
+def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The signed pair a times lift(w) elementwise (broadcasting), in one pass on the CPU:
+    w > 0 keeps (a_hi, a_lo), w < 0 swaps them, each times w; w = 0 gives the empty
+    (-inf, +inf), and an empty a stays empty. None off the CPU or without the library."""
+    lib = _cpu_ready(a_hi, a_lo, w)
+    if lib is None:
+        return None
+    shape = torch.broadcast_shapes(a_hi.shape, a_lo.shape, w.shape)
+    a_hi, a_lo, w = (t.expand(shape).contiguous() for t in (a_hi, a_lo, w))
+    hi, lo = torch.empty_like(w), torch.empty_like(w)
+    count = w.numel()
+    threads = max(1, torch.get_num_threads()) if count >= _PARALLEL_ENTRIES else 1
+    fn = getattr(lib, f"signed_mul_lift_{_SUFFIX[w.dtype]}")
+    if lib.uses_openmp() or threads == 1:
+        fn(*map(_ptr, (a_hi, a_lo, w, hi, lo)), count, threads)
+    else:
+        step = -(-count // threads)
+        parts = [(s, min(step, count - s)) for s in range(0, count, step)]
+        size = w.element_size()
+        pointers = [t.data_ptr() for t in (a_hi, a_lo, w, hi, lo)]
+        list(_pool(threads).map(lambda p: fn(*(q + p[0] * size for q in pointers), p[1], 1), parts))
+    return hi, lo
 
 
 # ----- CUDA: Inductor/Triton -------------------------------------------------------------

@@ -15,9 +15,29 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace {
+
+// Cache-line aligned storage for packed strips: a vector load from one never spans two lines
+// (a split load costs two; measured 20-30% on the kernels that read strips most).
+template <typename T>
+struct Aligned {
+    typedef T value_type;
+    Aligned() = default;
+    template <typename U>
+    Aligned(const Aligned<U>&) {}
+    T* allocate(std::size_t n) {
+        return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+    }
+    void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+    bool operator==(const Aligned&) const { return true; }
+    bool operator!=(const Aligned&) const { return false; }
+};
+
+template <typename T>
+using Buffer = std::vector<T, Aligned<T>>;
 
 template <typename T>
 struct Vec {
@@ -118,8 +138,49 @@ void signed_block(const T* ahi, const T* alo, int64_t lda, const T* bhi, const T
         }
 }
 
+// A lifted point times a signed pair, the point first: hi[i, j] = max_q of p[i, q] · xhi[q, j]
+// when p[i, q] > 0, else p[i, q] · xlo[q, j]; lo[i, j] the min of the other end. Each term
+// needs 2 products and 2 extremes, where the pair-first form needs 6: the point's sign picks
+// the ends by address (`flip`: 0 or W, set by the caller), not by a branch or a blend.
+// `ps` and `flip` hold the R rows' point entries per q (q-major, row stride `stride`);
+// `strip` holds, per q, W entries of xhi then W of xlo, NaN where empty. Strides and
+// `resume` as in max_block.
+template <typename T, int R>
+void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, T* hi, T* lo,
+                int64_t ldo, int64_t kc, bool resume) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes, W = C * L;
+    const T inf = __builtin_inf();
+    V acc_hi[R][C], acc_lo[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            acc_hi[r][c] = resume ? load<V>(hi + r * ldo + c * L) : V{} - inf;
+            acc_lo[r][c] = resume ? load<V>(lo + r * ldo + c * L) : V{} + inf;
+        }
+    for (int64_t q = 0; q < kc; ++q) {
+        const T* row = strip + q * 2 * W;
+        for (int r = 0; r < R; ++r) {
+            const T s = ps[q * stride + r];
+            const T* top = row + flip[q * stride + r];
+            const T* bottom = row + (W - flip[q * stride + r]);
+            for (int c = 0; c < C; ++c) {
+                acc_hi[r][c] = vmax(load<V>(top + c * L) * s, acc_hi[r][c]);
+                acc_lo[r][c] = vmin(load<V>(bottom + c * L) * s, acc_lo[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            store(hi + r * ldo + c * L, acc_hi[r][c]);
+            store(lo + r * ldo + c * L, acc_lo[r][c]);
+        }
+}
+
 constexpr int ROWS = 4;
 constexpr int64_t KC = 256;  // k block: a packed strip block (KC x W) stays in L1
+constexpr int64_t KC_LIFT = 128;  // the same for a pair strip (KC_LIFT x 2W)
+constexpr int64_t MAX_CHUNK = 512;  // rows of a lift_times task
+constexpr int64_t SCRATCH = 1 << 17;  // entries of a lift_times task's results, per end
 
 // How pack() maps b's entries: unchanged, |b| (max-times of a lifted real derivative), or
 // 0 -> NaN (a lifted signed point, where a zero derivative is no edge).
@@ -129,7 +190,7 @@ enum PackMode { PACK_COPY = 0, PACK_ABS = 1, PACK_ZERO_EMPTY = 2 };
 // kernel's loads are unit-stride whatever n is (large power-of-two row strides would
 // otherwise map every row of the strip onto the same cache sets), mapped by `mode`.
 template <typename T>
-void pack(const T* b, int64_t k, int64_t n, int64_t j, std::vector<T>& strip, int mode) {
+void pack(const T* b, int64_t k, int64_t n, int64_t j, Buffer<T>& strip, int mode) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
     strip.resize(k * W);
@@ -146,15 +207,37 @@ void pack(const T* b, int64_t k, int64_t n, int64_t j, std::vector<T>& strip, in
         }
 }
 
+// Pack columns [j, j + W) of a signed pair x (k x n, strides xqs per q and xjs per column,
+// any layout) into the k x 2W `strip`: per q, W entries of xhi then W of xlo, both NaN where
+// the entry is empty (xhi < xlo) or a padding column (j + c >= n).
+template <typename T>
+void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, int64_t n,
+               int64_t j, T* strip) {
+    constexpr int W = C * Vec<T>::lanes;
+    const T nan = __builtin_nan("");
+    for (int64_t c = 0; c < W; ++c) {
+        T* out = strip + c;
+        const bool pad = j + c >= n;
+        const T* h = xh + (pad ? 0 : (j + c) * xjs);
+        const T* l = xl + (pad ? 0 : (j + c) * xjs);
+        for (int64_t q = 0; q < k; ++q) {
+            const T vh = pad ? nan : h[q * xqs], vl = pad ? nan : l[q * xqs];
+            const bool empty = vh < vl;
+            out[q * 2 * W] = empty ? nan : vh;
+            out[q * 2 * W + W] = empty ? nan : vl;
+        }
+    }
+}
+
 // Run body(bt, cb, scratch) for every batch bt in [b0, b1) and column block cb in [c0, c1):
 // on `threads` OpenMP threads when built with OpenMP. The library then shares the OpenMP
 // runtime torch already loaded (same soname), so the team is torch's own intra-op threads,
 // not a second pool competing with them for the cores.
 struct Scratch {
-    std::vector<float> f32[2];
-    std::vector<double> f64[2];
-    std::vector<float>* get(float*) { return f32; }
-    std::vector<double>* get(double*) { return f64; }
+    Buffer<float> f32[2];
+    Buffer<double> f64[2];
+    Buffer<float>* get(float*) { return f32; }
+    Buffer<double>* get(double*) { return f64; }
 };
 
 template <typename Body>
@@ -180,7 +263,7 @@ void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, 
                int64_t b1, int64_t c0, int64_t c1, T init, int mode, int threads) {
     constexpr int W = C * Vec<T>::lanes;
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
-        std::vector<T>& strip = scratch.get(static_cast<T*>(nullptr))[0];
+        Buffer<T>& strip = scratch.get(static_cast<T*>(nullptr))[0];
         const T* ab = a + bt * m * k;
         T* ob = out + bt * m * n;
         const int64_t j = cb * W;
@@ -203,7 +286,7 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
                   int64_t c1, int mode, int threads) {
     constexpr int W = C * Vec<T>::lanes;
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
-        std::vector<T>* strips = scratch.get(static_cast<T*>(nullptr));
+        Buffer<T>* strips = scratch.get(static_cast<T*>(nullptr));
         const int64_t ao = bt * m * k, bo = bt * k * n, oo = bt * m * n;
         const int64_t j = cb * W;
         pack(bhi + bo, k, n, j, strips[0], mode);
@@ -225,6 +308,131 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
             }
         }
     });
+}
+
+// ROWS contiguous point entries for lift_block, in one vector: the entry (0 as NaN when
+// zero_empty) and its flip (0 when positive, else W).
+template <typename T>
+inline void lift_entries(const T* src, T* ps, int32_t* flip, bool zero_empty) {
+    typedef T V __attribute__((vector_size(ROWS * sizeof(T))));
+    typedef int32_t I __attribute__((vector_size(ROWS * sizeof(int32_t))));
+    constexpr int W = C * Vec<T>::lanes;
+    const V v = load<V>(src), zero = V{} + T(0), nan = V{} + T(__builtin_nan(""));
+    store(ps, zero_empty ? (v == zero ? nan : v) : v);
+    store(flip, __builtin_convertvector(v > zero, I) ? I{} : I{} + W);
+}
+
+// hi/lo[bt, j, i] = the signed matmul of lift(p) (batch, m, k) and the pair x (batch, k, n)
+// at [i, j], for the batches in [b0, b1) and x's column blocks in [c0, c1): the product
+// transposed, out contiguous (batch, n, m), which is x^T ⊗ lift(p^T), the backward of a
+// matmul by a real matrix. p and x are read through strides (a batch stride of 0
+// broadcasts). x is packed once; a task is a chunk of p's rows, whose entries it reads once
+// per k block (lift(0) as NaN when zero_empty) and runs against every column block, so a
+// strip block stays in L1 while all the chunk's rows use it; the chunk's results collect in
+// `scratch` and are written out transposed at the end.
+template <typename T>
+void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, const T* xl,
+                int64_t xbs, int64_t xqs, int64_t xjs, T* hi, T* lo, int64_t m, int64_t k,
+                int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, int zero_empty,
+                int threads) {
+    constexpr int W = C * Vec<T>::lanes;
+    const int64_t blocks = c1 - c0, strip_size = k * 2 * W;
+    // one chunk of rows per thread (the reads of p's entries then run along long rows),
+    // at most MAX_CHUNK rows so that a chunk's entries for one k block stay in L2
+    // and at most what keeps its results (chunk x blocks x W, twice) within SCRATCH entries
+    const int64_t per_batch = std::max<int64_t>(1, (threads + b1 - b0 - 1) / (b1 - b0));
+    const int64_t ldo = blocks * W;
+    int64_t chunk = (m + per_batch - 1) / per_batch;
+    chunk = std::min({MAX_CHUNK, std::max<int64_t>(ROWS, SCRATCH / ldo / ROWS * ROWS),
+                      (chunk + ROWS - 1) / ROWS * ROWS});
+    const int64_t chunks = (m + chunk - 1) / chunk;
+    const T nan = __builtin_nan("");
+    Buffer<T> strips((b1 - b0) * blocks * strip_size);
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bt = b0; bt < b1; ++bt)
+            for (int64_t cb = c0; cb < c1; ++cb)
+                pack_pair(xh + bt * xbs, xl + bt * xbs, xqs, xjs, k, n, cb * W,
+                          strips.data() + ((bt - b0) * blocks + cb - c0) * strip_size);
+        Buffer<T> ps(chunk * KC_LIFT), scratch(2 * chunk * ldo);
+        std::vector<int32_t> flip(chunk * KC_LIFT);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bt = b0; bt < b1; ++bt)
+            for (int64_t h = 0; h < chunks; ++h) {
+                const int64_t i0 = h * chunk, i1 = std::min(m, i0 + chunk);
+                const T* sbt = strips.data() + (bt - b0) * blocks * strip_size;
+                for (int64_t q0 = 0; q0 < k; q0 += KC_LIFT) {
+                    const int64_t kc = std::min(KC_LIFT, k - q0);
+                    // the chunk's entries by groups of ROWS rows, each group q-major
+                    for (int64_t q = 0; q < kc; ++q) {
+                        const T* src = p + bt * pbs + (q0 + q) * pqs;
+                        // the next k block's entries, into L2 while this block computes
+                        if (prs == 1 && q0 + KC_LIFT + q < k)
+                            for (int64_t i = i0; i < i1; i += 64 / sizeof(T))
+                                __builtin_prefetch(src + KC_LIFT * pqs + i, 0, 2);
+                        for (int64_t i = i0; i < i1; i += ROWS) {
+                            const int64_t rows = std::min<int64_t>(ROWS, i1 - i);
+                            const int64_t at = (i - i0) * kc + q * rows;
+                            if (rows == ROWS && prs == 1)
+                                lift_entries<T>(src + i, ps.data() + at, flip.data() + at,
+                                                zero_empty);
+                            else
+                                for (int64_t r = 0; r < rows; ++r) {
+                                    const T s = src[(i + r) * prs];
+                                    ps[at + r] = zero_empty && s == T(0) ? nan : s;
+                                    flip[at + r] = s > T(0) ? 0 : W;
+                                }
+                        }
+                    }
+                    for (int64_t cb = c0; cb < c1; ++cb) {
+                        const T* sb = sbt + (cb - c0) * strip_size + q0 * 2 * W;
+                        for (int64_t i = i0; i < i1; i += ROWS) {
+                            const int rows = static_cast<int>(std::min<int64_t>(ROWS, i1 - i));
+                            const int64_t at = (i - i0) * kc;
+                            T* h_out = scratch.data() + (i - i0) * ldo + (cb - c0) * W;
+                            T* l_out = h_out + chunk * ldo;
+                            if (rows == ROWS)
+                                lift_block<T, ROWS>(ps.data() + at, flip.data() + at, ROWS, sb,
+                                                    h_out, l_out, ldo, kc, q0);
+                            else
+                                for (int r = 0; r < rows; ++r)
+                                    lift_block<T, 1>(ps.data() + at + r, flip.data() + at + r,
+                                                     rows, sb, h_out + r * ldo,
+                                                     l_out + r * ldo, ldo, kc, q0);
+                        }
+                    }
+                }
+                const int64_t j1 = std::min(n, c1 * W);
+                for (int64_t j = c0 * W; j < j1; ++j) {
+                    const T* h_in = scratch.data() + j - c0 * W;
+                    T* h_out = hi + (bt * n + j) * m;
+                    T* l_out = lo + (bt * n + j) * m;
+                    for (int64_t i = i0; i < i1; ++i) {
+                        h_out[i] = h_in[(i - i0) * ldo];
+                        l_out[i] = h_in[(chunk + i - i0) * ldo];
+                    }
+                }
+            }
+    }
+}
+
+// (hi, lo) = (ahi, alo) ⊗ lift(w) elementwise, for `count` contiguous entries: w > 0 keeps
+// the pair's order, w < 0 swaps it, w = 0 is no edge (-inf, +inf); an empty pair
+// (-inf, +inf) stays empty. One pass, where torch needs eight (and its select is slow).
+template <typename T>
+void signed_mul_lift(const T* ah, const T* al, const T* w, T* hi, T* lo, int64_t count,
+                     int threads) {
+    const T inf = __builtin_inf();
+    (void)threads;
+#pragma omp parallel for simd num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+        const T x = w[i], h = ah[i], l = al[i];
+        const bool pos = x > T(0), none = x == T(0);
+        hi[i] = none ? -inf : (pos ? h : l) * x;
+        lo[i] = none ? inf : (pos ? l : h) * x;
+    }
 }
 
 }  // namespace
@@ -273,6 +481,32 @@ void signed_times_f64(const double* ahi, const double* alo, const double* bhi,
     else
         signed_times<double, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, mode,
                                    threads);
+}
+
+void lift_times_f32(const float* p, int64_t pbs, int64_t prs, int64_t pqs, const float* xh,
+                    const float* xl, int64_t xbs, int64_t xqs, int64_t xjs, float* hi,
+                    float* lo, int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1,
+                    int64_t c0, int64_t c1, int zero_empty, int threads) {
+    lift_times<float>(p, pbs, prs, pqs, xh, xl, xbs, xqs, xjs, hi, lo, m, k, n, b0, b1, c0, c1,
+                      zero_empty, threads);
+}
+
+void lift_times_f64(const double* p, int64_t pbs, int64_t prs, int64_t pqs, const double* xh,
+                    const double* xl, int64_t xbs, int64_t xqs, int64_t xjs, double* hi,
+                    double* lo, int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1,
+                    int64_t c0, int64_t c1, int zero_empty, int threads) {
+    lift_times<double>(p, pbs, prs, pqs, xh, xl, xbs, xqs, xjs, hi, lo, m, k, n, b0, b1, c0, c1,
+                       zero_empty, threads);
+}
+
+void signed_mul_lift_f32(const float* ah, const float* al, const float* w, float* hi, float* lo,
+                         int64_t count, int threads) {
+    signed_mul_lift<float>(ah, al, w, hi, lo, count, threads);
+}
+
+void signed_mul_lift_f64(const double* ah, const double* al, const double* w, double* hi,
+                         double* lo, int64_t count, int threads) {
+    signed_mul_lift<double>(ah, al, w, hi, lo, count, threads);
 }
 
 }  // extern "C"
