@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .workspace import scratch
 from .semiring import Semiring, Value, message_dtype
 
 NEG_INF = float("-inf")
@@ -487,8 +488,9 @@ class Log(Semiring):
         return (_LogSpaceGemm.run(a[0], b[0], None, None)[0],)
 
     def linear_lift(self, w: Tensor) -> Tensor:
-        """exp(lift(w)), computed without exp or log."""
-        return w.abs()
+        """exp(lift(w)), computed without exp or log, in scratch storage (valid for the
+        calling matmul only)."""
+        return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
         return (_LogSpaceGemm.run(a[0], None, None, None, b_linear=self.linear_lift(w))[0],)
@@ -512,7 +514,9 @@ class Counting(Log):
         return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)
 
     def linear_lift(self, w):
-        return (w != 0).to(message_dtype(w.dtype))
+        nonzero = torch.ne(w, 0, out=scratch("nonzero", w.shape, torch.bool, w.device))
+        out = scratch("linear_lift", w.shape, message_dtype(w.dtype), w.device)
+        return out.copy_(nonzero)
 
     def mul_lift(self, a, w):
         return (torch.where(w == 0, NEG_INF, a[0]),)
@@ -564,11 +568,12 @@ class Entropy(Semiring):
 
     def matmul_lift(self, a, w):
         la, ra = torch.broadcast_tensors(*a)
-        magnitude = w.abs()
+        magnitude = torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
         # |w|·(-log|w|), 0 at w = 0 (where it is 0·inf = NaN): in place, several times
         # faster than xlogy, and nan_to_num_ than a masked fill, on CPU. A NaN weight makes
         # its Z sums NaN anyway (the |w| GEMM), so this r term hides nothing.
-        weighted_r = torch.log(magnitude).mul_(magnitude).neg_()
+        weighted_r = scratch("entropy_r", w.shape, w.dtype, w.device)
+        torch.log(magnitude, out=weighted_r).mul_(magnitude).neg_()
         weighted_r.nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
         return _LogSpaceGemm.run(la, None, ra, None, b_linear=magnitude, b_linear_r=weighted_r)
 

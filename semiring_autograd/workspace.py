@@ -1,0 +1,36 @@
+"""Reused scratch tensors for weight-sized temporaries on the CPU.
+
+A fresh CPU allocation of a few MB is mapped from the OS and faults in page by page on its
+first write: |w| of a 3072×768 weight took 1.8 ms into a new tensor and 0.33 ms into a
+reused one (torch 2.13, 2-core Xeon), and under a whole backward pass such calls took far
+longer. Semiring matmuls over lifted weights (Log, Counting, Entropy) need |w| or a
+function of it as a GEMM operand for every linear layer, so they take it from here.
+
+Each thread keeps one buffer per purpose and dtype, grown to the largest size asked for
+(the largest weight's size). A scratch tensor is valid until the same purpose is asked for
+again in the same thread: callers use it within one call and never return it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch import Tensor
+
+_LOCAL = threading.local()
+
+
+def scratch(purpose: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised tensor of ``shape`` for ``purpose``: reused storage on the CPU,
+    a fresh tensor elsewhere (the CUDA caching allocator already reuses memory)."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _LOCAL.__dict__.setdefault("buffers", {})
+    numel = math.prod(shape)
+    buffer = buffers.get((purpose, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(numel, dtype=dtype)
+        buffers[purpose, dtype] = buffer
+    return buffer[:numel].view(shape)
