@@ -1,4 +1,5 @@
-"""Fused semiring matmuls that never hold the m×k×n product.
+"""Fused semiring matmuls that never hold the m×k×n product, and one fused elementwise
+product (the signed ``mul_lift``, where torch needs eight passes and its select is slow).
 
 There is no BLAS for max-times. Two fused paths compute it exactly:
 

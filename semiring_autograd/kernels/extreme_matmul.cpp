@@ -4,11 +4,12 @@
 // C++ compiler (-O3 -march=native, -fopenmp where it builds) and loaded with ctypes; no
 // Python or torch headers.
 //
-// Every function works on contiguous row-major operands with a batch dimension:
+// max_times and signed_times work on contiguous row-major operands with a batch dimension:
 //   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
-//   block width W (the caller pads b), and fills out[bt, :, columns c0*W .. c1*W) for the
+//   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
 //   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
-//   disjoint (batch, column) ranges on threads of its own).
+//   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
+//   operands and writes its product transposed (see there); signed_mul_lift is elementwise.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN.
