@@ -94,6 +94,31 @@ void max_block(const T* a, int64_t lda, const T* b, T* out, int64_t ldo, int64_t
         for (int c = 0; c < C; ++c) store(out + r * ldo + c * L, acc[r][c]);
 }
 
+// A block of (hi, lo) accumulators: started at (-inf, +inf), the empty pair, or at out's
+// current values when `resume` (a later k block); stored back at the end.
+template <typename T, int R, typename V = typename Vec<T>::type>
+inline void start_pairs(V (&acc_hi)[R][C], V (&acc_lo)[R][C], const T* hi, const T* lo,
+                        int64_t ldo, bool resume) {
+    constexpr int L = Vec<T>::lanes;
+    const T inf = __builtin_inf();
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            acc_hi[r][c] = resume ? load<V>(hi + r * ldo + c * L) : V{} - inf;
+            acc_lo[r][c] = resume ? load<V>(lo + r * ldo + c * L) : V{} + inf;
+        }
+}
+
+template <typename T, int R, typename V = typename Vec<T>::type>
+inline void store_pairs(const V (&acc_hi)[R][C], const V (&acc_lo)[R][C], T* hi, T* lo,
+                        int64_t ldo) {
+    constexpr int L = Vec<T>::lanes;
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+            store(hi + r * ldo + c * L, acc_hi[r][c]);
+            store(lo + r * ldo + c * L, acc_lo[r][c]);
+        }
+}
+
 // Signed pairs: a is (ahi, alo), b is (bhi, blo), or a single point b (bhi == blo) when
 // POINT. hi[i, j] = max_q of the largest corner product, lo = min_q of the smallest; empty
 // (every q NaN) gives (-inf, +inf). Strides and `resume` as in max_block.
@@ -102,13 +127,8 @@ void signed_block(const T* ahi, const T* alo, int64_t lda, const T* bhi, const T
                   T* lo, int64_t ldo, int64_t kc, bool resume) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
-    const T inf = __builtin_inf();
     V acc_hi[R][C], acc_lo[R][C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) {
-            acc_hi[r][c] = resume ? load<V>(hi + r * ldo + c * L) : V{} - inf;
-            acc_lo[r][c] = resume ? load<V>(lo + r * ldo + c * L) : V{} + inf;
-        }
+    start_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo, resume);
     for (int64_t q = 0; q < kc; ++q) {
         V bh[C], bl[C];
         for (int c = 0; c < C; ++c) {
@@ -132,11 +152,7 @@ void signed_block(const T* ahi, const T* alo, int64_t lda, const T* bhi, const T
             }
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) {
-            store(hi + r * ldo + c * L, acc_hi[r][c]);
-            store(lo + r * ldo + c * L, acc_lo[r][c]);
-        }
+    store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
 
 // A lifted point times a signed pair, the point first: hi[i, j] = max_q of p[i, q] · xhi[q, j]
@@ -151,13 +167,8 @@ void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, T*
                 int64_t ldo, int64_t kc, bool resume) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
-    const T inf = __builtin_inf();
     V acc_hi[R][C], acc_lo[R][C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) {
-            acc_hi[r][c] = resume ? load<V>(hi + r * ldo + c * L) : V{} - inf;
-            acc_lo[r][c] = resume ? load<V>(lo + r * ldo + c * L) : V{} + inf;
-        }
+    start_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo, resume);
     for (int64_t q = 0; q < kc; ++q) {
         const T* row = strip + q * 2 * W;
         for (int r = 0; r < R; ++r) {
@@ -170,11 +181,7 @@ void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, T*
             }
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) {
-            store(hi + r * ldo + c * L, acc_hi[r][c]);
-            store(lo + r * ldo + c * L, acc_lo[r][c]);
-        }
+    store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
 
 constexpr int ROWS = 4;
