@@ -329,18 +329,14 @@ def _nan_empty(a: Value) -> tuple[Tensor, Tensor, bool]:
     return torch.where(empty, nan, hi), torch.where(empty, nan, lo), point
 
 
-def _signed_matmul_fused(a: Value, b: Value | None = None, point: Tensor | None = None):
-    """The fused signed matmul of a and b, or of a and lift(``point``) for real derivatives
-    ``point`` (0: no edge); None when the kernel is unavailable or a dimension is empty. A
-    point operand halves the corner products; a point on the left is moved to the right by
-    transposing."""
+def _signed_matmul_fused(a: Value, b: Value):
+    """The fused signed matmul of a and b; None when the kernel is unavailable or a
+    dimension is empty. A point operand halves the corner products; a point on the left is
+    moved to the right by transposing. (a ⊗ lift(w) for a real w: `_signed_lift_fused`.)"""
     if not kernels.enabled():
         return None
     ah, al, a_point = _nan_empty(a)
-    if b is None:
-        bh, bl, b_point = point, point, True
-    else:
-        bh, bl, b_point = _nan_empty(b)
+    bh, bl, b_point = _nan_empty(b)
     if 0 in (ah.shape[-2], ah.shape[-1], bh.shape[-1]):
         return None
     swap = a_point and not b_point
@@ -348,9 +344,7 @@ def _signed_matmul_fused(a: Value, b: Value | None = None, point: Tensor | None 
         ah, al, bh, bl = bh.mT, bl.mT, ah.mT, al.mT
     a3h, b3h, batch = _batch_flatten(ah, bh)
     a3l, b3l, _ = _batch_flatten(al, bl)
-    out = kernels.signed_times(
-        a3h, a3l, b3h, None if (a_point or b_point) else b3l, zero_empty=b is None
-    )
+    out = kernels.signed_times(a3h, a3l, b3h, None if (a_point or b_point) else b3l)
     if out is None:
         return None
     shape = (*batch, a3h.shape[-2], b3h.shape[-1])

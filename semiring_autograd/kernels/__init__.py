@@ -40,8 +40,9 @@ _ENV = "SEMIRING_AUTOGRAD_KERNELS"
 _LOCK = threading.Lock()
 #: below this many multiply-reduce steps a call runs on one thread
 _PARALLEL_WORK = 1 << 18
-#: the same for an elementwise kernel's entries
-_PARALLEL_ENTRIES = 1 << 15
+#: an elementwise kernel's entries count as this many steps (parallel from 2**15 entries),
+#: and are split among threads in blocks of _ENTRY_BLOCK (without OpenMP)
+_ENTRY_COST, _ENTRY_BLOCK = 8, 1 << 12
 
 
 def enabled() -> bool:
@@ -120,7 +121,7 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"block_width_{suffix}").restype = i32
         getattr(lib, f"max_times_{suffix}").argtypes = [ptr] * 3 + [i64] * 7 + [scalar, i32, i32]
         getattr(lib, f"max_times_{suffix}").restype = None
-        getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7 + [i32, i32]
+        getattr(lib, f"signed_times_{suffix}").argtypes = [ptr] * 6 + [i64] * 7 + [i32]
         getattr(lib, f"signed_times_{suffix}").restype = None
         getattr(lib, f"lift_times_{suffix}").argtypes = (
             [ptr, i64, i64, i64] + [ptr] * 2 + [i64] * 3 + [ptr] * 2 + [i64] * 7 + [i32, i32]
@@ -227,39 +228,27 @@ def _cpu_call(
     return [o[..., :n] if padded != n else o for o in outs]
 
 
-#: how the C kernels read b (PackMode in the .cpp)
-_PACK_COPY, _PACK_ABS, _PACK_ZERO_EMPTY = 0, 1, 2
-
-
 def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> Tensor | None:
     """max(init, max_k a[bt, i, k] · b[bt, k, j]) for 3-D ``a`` (B, m, k) and ``b``
-    (B, k, n) on the fused path, with |b| in place of b when ``abs_b``; None when the fused
-    path is unavailable (the caller falls back). NaN entries never win."""
+    (B, k, n) on the fused path, with |b| in place of b when ``abs_b`` (read while packing
+    b); None when the fused path is unavailable (the caller falls back). NaN entries never
+    win."""
     if a.device.type == "cuda" and enabled():
         return _cuda_call("max", a, b.abs() if abs_b else b, init)
-    mode = _PACK_ABS if abs_b else _PACK_COPY
-    out = _cpu_call("max_times", [a], [b], 0.0, 1, extra=(init, mode))
+    out = _cpu_call("max_times", [a], [b], 0.0, 1, extra=(init, int(abs_b)))
     return None if out is None else out[0]
 
 
 def signed_times(
-    a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None, zero_empty: bool = False
+    a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None
 ) -> tuple[Tensor, Tensor] | None:
     """(max_k, min_k) over the corner products of signed pairs a (B, m, k) and b (B, k, n);
-    ``b_lo=None`` when b is a point (hi == lo). NaN marks an empty entry, and so does an
-    exact 0 in b when ``zero_empty`` (b is a lifted derivative); an output with no
+    ``b_lo=None`` when b is a point (hi == lo). NaN marks an empty entry; an output with no
     non-empty term is (-inf, +inf). None when the fused path is unavailable."""
     if a_hi.device.type == "cuda" and enabled():
-        if zero_empty:
-            nan = torch.tensor(float("nan"), dtype=b_hi.dtype, device=b_hi.device)
-            b_hi = torch.where(b_hi == 0, nan, b_hi)
-            b_lo = None if b_lo is None else torch.where(b_lo == 0, nan, b_lo)
         return _cuda_call("signed", a_hi, a_lo, b_hi, b_hi if b_lo is None else b_lo)
     cost = 2 if b_lo is None else 4
-    mode = _PACK_ZERO_EMPTY if zero_empty else _PACK_COPY
-    out = _cpu_call(
-        "signed_times", [a_hi, a_lo], [b_hi, b_lo], float("nan"), 2, extra=(mode,), cost=cost
-    )
+    out = _cpu_call("signed_times", [a_hi, a_lo], [b_hi, b_lo], float("nan"), 2, cost=cost)
     return None if out is None else (out[0], out[1])
 
 
@@ -316,17 +305,16 @@ def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tens
     shape = torch.broadcast_shapes(a_hi.shape, a_lo.shape, w.shape)
     a_hi, a_lo, w = (t.expand(shape).contiguous() for t in (a_hi, a_lo, w))
     hi, lo = torch.empty_like(w), torch.empty_like(w)
-    count = w.numel()
-    threads = max(1, torch.get_num_threads()) if count >= _PARALLEL_ENTRIES else 1
+    count, size = w.numel(), w.element_size()
+    pointers = [t.data_ptr() for t in (a_hi, a_lo, w, hi, lo)]
+
+    def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
+        start, stop = c0 * _ENTRY_BLOCK, min(count, c1 * _ENTRY_BLOCK)
+        return (*(p + start * size for p in pointers), stop - start)
+
+    blocks = -(-count // _ENTRY_BLOCK)
     fn = getattr(lib, f"signed_mul_lift_{_SUFFIX[w.dtype]}")
-    if lib.uses_openmp() or threads == 1:
-        fn(*map(_ptr, (a_hi, a_lo, w, hi, lo)), count, threads)
-    else:
-        step = -(-count // threads)
-        parts = [(s, min(step, count - s)) for s in range(0, count, step)]
-        size = w.element_size()
-        pointers = [t.data_ptr() for t in (a_hi, a_lo, w, hi, lo)]
-        list(_pool(threads).map(lambda p: fn(*(q + p[0] * size for q in pointers), p[1], 1), parts))
+    _run(fn, args_of, 1, blocks, count * _ENTRY_COST, bool(lib.uses_openmp()))
     return hi, lo
 
 

@@ -190,28 +190,24 @@ constexpr int64_t KC_LIFT = 128;  // the same for a pair strip (KC_LIFT x 2W)
 constexpr int64_t MAX_CHUNK = 512;  // rows of a lift_times task
 constexpr int64_t SCRATCH = 1 << 17;  // entries of a lift_times task's results, per end
 
-// How pack() maps b's entries: unchanged, |b| (max-times of a lifted real derivative), or
-// 0 -> NaN (a lifted signed point, where a zero derivative is no edge).
-enum PackMode { PACK_COPY = 0, PACK_ABS = 1, PACK_ZERO_EMPTY = 2 };
-
 // Copy columns [j, j + W) of the k x n matrix b into a contiguous k x W strip, so the
 // kernel's loads are unit-stride whatever n is (large power-of-two row strides would
-// otherwise map every row of the strip onto the same cache sets), mapped by `mode`.
+// otherwise map every row of the strip onto the same cache sets); |b| when `abs_b`
+// (max-times of a lifted real derivative).
 template <typename T>
-void pack(const T* b, int64_t k, int64_t n, int64_t j, Buffer<T>& strip, int mode) {
+void pack(const T* b, int64_t k, int64_t n, int64_t j, Buffer<T>& strip, bool abs_b) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
     strip.resize(k * W);
-    if (mode == PACK_COPY) {
+    if (!abs_b) {
         for (int64_t q = 0; q < k; ++q) std::memcpy(&strip[q * W], b + q * n + j, W * sizeof(T));
         return;
     }
-    const V zero = V{} + T(0), nan = V{} + T(__builtin_nan(""));
+    const V zero = V{} + T(0);
     for (int64_t q = 0; q < k; ++q)
         for (int c = 0; c < C; ++c) {
-            V v = load<V>(b + q * n + j + c * L);
-            v = mode == PACK_ABS ? (v < zero ? -v : v) : (v == zero ? nan : v);
-            store(&strip[q * W + c * L], v);
+            const V v = load<V>(b + q * n + j + c * L);
+            store(&strip[q * W + c * L], v < zero ? -v : v);
         }
 }
 
@@ -268,14 +264,14 @@ void for_blocks(int64_t b0, int64_t b1, int64_t c0, int64_t c1, int threads, Bod
 
 template <typename T>
 void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
-               int64_t b1, int64_t c0, int64_t c1, T init, int mode, int threads) {
+               int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads) {
     constexpr int W = C * Vec<T>::lanes;
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
         Buffer<T>& strip = scratch.get(static_cast<T*>(nullptr))[0];
         const T* ab = a + bt * m * k;
         T* ob = out + bt * m * n;
         const int64_t j = cb * W;
-        pack(b + bt * k * n, k, n, j, strip, mode);
+        pack(b + bt * k * n, k, n, j, strip, abs_b);
         for (int64_t q0 = 0; q0 < k; q0 += KC) {
             const int64_t kc = std::min(KC, k - q0);
             const T* sb = strip.data() + q0 * W;
@@ -291,14 +287,14 @@ void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, 
 template <typename T, bool POINT>
 void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi, T* lo,
                   int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1, int64_t c0,
-                  int64_t c1, int mode, int threads) {
+                  int64_t c1, int threads) {
     constexpr int W = C * Vec<T>::lanes;
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
         Buffer<T>* strips = scratch.get(static_cast<T*>(nullptr));
         const int64_t ao = bt * m * k, bo = bt * k * n, oo = bt * m * n;
         const int64_t j = cb * W;
-        pack(bhi + bo, k, n, j, strips[0], mode);
-        if (!POINT) pack(blo + bo, k, n, j, strips[1], mode);
+        pack(bhi + bo, k, n, j, strips[0], false);
+        if (!POINT) pack(blo + bo, k, n, j, strips[1], false);
         for (int64_t q0 = 0; q0 < k; q0 += KC) {
             const int64_t kc = std::min(KC, k - q0);
             const T* sh = strips[0].data() + q0 * W;
@@ -457,38 +453,33 @@ int uses_openmp() { return 0; }
 #endif
 
 void max_times_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
-                   int64_t b0, int64_t b1, int64_t c0, int64_t c1, float init, int mode,
+                   int64_t b0, int64_t b1, int64_t c0, int64_t c1, float init, int abs_b,
                    int threads) {
-    max_times<float>(a, b, out, m, k, n, b0, b1, c0, c1, init, mode, threads);
+    max_times<float>(a, b, out, m, k, n, b0, b1, c0, c1, init, abs_b, threads);
 }
 
 void max_times_f64(const double* a, const double* b, double* out, int64_t m, int64_t k,
                    int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, double init,
-                   int mode, int threads) {
-    max_times<double>(a, b, out, m, k, n, b0, b1, c0, c1, init, mode, threads);
+                   int abs_b, int threads) {
+    max_times<double>(a, b, out, m, k, n, b0, b1, c0, c1, init, abs_b, threads);
 }
 
 void signed_times_f32(const float* ahi, const float* alo, const float* bhi, const float* blo,
                       float* hi, float* lo, int64_t m, int64_t k, int64_t n, int64_t b0,
-                      int64_t b1, int64_t c0, int64_t c1, int mode, int threads) {
+                      int64_t b1, int64_t c0, int64_t c1, int threads) {
     if (blo)
-        signed_times<float, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, mode,
-                                   threads);
+        signed_times<float, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
     else
-        signed_times<float, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, mode,
-                                  threads);
+        signed_times<float, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
 }
 
 void signed_times_f64(const double* ahi, const double* alo, const double* bhi,
                       const double* blo, double* hi, double* lo, int64_t m, int64_t k,
-                      int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, int mode,
-                      int threads) {
+                      int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, int threads) {
     if (blo)
-        signed_times<double, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, mode,
-                                    threads);
+        signed_times<double, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
     else
-        signed_times<double, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, mode,
-                                   threads);
+        signed_times<double, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
 }
 
 void lift_times_f32(const float* p, int64_t pbs, int64_t prs, int64_t pqs, const float* xh,
