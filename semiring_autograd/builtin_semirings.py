@@ -60,24 +60,63 @@ def _finite_max(x: Tensor, dim: int) -> Tensor:
 
 
 def _safe_weight(x: Tensor, total: Tensor) -> Tensor:
-    """exp(x - total), 0 where total is -inf (then x is -inf too)."""
-    return torch.exp(x - total.masked_fill(torch.isneginf(total), 0.0))
+    """exp(x - total), 0 where total is -inf (then x is -inf too): the -inf - -inf = NaN
+    there becomes 0 (arithmetic only; a masked fill is several times slower on CPU)."""
+    return torch.sub(x, total).exp_().nan_to_num_(nan=0.0, posinf=POS_INF)
 
 
-def _gemm_exact(z: Tensor, tiny: float, may_overflow: bool) -> bool:
-    """Whether every shifted GEMM sum in ``z`` is trustworthy: none below ``tiny`` (where
-    the products may have underflowed) and, when ``may_overflow``, none infinite. One
-    reduction instead of elementwise masks; a NaN anywhere answers False (then the caller
-    checks element by element)."""
+def _flat(x: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """``x`` broadcast to ``batch`` and flattened to (count, rows, cols)."""
+    return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
+
+
+def _gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
+    """Whether every shifted GEMM sum in ``z`` (count, m, n) is trustworthy: none below
+    ``tiny`` (where the products may have underflowed) in the rows where a has a finite
+    entry (``live``, (count, m, 1): the other rows have no term and are rightly 0) and, when
+    ``may_overflow``, none infinite. Row reductions instead of elementwise masks; a NaN
+    answers False (then the caller checks element by element)."""
     if z.numel() == 0:
         return True
-    low, high = torch.aminmax(z)
+    if bool(live.all()):
+        low, high = torch.aminmax(z)  # (a whole-tensor reduction is several times faster)
+    else:
+        low, high = torch.aminmax(z, dim=-1, keepdim=True)
+        low, high = low.masked_fill(~live, POS_INF).min(), high.max()
     return bool(low >= tiny) and not (may_overflow and bool(high == POS_INF))
+
+
+def _exact_terms(
+    a3: Tensor,
+    b3: Tensor,
+    ra3: Tensor | None,
+    rb3: Tensor | None,
+    bad: Tensor,
+    out: Tensor,
+    r: Tensor | None,
+) -> None:
+    """Recompute the ``bad`` entries of ``out`` (and ``r``) that have a term, each by an
+    exact logsumexp over its k terms (log-space a3 (count, m, k), b3 (count, k, n))."""
+    dtype = a3.dtype
+    reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
+    where = (bad & reach).nonzero()
+    step = max(1, _CHUNK_ELEMENTS // max(1, a3.shape[-1]))
+    for s in range(0, where.shape[0], step):
+        bt, i, j = where[s : s + step].unbind(1)
+        terms = a3[bt, i, :] + b3[bt, :, j]
+        total = torch.logsumexp(terms, dim=-1)
+        out[bt, i, j] = total
+        if r is not None:
+            w = _safe_weight(terms, total[:, None])
+            r[bt, i, j] = (w * (ra3[bt, i, :] + rb3[bt, :, j])).sum(-1)
 
 
 class _LogSpaceGemm:
     """(logsumexp, weighted mean) matmul via shift-and-GEMM, exact blocked fallback where
-    the shifted products underflow."""
+    the shifted products underflow.
+
+    The r component costs one more GEMM: with A = [ea·ra | ea] (m × 2k) and
+    B = [eb; eb·rb] (2k × n), Σ_k ea·eb·(ra + rb) = A @ B."""
 
     @staticmethod
     def run(
@@ -86,65 +125,62 @@ class _LogSpaceGemm:
         ra: Tensor | None,
         rb: Tensor | None,
         b_linear: Tensor | None = None,
-        b_linear_r: Tensor | None = None,
     ):
-        """``lb`` is b in log space; or pass ``b_linear`` = exp(lb) (|w| of a lifted ``w``,
-        no transcendental needed) and ``lb=None``; then ``b_linear_r`` = exp(lb)·rb
-        replaces ``rb``."""
+        """``lb`` (and ``rb``) is b in log space; or pass ``lb=None`` and ``b_linear``, b as
+        linear GEMM operands needing no shift (a lifted weight): exp(lb) = |w| (…, k, n)
+        without r, or [exp(lb); exp(lb)·rb] stacked (…, 2k, n) with r (``rb=None``)."""
+        with_r = ra is not None
         if b_linear is not None:
-            # no column shift: the GEMM takes |w| as it is (a shift would only rescale z)
-            a3, eb, batch = _batch_flatten(la, b_linear)
-            mb, b3 = 0.0, None
+            k = b_linear.shape[-2] // (2 if with_r else 1)
+            batch = torch.broadcast_shapes(la.shape[:-2], b_linear.shape[:-2])
+            a3, b_lin, b3 = _flat(la, batch), _flat(b_linear, batch), None
         else:
             a3, b3, batch = _batch_flatten(la, lb)
-        m, n = a3.shape[-2], (b3 if b3 is not None else eb).shape[-1]
-        if a3.shape[-1] == 0:
+            k = a3.shape[-1]
+        count, m, n = a3.shape[0], a3.shape[-2], (b_lin if b3 is None else b3).shape[-1]
+        if k == 0:
             out = a3.new_full((*batch, m, n), NEG_INF)
             return out, (None if ra is None else torch.zeros_like(out))
-        ma = _finite_max(a3, -1)
-        ea = torch.exp(a3 - ma)
+        mb = None
         if b3 is not None:
             mb = _finite_max(b3, -2)
-            eb = torch.exp(b3 - mb)
-        z = ea @ eb
-        out = torch.log(z).add_(ma)
-        if b3 is not None:
-            out.add_(mb)
-        r = None
-        if ra is not None:
-            if b_linear_r is not None:
-                ra3, ebr, _ = _batch_flatten(ra, b_linear_r)
-                rb3 = None
-            else:
-                ra3, rb3, _ = _batch_flatten(ra, rb)
-                ebr = eb * rb3
-            num = (ea * ra3) @ eb + ea @ ebr
-            r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
+            b_lin = b3.new_empty(count, (2 if with_r else 1) * k, n)
+            torch.sub(b3, mb, out=b_lin[:, :k]).exp_()
+            if with_r:
+                torch.mul(b_lin[:, :k], _flat(rb, batch), out=b_lin[:, k:])
+        row_max = a3.amax(dim=-1, keepdim=True)
+        live = torch.isfinite(row_max)
+        ma = row_max.masked_fill(~live, 0.0)
+        # the shifted a (and its r product) are GEMM operands only: scratch storage
+        stacked = scratch("log_space_a", (count, m, (2 if with_r else 1) * k), a3.dtype, a3.device)
+        ea = torch.sub(a3, ma, out=stacked[..., -k:]).exp_()
+        if with_r:
+            torch.mul(ea, _flat(ra, batch), out=stacked[..., :k])
+        z = torch.bmm(ea, b_lin[:, :k])
         dtype = z.dtype
         tiny = torch.finfo(dtype).tiny / torch.finfo(dtype).eps
-        if _gemm_exact(z, tiny, b3 is None):
-            return out.reshape(*batch, m, n), (None if r is None else r.reshape(*batch, m, n))
-        bad = z < tiny
-        if b3 is None:
-            bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
-        if bad.any():
+        bad = None
+        if not _gemm_exact(z, live, tiny, b3 is None):
+            bad = (z < tiny) & live
             if b3 is None:
+                bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
+        r = None
+        if with_r:
+            # Σ ea·eb·(ra + rb) / z; 0/0 = NaN where no term (z = 0) becomes 0
+            r = torch.bmm(stacked, b_lin).div_(z)
+            r.nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
+        out = z.log_().add_(ma)
+        if mb is not None:
+            out.add_(mb)
+        if bad is not None and bad.any():
+            ra3 = _flat(ra, batch) if with_r else None
+            if b3 is None:  # back to log space from the linear operands
+                eb = b_lin[:, :k]
                 b3 = torch.log(eb)
-            if r is not None and rb3 is None:
-                rb3 = torch.where(eb > 0, ebr / eb, 0.0)
-            reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
-            bad = bad & reach
-            where = bad.nonzero()
-            k = a3.shape[-1]
-            step = max(1, _CHUNK_ELEMENTS // max(1, k))
-            for s in range(0, where.shape[0], step):
-                bt, i, j = where[s : s + step].unbind(1)
-                terms = a3[bt, i, :] + b3[bt, :, j]
-                total = torch.logsumexp(terms, dim=-1)
-                out[bt, i, j] = total
-                if r is not None:
-                    w = _safe_weight(terms, total[:, None])
-                    r[bt, i, j] = (w * (ra3[bt, i, :] + rb3[bt, :, j])).sum(-1)
+                rb3 = torch.where(eb > 0, b_lin[:, k:] / eb, 0.0) if with_r else None
+            else:
+                rb3 = _flat(rb, batch) if with_r else None
+            _exact_terms(a3, b3, ra3, rb3, bad, out, r)
         out = out.reshape(*batch, m, n)
         return out, (None if r is None else r.reshape(*batch, m, n))
 
@@ -430,23 +466,23 @@ def _log_loo(x: Tensor, dim: int) -> Tensor:
 
 def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
     """Leave-one-out ⊕ of Entropy values (log Z, r) along ``dim``, with the shifts of
-    :func:`_log_loo`: r of the rest is Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j."""
+    :func:`_log_loo`: r of the rest is Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j (0 where no j has
+    weight: 0/0 there). Fresh tensors are updated in place (fewer passes)."""
     n = la.shape[dim]
     if n <= 1:
         return torch.full_like(la, NEG_INF), torch.zeros_like(r)
     first, s1, s2 = _top_two_shifts(la, dim)
-
-    def ratio(num: Tensor, den: Tensor) -> Tensor:
-        return torch.where(den > 0, num / den.masked_fill(den <= 0, 1.0), 0.0)
-
-    e = torch.exp(la - s1)
+    e = torch.sub(la, s1).exp_()
     er = e * r
-    den = (e.sum(dim, keepdim=True) - e).clamp_min(0.0)
-    rest_l, rest_r = torch.log(den) + s1, ratio(er.sum(dim, keepdim=True) - er, den)
-    e2 = torch.exp(la - s2).scatter(dim, first, 0.0)
+    den = e.sum(dim, keepdim=True).sub(e).clamp_min_(0.0)
+    # den ≥ 1 but at the argmax (its sum is replaced below) and in all -inf rows (0/0)
+    rest_r = torch.sub(er.sum(dim, keepdim=True), er, out=er).div_(den).nan_to_num_(nan=0.0)
+    rest_l = den.log_().add_(s1)
+    e2 = torch.sub(la, s2).exp_().scatter_(dim, first, 0.0)
     den2 = e2.sum(dim, keepdim=True)
-    at_l, at_r = torch.log(den2) + s2, ratio((e2 * r).sum(dim, keepdim=True), den2)
-    return rest_l.scatter(dim, first, at_l), rest_r.scatter(dim, first, at_r)
+    at_r = (e2.mul_(r).sum(dim, keepdim=True) / den2).nan_to_num_(nan=0.0)
+    at_l = den2.log_().add_(s2)
+    return rest_l.scatter_(dim, first, at_l), rest_r.scatter_(dim, first, at_r)
 
 
 class Log(Semiring):
@@ -516,6 +552,28 @@ class Counting(Log):
         return (torch.where(w == 0, NEG_INF, a[0]),)
 
 
+def _r_where_finite(r: Tensor, la: Tensor) -> Tensor:
+    """``r`` where log Z ``la`` is finite, 0 where it is not (no path, or an overflow that
+    la itself shows). Arithmetic only: la - la is 0 or NaN, and the NaN becomes 0 (a masked
+    fill on isinf is several times slower on CPU)."""
+    return (r + (la - la)).nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
+
+
+def _entropy_weights(w: Tensor) -> Tensor:
+    """The Entropy GEMM operand of lift(w) (…, k, n): [|w|; |w|·(-log|w|)] stacked along the
+    rows (…, 2k, n), in scratch storage (valid for the calling matmul only). -|w|log|w| is
+    0 at w = 0 (where it is 0·inf = NaN) and at NaN, whose Z sums are NaN anyway."""
+    k, n = w.shape[-2:]
+    out = scratch("entropy_weights", (*w.shape[:-2], 2 * k, n), w.dtype, w.device)
+    if kernels.entropy_weights(w, out):
+        return out
+    magnitude = torch.abs(w, out=out[..., :k, :])
+    # in place, several times faster than xlogy, and nan_to_num_ than a masked fill, on CPU
+    weighted = torch.log(magnitude, out=out[..., k:, :]).mul_(magnitude).neg_()
+    weighted.nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
+    return out
+
+
 class Entropy(Semiring):
     """The expectation semiring ⟨|w|, −|w| log|w|⟩ kept in log space as (log Z, r), with
     r = (Σ_paths p̃·(−log p̃)) / Z. ⊕: (logaddexp, Z-weighted mean of r); ⊗: (+, +).
@@ -541,8 +599,7 @@ class Entropy(Semiring):
 
     def mul(self, a, b):
         la = a[0] + b[0]
-        r = a[1] + b[1]
-        return (la, r.masked_fill(torch.isneginf(la), 0.0))
+        return (la, _r_where_finite(a[1] + b[1], la))
 
     def readout(self, a):
         la, r = torch.broadcast_tensors(*a)
@@ -562,19 +619,15 @@ class Entropy(Semiring):
 
     def matmul_lift(self, a, w):
         la, ra = torch.broadcast_tensors(*a)
-        magnitude = torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
-        # |w|·(-log|w|), 0 at w = 0 (where it is 0·inf = NaN): in place, several times
-        # faster than xlogy, and nan_to_num_ than a masked fill, on CPU. A NaN weight makes
-        # its Z sums NaN anyway (the |w| GEMM), so this r term hides nothing.
-        weighted_r = scratch("entropy_r", w.shape, w.dtype, w.device)
-        torch.log(magnitude, out=weighted_r).mul_(magnitude).neg_()
-        weighted_r.nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
-        return _LogSpaceGemm.run(la, None, ra, None, b_linear=magnitude, b_linear_r=weighted_r)
+        return _LogSpaceGemm.run(la, None, ra, None, b_linear=_entropy_weights(w))
 
     def mul_lift(self, a, w):
+        fused = kernels.entropy_mul_lift(a[0], a[1], w)
+        if fused is not None:
+            return fused
         log_w = torch.log(w.abs())  # -inf at 0: no edge
         la = a[0] + log_w
-        return (la, (a[1] - log_w).masked_fill(torch.isneginf(la), 0.0))
+        return (la, _r_where_finite(a[1] - log_w, la))
 
     def loo(self, a, dim):
         return _entropy_loo(*torch.broadcast_tensors(*a), dim)

@@ -215,8 +215,10 @@ def test_mul_lift_equals_mul_of_lift(semiring, shapes):
     w[w.abs() < 0.4] = 0.0
     got = semiring.mul_lift(a, w)
     expected = semiring.mul(a, semiring.lift(w))
+    # Entropy's kernel takes log|w| from its own series (within 2 ulp of torch.log's)
+    tol = 1e-15 if isinstance(semiring, sa.Entropy) and kernels.enabled() else 0.0
     for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("semiring", [sa.Log(), sa.Counting(), sa.Entropy()], ids=repr)

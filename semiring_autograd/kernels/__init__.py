@@ -1,5 +1,7 @@
-"""Fused semiring matmuls that never hold the m×k×n product, and one fused elementwise
-product (the signed ``mul_lift``, where torch needs eight passes and its select is slow).
+"""Fused semiring matmuls that never hold the m×k×n product, and fused elementwise kernels:
+the signed ``mul_lift`` (torch needs eight passes and its select is slow), Entropy's
+``mul_lift`` and the Entropy operands of a lifted weight, |w| and -|w|·log|w| (torch needs
+five passes each; the kernels take log from a vectorised series of their own).
 
 There is no BLAS for max-times. Two fused paths compute it exactly:
 
@@ -74,7 +76,7 @@ def _compiler() -> str | None:
     return None
 
 
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"]
+_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 #: tried first: the kernels then run on torch's own OpenMP threads (see the .cpp)
 _OPENMP_FLAGS = ["-fopenmp"]
 
@@ -129,6 +131,10 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"lift_times_{suffix}").restype = None
         getattr(lib, f"signed_mul_lift_{suffix}").argtypes = [ptr] * 5 + [i64, i32]
         getattr(lib, f"signed_mul_lift_{suffix}").restype = None
+        getattr(lib, f"entropy_weights_{suffix}").argtypes = [ptr] * 2 + [i64] * 5 + [i32]
+        getattr(lib, f"entropy_weights_{suffix}").restype = None
+        getattr(lib, f"entropy_mul_lift_{suffix}").argtypes = [ptr] * 5 + [i64, i32]
+        getattr(lib, f"entropy_mul_lift_{suffix}").restype = None
     return lib
 
 
@@ -295,27 +301,65 @@ def pair_lift_matmul(
     return hi, lo
 
 
-def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The signed pair a times lift(w) elementwise (broadcasting), in one pass on the CPU:
-    w > 0 keeps (a_hi, a_lo), w < 0 swaps them, each times w; w = 0 gives the empty
-    (-inf, +inf), and an empty a stays empty. None off the CPU or without the library."""
-    lib = _cpu_ready(a_hi, a_lo, w)
+def _elementwise(name: str, a: Tensor, b: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Run the elementwise C kernel ``name`` on the pair (a, b) and w (broadcast together),
+    giving two tensors of the broadcast shape; None off the CPU or without the library."""
+    lib = _cpu_ready(a, b, w)
     if lib is None:
         return None
-    shape = torch.broadcast_shapes(a_hi.shape, a_lo.shape, w.shape)
-    a_hi, a_lo, w = (t.expand(shape).contiguous() for t in (a_hi, a_lo, w))
-    hi, lo = torch.empty_like(w), torch.empty_like(w)
+    shape = a.shape
+    if b.shape != shape or w.shape != shape:  # (broadcast_shapes alone costs ~9 µs)
+        shape = torch.broadcast_shapes(a.shape, b.shape, w.shape)
+        a, b, w = (t.expand(shape) for t in (a, b, w))
+    a, b, w = a.contiguous(), b.contiguous(), w.contiguous()
+    first, second = torch.empty_like(w), torch.empty_like(w)
     count, size = w.numel(), w.element_size()
-    pointers = [t.data_ptr() for t in (a_hi, a_lo, w, hi, lo)]
+    pointers = [t.data_ptr() for t in (a, b, w, first, second)]
 
     def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
         start, stop = c0 * _ENTRY_BLOCK, min(count, c1 * _ENTRY_BLOCK)
         return (*(p + start * size for p in pointers), stop - start)
 
     blocks = -(-count // _ENTRY_BLOCK)
-    fn = getattr(lib, f"signed_mul_lift_{_SUFFIX[w.dtype]}")
+    fn = getattr(lib, f"{name}_{_SUFFIX[w.dtype]}")
     _run(fn, args_of, 1, blocks, count * _ENTRY_COST, bool(lib.uses_openmp()))
-    return hi, lo
+    return first, second
+
+
+def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The signed pair a times lift(w) elementwise (broadcasting), in one pass on the CPU:
+    w > 0 keeps (a_hi, a_lo), w < 0 swaps them, each times w; w = 0 gives the empty
+    (-inf, +inf), and an empty a stays empty. None off the CPU or without the library."""
+    return _elementwise("signed_mul_lift", a_hi, a_lo, w)
+
+
+def entropy_mul_lift(la: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The Entropy value (la, r) times lift(w) elementwise (broadcasting), in one pass on the
+    CPU: (la + log|w|, r - log|w|), with r = 0 where the new la is not finite. log|w| is
+    within 2 ulp of torch.log's. None off the CPU or without the library."""
+    return _elementwise("entropy_mul_lift", la, r, w)
+
+
+def entropy_weights(w: Tensor, out: Tensor) -> bool:
+    """Fill ``out`` (…, 2k, n) with the Entropy GEMM operands of a lifted (…, k, n) ``w``,
+    stacked along the row dim: |w| in rows [0, k) and |w|·(-log|w|) in rows [k, 2k) (0 where
+    w is 0 or NaN, -inf where |w| is inf), in one pass on the CPU. False (``out`` untouched)
+    off the CPU or without the library."""
+    lib = _cpu_ready(w, out)
+    if lib is None or not out.is_contiguous():
+        return False
+    w = w.contiguous()
+    count = w.shape[-2] * w.shape[-1]
+    batch = w.numel() // max(1, count)
+    head = (w.data_ptr(), out.data_ptr(), count)
+
+    def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
+        return (*head, c0 * _ENTRY_BLOCK, min(count, c1 * _ENTRY_BLOCK), b0, b1)
+
+    fn = getattr(lib, f"entropy_weights_{_SUFFIX[w.dtype]}")
+    blocks = -(-count // _ENTRY_BLOCK)
+    _run(fn, args_of, batch, blocks, w.numel() * _ENTRY_COST, bool(lib.uses_openmp()))
+    return True
 
 
 # ----- CUDA: Inductor/Triton -------------------------------------------------------------

@@ -1,21 +1,26 @@
-// Max-times and signed max/min-times matrix products for the CPU, in register blocks.
+// Max-times and signed max/min-times matrix products for the CPU, in register blocks, and
+// one-pass elementwise kernels.
 //
 // Part of semiring_autograd. Compiled on first use by kernels/__init__.py with the system
-// C++ compiler (-O3 -march=native, -fopenmp where it builds) and loaded with ctypes; no
-// Python or torch headers.
+// C++ compiler (-O3 -march=native -fno-trapping-math, -fopenmp where it builds) and loaded
+// with ctypes; no Python or torch headers. -fno-trapping-math lets selects between two
+// computed values vectorise (no FP trap is ever enabled, so no result changes).
 //
 // max_times and signed_times work on contiguous row-major operands with a batch dimension:
 //   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
 //   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
 //   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
 //   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
-//   operands and writes its product transposed (see there); signed_mul_lift is elementwise.
+//   operands and writes its product transposed (see there); signed_mul_lift,
+//   entropy_weights and entropy_mul_lift are elementwise.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <vector>
 
@@ -430,12 +435,109 @@ void signed_mul_lift(const T* ah, const T* al, const T* w, T* hi, T* lo, int64_t
                      int threads) {
     const T inf = __builtin_inf();
     (void)threads;
-#pragma omp parallel for simd num_threads(threads) if (threads > 1) schedule(static)
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
     for (int64_t i = 0; i < count; ++i) {
         const T x = w[i], h = ah[i], l = al[i];
         const bool pos = x > T(0), none = x == T(0);
         hi[i] = none ? -inf : (pos ? h : l) * x;
         lo[i] = none ? inf : (pos ? l : h) * x;
+    }
+}
+
+// Natural logarithm of a finite x > 0, vectorisable (no calls, no branches): x = 2^e·m with
+// m in [√½, √2), and log m = 2·atanh(s) = 2s·(1 + s²/3 + s⁴/5 + …) for s = (m-1)/(m+1),
+// |s| < 0.172, so s² < 0.0295 and the series stops where its next term falls below the
+// format's rounding (4 terms for float, 9 for double; error under 2 ulp, measured). e·ln 2 is added in two parts, the
+// first exact in e. Subnormal x is scaled into the normal range first.
+template <typename T>
+struct LogParts;
+
+template <>
+struct LogParts<float> {
+    typedef int32_t I;
+    static constexpr int mantissa = 23, bias = 127, terms = 4;
+    static constexpr float ln2_hi = 0.693145751953125f, ln2_lo = 1.4286068203094173e-06f;
+};
+
+template <>
+struct LogParts<double> {
+    typedef int64_t I;
+    static constexpr int mantissa = 52, bias = 1023, terms = 9;
+    static constexpr double ln2_hi = 0.6931471824645996, ln2_lo = -1.904654299957768e-09;
+};
+
+template <typename T>
+inline T log_positive(T x) {
+    typedef LogParts<T> P;
+    typedef typename P::I I;
+    const bool subnormal = x < std::numeric_limits<T>::min();
+    const T scale = T(I(1) << (P::mantissa + 1));
+    x = subnormal ? x * scale : x;
+    I bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const I fraction = bits & ((I(1) << P::mantissa) - 1);
+    const I above = fraction > I(T(0.41421356237309503) * T(I(1) << P::mantissa));  // m ≥ √2
+    const I e = (bits >> P::mantissa) - P::bias + above - (subnormal ? P::mantissa + 1 : 0);
+    const I mbits = fraction | ((P::bias - above) << P::mantissa);
+    T m;
+    std::memcpy(&m, &mbits, sizeof m);
+    const T s = (m - T(1)) / (m + T(1)), s2 = s * s;
+    T series = T(1) / T(2 * P::terms + 1);
+#pragma GCC unroll 16
+    for (int i = P::terms - 1; i >= 1; --i) series = series * s2 + T(1) / T(2 * i + 1);
+    const T two_s = s + s;
+    return T(e) * P::ln2_hi + (T(e) * P::ln2_lo + (two_s + two_s * s2 * series));
+}
+
+// The two GEMM operands of a lifted weight in the Entropy semiring, for entries [i0, i1) of
+// w (count entries per batch) in the batches [b0, b1): |w| and |w|·(-log|w|) (0 at w = 0
+// and for NaN, whose Z sums are NaN anyway; -inf at |w| = inf), stacked per batch as
+// out[bt] = [|w|; -|w|log|w|] (2·count entries).
+//
+// The elementwise kernels open `parallel` and `for simd` as two constructs: under one combined
+// `parallel for simd if (...)`, GCC's serial copy of the loop (threads = 1) is not vectorised
+// (measured 3.5x slower).
+template <typename T>
+void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, int64_t b0,
+                     int64_t b1, int threads) {
+    (void)threads;
+    for (int64_t bt = b0; bt < b1; ++bt) {
+        const T* src = w + bt * count;
+        T* mag = out + bt * 2 * count;
+        T* weighted = mag + count;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+        for (int64_t i = i0; i < i1; ++i) {
+            const T a = std::fabs(src[i]);
+            const bool positive = a > T(0);                 // false at 0 and NaN
+            const T l = log_positive(positive ? a : T(1));  // (at +inf: 128·ln 2, finite)
+            const T product = -(a * l);
+            mag[i] = a;
+            weighted[i] = positive ? product : T(0);
+        }
+    }
+}
+
+// The Entropy value (la, r) times lift(w), elementwise: log|w| (-inf at w = 0, +inf at
+// |w| = inf, NaN at NaN) is added to la and subtracted from r, and r is 0 where the new la
+// is not finite (no path, or an overflow or NaN that la itself shows).
+template <typename T>
+void entropy_mul_lift(const T* la, const T* r, const T* w, T* la_out, T* r_out, int64_t count,
+                      int threads) {
+    const T inf = __builtin_inf(), big = std::numeric_limits<T>::max();
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+        const T x = std::fabs(w[i]);
+        const bool finite = (x > T(0)) & (x <= big);
+        const T l = log_positive(finite ? x : T(1));
+        const T special = x == T(0) ? -inf : x;  // -inf at 0; +inf and NaN pass through
+        const T log_w = finite ? l : special;
+        const T sum = la[i] + log_w, rest = r[i] - log_w;
+        la_out[i] = sum;
+        r_out[i] = sum - sum == T(0) ? rest : T(0);
     }
 }
 
@@ -506,6 +608,26 @@ void signed_mul_lift_f32(const float* ah, const float* al, const float* w, float
 void signed_mul_lift_f64(const double* ah, const double* al, const double* w, double* hi,
                          double* lo, int64_t count, int threads) {
     signed_mul_lift<double>(ah, al, w, hi, lo, count, threads);
+}
+
+void entropy_weights_f32(const float* w, float* out, int64_t count, int64_t i0, int64_t i1,
+                         int64_t b0, int64_t b1, int threads) {
+    entropy_weights<float>(w, out, count, i0, i1, b0, b1, threads);
+}
+
+void entropy_weights_f64(const double* w, double* out, int64_t count, int64_t i0, int64_t i1,
+                         int64_t b0, int64_t b1, int threads) {
+    entropy_weights<double>(w, out, count, i0, i1, b0, b1, threads);
+}
+
+void entropy_mul_lift_f32(const float* la, const float* r, const float* w, float* la_out,
+                          float* r_out, int64_t count, int threads) {
+    entropy_mul_lift<float>(la, r, w, la_out, r_out, count, threads);
+}
+
+void entropy_mul_lift_f64(const double* la, const double* r, const double* w, double* la_out,
+                          double* r_out, int64_t count, int threads) {
+    entropy_mul_lift<double>(la, r, w, la_out, r_out, count, threads);
 }
 
 }  // extern "C"
