@@ -276,6 +276,113 @@ def test_thread_pool_split_without_openmp(library_without_openmp, shape, monkeyp
     )
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+    wide = torch.randn(2, 3 * kernels._ENTRY_BLOCK + 5, generator=gen)  # uneven entry blocks
+    out = torch.empty(2, 2, wide.shape[-1])
+    assert kernels.entropy_weights(wide[:, None], out[:, :, None])
+    torch.testing.assert_close(out, _entropy_weights_formula(wide[:, None]).squeeze(2))
+    la, r = torch.randn(2, *wide.shape, generator=gen)
+    got = kernels.entropy_mul_lift(la, r, wide)
+    log_w = torch.log(wide.abs())
+    torch.testing.assert_close(got, (la + log_w, r - log_w), rtol=1e-6, atol=1e-6)
+
+
+def _entropy_weights_formula(w: torch.Tensor) -> torch.Tensor:
+    """[|w|; -|w|·log|w|] per batch (…, 2k, n) by torch ops: 0 at w = 0 and NaN."""
+    magnitude = w.abs()
+    weighted = (-(magnitude * torch.log(magnitude))).nan_to_num(nan=0.0, posinf=INF, neginf=-INF)
+    return torch.cat([magnitude, weighted], dim=-2)
+
+
+def _special_weights(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Zeros of both signs, infinities, NaN, subnormals, the extremes, values around 1 and
+    √2 (the series' fold), and random magnitudes over 60 orders."""
+    fi = torch.finfo(dtype)
+    edges = [0.0, -0.0, INF, -INF, float("nan"), fi.tiny, -fi.tiny / 7, fi.tiny * fi.eps]
+    edges += [fi.max, -fi.max, 1.0, -1.0, 1 + fi.eps, 1 - fi.eps / 2, 2**0.5, -(2**-0.5)]
+    spread = torch.randn(4000, generator=gen, dtype=torch.float64)
+    spread = spread * 10.0 ** torch.randint(-30, 30, (4000,), generator=gen)
+    values = torch.cat([torch.tensor(edges, dtype=torch.float64), spread])
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_entropy_weights_kernel_equals_formula(dtype):
+    """The one-pass Entropy GEMM operands against torch's log: within 2 ulp (the kernel's
+    own log series), specials (0, ±inf, NaN, subnormals) exactly; batched weights stack
+    [|w|; -|w|log|w|] per batch."""
+    gen = torch.Generator().manual_seed(5)
+    w = _special_weights(dtype, gen).reshape(2, 8, -1)
+    out = torch.empty(2, 16, w.shape[-1], dtype=dtype)
+    assert kernels.entropy_weights(w, out)
+    expected = _entropy_weights_formula(w)
+    # relative 2 ulp; the absolute floor covers results below the normal range
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    torch.testing.assert_close(out, expected, rtol=2 * eps, atol=tiny, equal_nan=True)
+    special = ~torch.isfinite(expected) | (expected == 0)
+    torch.testing.assert_close(out[special], expected[special], rtol=0, atol=0, equal_nan=True)
+    strided = w.transpose(-1, -2)  # any strides: read through a contiguous copy
+    out_t = torch.empty(2, 2 * strided.shape[-2], 8, dtype=dtype)
+    assert kernels.entropy_weights(strided, out_t)
+    expected_t = _entropy_weights_formula(strided)
+    torch.testing.assert_close(out_t, expected_t, rtol=2 * eps, atol=tiny, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shapes", [((4, 1000), (4, 1000)), ((3, 1, 5), (4, 1))], ids=str)
+def test_entropy_mul_lift_kernel_equals_formula(dtype, shapes, monkeypatch):
+    """Entropy's one-pass mul_lift against its torch formula (kernels off): log|w| within
+    2 ulp, r = 0 where the new log Z is not finite, special weights, broadcasting."""
+    gen = torch.Generator().manual_seed(9)
+    a_shape, w_shape = shapes
+    w = _special_weights(dtype, gen)[: torch.Size(w_shape).numel()].reshape(w_shape)
+    la = torch.randn(a_shape, generator=gen, dtype=dtype) * 5
+    la[..., :1] = -INF  # no path: r is 0 there by convention
+    r = torch.rand(a_shape, generator=gen, dtype=dtype).masked_fill(la == -INF, 0.0)
+    got = kernels.entropy_mul_lift(la, r, w)
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")
+    expected = sa.Entropy().mul_lift((la, r), w)
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    for g, e in zip(got, expected):
+        # log|w| within 2 ulp; la and r add a term of up to ~|log| 700, hence the floor
+        torch.testing.assert_close(g, e, rtol=2 * eps, atol=1e3 * eps, equal_nan=True)
+        assert torch.equal(torch.isfinite(g), torch.isfinite(e))
+
+
+@pytest.mark.parametrize(
+    "semiring", [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Counting(), sa.Entropy()], ids=repr
+)
+def test_matmul_lift_rows_without_terms(semiring):
+    """Rows of a without any term (every token but one, as in a model's last layer) are
+    skipped by matmul_lift: the result still equals the definition, with the semiring zero
+    in those rows, and all-empty inputs give all-zero outputs."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=gen)
+    w = torch.randn(8, 5, dtype=torch.float64, generator=gen)
+    a = semiring.mul(semiring.lift(x), semiring.one(x.shape, x))
+    dead = torch.tensor([True, False, True, True, False, True]).expand(2, 6).clone()
+    dead[1, 1] = True  # one batch with a single live row
+    zero = semiring.zero(x.shape, x)
+    a = tuple(torch.where(dead[..., None], z, c) for z, c in zip(zero, a))
+    got = semiring.matmul_lift(a, w)
+    expected = semiring.matmul(a, semiring.lift(w))
+    for g, e, z in zip(got, expected, semiring.zero((2, 6, 5), x)):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-300)
+        assert torch.equal(g[dead], z[dead])
+    nothing = semiring.matmul_lift(semiring.zero(x.shape, x), w)
+    for g, z in zip(nothing, semiring.zero((2, 6, 5), x)):
+        assert torch.equal(g, z)
+
+
+@pytest.mark.parametrize("semiring", [sa.Log(), sa.Entropy()], ids=repr)
+def test_nan_weight_shows_in_log_space_matmul(semiring):
+    """A NaN weight makes the log Z of every output it feeds NaN (and so the readout): the
+    arithmetic masks that zero r where log Z is not finite hide no NaN."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    w = torch.randn(4, 2, dtype=torch.float64)
+    w[1, 0] = float("nan")
+    out = semiring.matmul_lift(semiring.lift(x), w)
+    readout = semiring.readout(out)
+    assert torch.isnan(readout[:, 0]).all() and torch.isfinite(readout[:, 1]).all()
 
 
 def test_openmp_build_shares_torch_runtime():
