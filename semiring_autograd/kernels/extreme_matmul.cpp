@@ -223,17 +223,21 @@ template <typename T>
 void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, int64_t n,
                int64_t j, T* strip) {
     constexpr int W = C * Vec<T>::lanes;
+    constexpr int64_t QB = 32;  // q block: its part of the strip (QB x 2W) stays in L1
     const T nan = __builtin_nan("");
-    for (int64_t c = 0; c < W; ++c) {
-        T* out = strip + c;
-        const bool pad = j + c >= n;
-        const T* h = xh + (pad ? 0 : (j + c) * xjs);
-        const T* l = xl + (pad ? 0 : (j + c) * xjs);
-        for (int64_t q = 0; q < k; ++q) {
-            const T vh = pad ? nan : h[q * xqs], vl = pad ? nan : l[q * xqs];
-            const bool empty = vh < vl;
-            out[q * 2 * W] = empty ? nan : vh;
-            out[q * 2 * W + W] = empty ? nan : vl;
+    for (int64_t q0 = 0; q0 < k; q0 += QB) {
+        const int64_t q1 = std::min(k, q0 + QB);
+        for (int64_t c = 0; c < W; ++c) {
+            T* out = strip + c;
+            const bool pad = j + c >= n;
+            const T* h = xh + (pad ? 0 : (j + c) * xjs);
+            const T* l = xl + (pad ? 0 : (j + c) * xjs);
+            for (int64_t q = q0; q < q1; ++q) {
+                const T vh = pad ? nan : h[q * xqs], vl = pad ? nan : l[q * xqs];
+                const bool empty = vh < vl;
+                out[q * 2 * W] = empty ? nan : vh;
+                out[q * 2 * W + W] = empty ? nan : vl;
+            }
         }
     }
 }
@@ -319,16 +323,42 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
     });
 }
 
-// ROWS contiguous point entries for lift_block, in one vector: the entry (0 as NaN when
-// zero_empty) and its flip (0 when positive, else W).
-template <typename T>
-inline void lift_entries(const T* src, T* ps, int32_t* flip, bool zero_empty) {
+// The point entries of rows [i0, i1) of p for one k block (kc entries from p's column q0,
+// `p` pointing there), as lift_block reads them: per group of ROWS rows, q-major
+// (ps[(i - i0)·kc + q·rows + r]), 0 as NaN when ZERO_EMPTY, with each entry's flip (0 when
+// positive, else W). Group by group, so the stores run in sequence and each q's loads come
+// from lines the previous group brought into L1; `prefetch` fetches the next k block's
+// lines into L2 meanwhile.
+template <typename T, bool ZERO_EMPTY>
+void lift_prep(const T* p, int64_t prs, int64_t pqs, int64_t i0, int64_t i1, int64_t kc,
+               bool prefetch, T* __restrict ps, int32_t* __restrict flip) {
     typedef T V __attribute__((vector_size(ROWS * sizeof(T))));
     typedef int32_t I __attribute__((vector_size(ROWS * sizeof(int32_t))));
-    constexpr int W = C * Vec<T>::lanes;
-    const V v = load<V>(src), zero = V{} + T(0), nan = V{} + T(__builtin_nan(""));
-    store(ps, zero_empty ? (v == zero ? nan : v) : v);
-    store(flip, __builtin_convertvector(v > zero, I) ? I{} : I{} + W);
+    constexpr int W = C * Vec<T>::lanes, LINE = 64 / sizeof(T);
+    const V zero = V{} + T(0), nan = V{} + T(__builtin_nan(""));
+    const T nan1 = __builtin_nan("");
+    int64_t i = i0;
+    if (prs == 1)
+        for (; i + ROWS <= i1; i += ROWS) {
+            T* ps_g = ps + (i - i0) * kc;
+            int32_t* flip_g = flip + (i - i0) * kc;
+            if (prefetch && (i - i0) % LINE == 0)
+                for (int64_t q = 0; q < kc; ++q) __builtin_prefetch(p + (q + kc) * pqs + i, 0, 2);
+            for (int64_t q = 0; q < kc; ++q) {
+                const V v = load<V>(p + q * pqs + i);
+                store(ps_g + q * ROWS, ZERO_EMPTY ? (v == zero ? nan : v) : v);
+                store(flip_g + q * ROWS, __builtin_convertvector(v > zero, I) ? I{} : I{} + W);
+            }
+        }
+    for (; i < i1; i += ROWS) {
+        const int64_t rows = std::min<int64_t>(ROWS, i1 - i), at = (i - i0) * kc;
+        for (int64_t q = 0; q < kc; ++q)
+            for (int64_t r = 0; r < rows; ++r) {
+                const T s = p[q * pqs + (i + r) * prs];
+                ps[at + q * rows + r] = ZERO_EMPTY && s == T(0) ? nan1 : s;
+                flip[at + q * rows + r] = s > T(0) ? 0 : W;
+            }
+    }
 }
 
 // hi/lo[bt, j, i] = the signed matmul of lift(p) (batch, m, k) and the pair x (batch, k, n)
@@ -355,7 +385,6 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
     chunk = std::min({MAX_CHUNK, std::max<int64_t>(ROWS, SCRATCH / ldo / ROWS * ROWS),
                       (chunk + ROWS - 1) / ROWS * ROWS});
     const int64_t chunks = (m + chunk - 1) / chunk;
-    const T nan = __builtin_nan("");
     Buffer<T> strips((b1 - b0) * blocks * strip_size);
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -375,26 +404,14 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
                 for (int64_t q0 = 0; q0 < k; q0 += KC_LIFT) {
                     const int64_t kc = std::min(KC_LIFT, k - q0);
                     // the chunk's entries by groups of ROWS rows, each group q-major
-                    for (int64_t q = 0; q < kc; ++q) {
-                        const T* src = p + bt * pbs + (q0 + q) * pqs;
-                        // the next k block's entries, into L2 while this block computes
-                        if (prs == 1 && q0 + KC_LIFT + q < k)
-                            for (int64_t i = i0; i < i1; i += 64 / sizeof(T))
-                                __builtin_prefetch(src + KC_LIFT * pqs + i, 0, 2);
-                        for (int64_t i = i0; i < i1; i += ROWS) {
-                            const int64_t rows = std::min<int64_t>(ROWS, i1 - i);
-                            const int64_t at = (i - i0) * kc + q * rows;
-                            if (rows == ROWS && prs == 1)
-                                lift_entries<T>(src + i, ps.data() + at, flip.data() + at,
-                                                zero_empty);
-                            else
-                                for (int64_t r = 0; r < rows; ++r) {
-                                    const T s = src[(i + r) * prs];
-                                    ps[at + r] = zero_empty && s == T(0) ? nan : s;
-                                    flip[at + r] = s > T(0) ? 0 : W;
-                                }
-                        }
-                    }
+                    const T* src = p + bt * pbs + q0 * pqs;
+                    const bool next = q0 + 2 * KC_LIFT <= k;  // a whole next block to fetch
+                    if (zero_empty)
+                        lift_prep<T, true>(src, prs, pqs, i0, i1, kc, next, ps.data(),
+                                           flip.data());
+                    else
+                        lift_prep<T, false>(src, prs, pqs, i0, i1, kc, next, ps.data(),
+                                            flip.data());
                     for (int64_t cb = c0; cb < c1; ++cb) {
                         const T* sb = sbt + (cb - c0) * strip_size + q0 * 2 * W;
                         for (int64_t i = i0; i < i1; i += ROWS) {
