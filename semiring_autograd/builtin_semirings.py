@@ -71,14 +71,17 @@ def _flat(x: Tensor, batch: tuple[int, ...]) -> Tensor:
 
 
 def _on_live_rows(
-    parts: tuple[Tensor, ...], live: Tensor, w: Tensor, fn, empty: tuple[float, ...]
+    parts: tuple[Tensor, ...], live_of, w: Tensor, fn, empty: tuple[float, ...]
 ) -> Value | None:
     """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) where
-    ``live`` (…, m) only, the other rows' results set to ``empty``: rows without a term
-    (where no path reaches, e.g. every token but the read-out one in a last layer) cost
-    nothing. None when every row is live or ``w`` is batched (the caller then computes
-    all rows)."""
-    if w.dim() != 2 or bool(live.all()):
+    ``live_of(parts)`` (…, m) holds only, the other rows' results set to ``empty``: rows
+    without a term (where no path reaches, e.g. every token but the read-out one in a last
+    layer) cost nothing. None when every row is live, k is 0 or ``w`` is batched (the
+    caller then computes all rows)."""
+    if w.dim() != 2 or parts[0].shape[-1] == 0:
+        return None
+    live = live_of(parts)
+    if bool(live.all()):
         return None
     parts = torch.broadcast_tensors(*parts)
     live = live.expand(parts[0].shape[:-1])
@@ -92,16 +95,33 @@ def _on_live_rows(
     return tuple(out.reshape(*live.shape, n) for out in outs)
 
 
+def _max_product_live(a: Value) -> Tensor:
+    """Rows with a path (a non-zero entry; NaN counts as live)."""
+    return a[0].amax(-1) != 0
+
+
+def _signed_live(a: Value) -> Tensor:
+    """Rows with a non-empty entry (hi ≥ lo; NaN counts as live). A row reduction: comparing
+    every entry and reducing the bools took 4x longer."""
+    return ~((a[0] - a[1]).amax(-1) < 0)
+
+
+def _log_live(a: Value) -> Tensor:
+    """Rows with a term (a log value above -inf; NaN counts as live)."""
+    return a[0].amax(-1) != NEG_INF
+
+
 def _gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
     """Whether every shifted GEMM sum in ``z`` (count, m, n) is trustworthy: none below
     ``tiny`` (where the products may have underflowed) in the rows where a has a finite
     entry (``live``, (count, m, 1): the other rows have no term and are rightly 0) and, when
-    ``may_overflow``, none infinite. Row reductions instead of elementwise masks; a NaN
-    answers False (then the caller checks element by element)."""
+    ``may_overflow``, none infinite. Reductions instead of elementwise masks, over the
+    whole tensor when every row is live (several times faster than per row); a NaN answers
+    False (then the caller checks element by element)."""
     if z.numel() == 0:
         return True
     if bool(live.all()):
-        low, high = torch.aminmax(z)  # (a whole-tensor reduction is several times faster)
+        low, high = torch.aminmax(z)
     else:
         low, high = torch.aminmax(z, dim=-1, keepdim=True)
         low, high = low.masked_fill(~live, POS_INF).min(), high.max()
@@ -179,18 +199,16 @@ class _LogSpaceGemm:
         if with_r:
             torch.mul(ea, _flat(ra, batch), out=stacked[..., :k])
         z = torch.bmm(ea, b_lin[:, :k])
-        dtype = z.dtype
-        tiny = torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+        # r's numerators: Σ ea·eb·(ra + rb), then divided by z
+        r = torch.bmm(stacked, b_lin) if with_r else None
+        tiny = torch.finfo(z.dtype).tiny / torch.finfo(z.dtype).eps
         bad = None
         if not _gemm_exact(z, live, tiny, b3 is None):
             bad = (z < tiny) & live
             if b3 is None:
                 bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
-        r = None
-        if with_r:
-            # Σ ea·eb·(ra + rb) / z; 0/0 = NaN where no term (z = 0) becomes 0
-            r = torch.bmm(stacked, b_lin).div_(z)
-            r.nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
+        if with_r:  # 0/0 = NaN where no term (z = 0) becomes 0
+            r.div_(z).nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
         out = z.log_().add_(ma)
         if mb is not None:
             out.add_(mb)
@@ -277,8 +295,8 @@ class MaxProduct(Semiring):
         return (_max_times(a[0], b[0]),)
 
     def matmul_lift(self, a, w):
-        live = a[0].amax(-1) != 0  # rows with a path (NaN counts as live)
-        return _on_live_rows(a, live, w, self._matmul_lift, (0.0,)) or self._matmul_lift(a, w)
+        result = _on_live_rows(a, _max_product_live, w, self._matmul_lift, (0.0,))
+        return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):
         return (_max_times(a[0], w, abs_b=True),)
@@ -358,12 +376,8 @@ class SignedMaxProduct(Semiring):
         return fused if fused is not None else _signed_combine(a, b, "matmul")
 
     def matmul_lift(self, a, w):
-        # rows with a non-empty entry (hi ≥ lo); a NaN counts as live. A row reduction:
-        # comparing every entry and reducing the bools took 4x longer
-        live = ~((a[0] - a[1]).amax(-1) < 0)
-        return _on_live_rows(a, live, w, self._matmul_lift, (NEG_INF, POS_INF)) or (
-            self._matmul_lift(a, w)
-        )
+        result = _on_live_rows(a, _signed_live, w, self._matmul_lift, (NEG_INF, POS_INF))
+        return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):
         fused = _signed_lift_fused(a, w)
@@ -557,8 +571,8 @@ class Log(Semiring):
         return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
-        live = a[0].amax(-1) != NEG_INF  # rows with a term (NaN counts as live)
-        return _on_live_rows(a, live, w, self._matmul_lift, (NEG_INF,)) or (self._matmul_lift(a, w))
+        result = _on_live_rows(a, _log_live, w, self._matmul_lift, (NEG_INF,))
+        return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):
         return (_LogSpaceGemm.run(a[0], None, None, None, b_linear=self.linear_lift(w))[0],)
@@ -656,10 +670,8 @@ class Entropy(Semiring):
         return _LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
-        live = a[0].amax(-1) != NEG_INF  # rows with a term (NaN counts as live)
-        return _on_live_rows(a, live, w, self._matmul_lift, (NEG_INF, 0.0)) or (
-            self._matmul_lift(a, w)
-        )
+        result = _on_live_rows(a, _log_live, w, self._matmul_lift, (NEG_INF, 0.0))
+        return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):
         la, ra = torch.broadcast_tensors(*a)
