@@ -11,7 +11,10 @@ Each (case, mode) runs in its own subprocess, twice: once for time (first call r
 apart, as it includes any kernel compilation; then the median of the repetitions after a
 warm-up) and once for peak memory (on CPU the process's peak resident set over one call,
 minus the resident set just before it; on CUDA ``torch.cuda.max_memory_allocated``).
-Ratios divide by the native figures of the same run.
+A semiring's timing subprocess also times native calls, alternating with its own, and its
+time ratio divides the two medians of that process: a shared machine's speed drifts
+between subprocesses (10% and more on a 2-core VM), and pairing cancels the drift. Memory
+ratios divide by the native subprocess's figure.
 
 Usage: ``python benchmarks/semiring_backward.py [--device cuda] [--out FILE]``.
 """
@@ -127,26 +130,34 @@ def _release_freed_memory() -> None:
         pass
 
 
-def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -> dict:
-    work = build(case, device)
+def _timed(work: Workload, mode: str, device: str) -> float:
     _sync(device)
     start = time.perf_counter()
     step(work, mode)
     _sync(device)
-    first = time.perf_counter() - start
-    step(work, mode)  # warm-up
-    times: list[float] = []
+    return time.perf_counter() - start
+
+
+def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -> dict:
+    """First call, then the median of timed calls after a warm-up; for a semiring also the
+    median of native calls alternating with them (the pair's ratio cancels drift)."""
+    work = build(case, device)
+    first = _timed(work, mode, device)
+    paired = ["native"] if mode != "native" else []
+    for m in (mode, *paired):
+        step(work, m)  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in (mode, *paired)}
     spent = 0.0
-    while len(times) < reps or (spent < budget_s and len(times) < 5 * reps):
-        _sync(device)
-        start = time.perf_counter()
-        step(work, mode)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-        if spent > budget_s and len(times) >= 3:
+    while len(times[mode]) < reps or (spent < budget_s and len(times[mode]) < 5 * reps):
+        for m in times:
+            times[m].append(_timed(work, m, device))
+            spent += times[m][-1]
+        if spent > budget_s and len(times[mode]) >= 3:
             break
-    return {"first_s": first, "median_s": statistics.median(times), "reps": len(times)}
+    result = {"first_s": first, "median_s": statistics.median(times[mode])}
+    if paired:
+        result["native_median_s"] = statistics.median(times["native"])
+    return {**result, "reps": len(times[mode])}
 
 
 def worker_memory(case: str, mode: str, device: str) -> dict:
@@ -205,14 +216,16 @@ def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str
             f"{native['median_s'] * 1e3:.1f} ms, peak memory "
             f"{native['peak_bytes'] / 2**20:.1f} MiB",
             "",
-            "| semiring | median ms | time ratio | first call ms | peak MiB | memory ratio |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| semiring | median ms | paired native ms | time ratio | first call ms "
+            "| peak MiB | memory ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for mode in modes:
             r = results[case][mode]
+            paired = r.get("native_median_s", native["median_s"])
             lines.append(
-                f"| {mode} | {r['median_s'] * 1e3:.1f} | "
-                f"{r['median_s'] / native['median_s']:.2f}× | {r['first_s'] * 1e3:.0f} | "
+                f"| {mode} | {r['median_s'] * 1e3:.1f} | {paired * 1e3:.1f} | "
+                f"{r['median_s'] / paired:.2f}× | {r['first_s'] * 1e3:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.1f} | "
                 f"{r['peak_bytes'] / max(native['peak_bytes'], 1):.2f}× |"
             )
@@ -251,9 +264,11 @@ def main(argv: list[str] | None = None) -> None:
                 timing = run_worker(["time", case, mode, *common], env)
                 memory = run_worker(["memory", case, mode, *common], env)
                 results[case][mode] = {**timing, **memory}
+                native_s = timing.get("native_median_s", timing["median_s"])
                 print(
                     f"{case:>5} {mode:<17} median {timing['median_s'] * 1e3:9.1f} ms  "
-                    f"first {timing['first_s'] * 1e3:9.0f} ms  "
+                    f"paired native {native_s * 1e3:7.1f} ms  "
+                    f"first {timing['first_s'] * 1e3:7.0f} ms  "
                     f"peak {memory['peak_bytes'] / 2**20:8.1f} MiB",
                     file=sys.stderr,
                     flush=True,
