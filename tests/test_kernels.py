@@ -315,6 +315,10 @@ def test_thread_pool_split_without_openmp(library_without_openmp, shape, monkeyp
     got = kernels.entropy_mul_lift(la, r, wide)
     log_w = torch.log(wide.abs())
     torch.testing.assert_close(got, (la + log_w, r - log_w), rtol=1e-6, atol=1e-6)
+    got = kernels.entropy_add(la, r, log_w, r.flip(-1))
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")  # the torch formula, in float64
+    expected = sa.Entropy().add((la.double(), r.double()), (log_w.double(), r.flip(-1).double()))
+    torch.testing.assert_close(got, tuple(e.float() for e in expected), rtol=1e-6, atol=1e-5)
 
 
 def _entropy_weights_formula(w: torch.Tensor) -> torch.Tensor:
@@ -377,6 +381,40 @@ def test_entropy_mul_lift_kernel_equals_formula(dtype, shapes, monkeypatch):
         # log|w| within 2 ulp; la and r add a term of up to ~|log| 700, hence the floor
         torch.testing.assert_close(g, e, rtol=2 * eps, atol=1e3 * eps, equal_nan=True)
         assert torch.equal(torch.isfinite(g), torch.isfinite(e))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shapes", [((5000,), (5000,)), ((3, 1, 40), (7, 1))], ids=str)
+def test_entropy_add_kernel_equals_formula(dtype, shapes):
+    """Entropy's one-pass ⊕ against float64 oracles: log Z = logaddexp within 2 ulp of the
+    operands' scale; r = σ(la - lb)·ra + σ(lb - la)·rb (the Z-weighted mean; accurate, where
+    the torch formula's weights exp(a - log Z) inherit log Z's rounding: ~30 ulp in float32)
+    within 2 ulp for float32 and 8 for float64. Both empty gives (-inf, 0), one empty the
+    other operand; ties; a NaN gives a NaN log Z; broadcasting."""
+    gen = torch.Generator().manual_seed(17)
+    a_shape, b_shape = shapes
+    la = torch.randn(a_shape, generator=gen, dtype=dtype) * 30
+    lb = torch.randn(b_shape, generator=gen, dtype=dtype) * 30
+    la.view(-1)[:40] = -INF
+    lb.view(-1)[:3] = -INF
+    if la.shape == lb.shape:
+        lb[-2:] = la[-2:]
+    ra = torch.rand(a_shape, generator=gen, dtype=dtype).masked_fill(la == -INF, 0.0)
+    rb = torch.rand(b_shape, generator=gen, dtype=dtype).masked_fill(lb == -INF, 0.0)
+    got = [g.double() for g in kernels.entropy_add(la, ra, lb, rb)]
+    la, ra, lb, rb = (t.double() for t in (la, ra, lb, rb))
+    log_z = torch.logaddexp(la, lb)
+    r = torch.sigmoid(la - lb) * ra + torch.sigmoid(lb - la) * rb
+    r = r.nan_to_num(nan=0.0)  # both empty: σ(NaN); r is 0 there
+    eps = torch.finfo(dtype).eps
+    scale = torch.maximum(la.abs(), lb.abs()).nan_to_num(posinf=0.0)
+    finite = torch.isfinite(log_z)
+    assert torch.equal(got[0][~finite], log_z[~finite])
+    assert ((got[0] - log_z).abs()[finite] <= 2 * eps * scale[finite]).all()
+    tol = (2 if dtype == torch.float32 else 8) * eps
+    torch.testing.assert_close(got[1], r, rtol=tol, atol=tol)
+    nan = torch.tensor([float("nan"), 1.0], dtype=dtype)
+    assert torch.isnan(kernels.entropy_add(nan, nan.clone(), nan.flip(0), nan.clone())[0]).all()
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@
 //   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
 //   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
-//   entropy_weights and entropy_mul_lift are elementwise.
+//   entropy_weights, entropy_mul_lift and entropy_add are elementwise.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN.
@@ -507,6 +507,57 @@ inline T log_positive(T x) {
     return T(e) * P::ln2_hi + (T(e) * P::ln2_lo + (two_s + two_s * s2 * series));
 }
 
+// e^x for x ≤ 0, vectorisable: x = k·ln 2 + f with k an integer and |f| ≤ ln2/2, e^f by its
+// Taylor series (7 terms for float, 13 for double, cut where the next term falls below the
+// rounding), 2^k put into the exponent bits. Below the normal range (and for -inf) the
+// result is 0: the callers add it to 1. x must not be NaN.
+template <typename T>
+inline T exp_nonpositive(T x) {
+    typedef LogParts<T> P;
+    typedef typename P::I I;
+    constexpr int terms = sizeof(T) == 4 ? 7 : 13;
+    const T shifter = T(1.5) * T(I(1) << P::mantissa);  // adding it rounds to an integer
+    const T lowest = -T(P::bias - 1) * T(0.6931471805599453);
+    const bool under = x < lowest;
+    const T xs = under ? T(0) : x;
+    const T kf = (xs * T(1.4426950408889634) + shifter) - shifter;
+    const T f = (xs - kf * P::ln2_hi) - kf * P::ln2_lo;
+    T series = T(1);
+#pragma GCC unroll 16
+    for (int i = terms; i >= 1; --i) series = T(1) + f * series * (T(1) / T(i));
+    const I bits = (static_cast<I>(kf) + P::bias) << P::mantissa;
+    T scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    const T value = series * scale;
+    return under ? T(0) : value;
+}
+
+// The Entropy ⊕ of (la, ra) and (lb, rb), elementwise: la ⊕ lb = big + log(1 + t) with
+// t = e^(small - big), and r = (r_big + t·r_small) / (1 + t), the Z-weighted mean. Both -inf
+// gives (-inf, 0) (r is 0 there by convention); a NaN gives a NaN log Z.
+template <typename T>
+void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* ro,
+                 int64_t count, int threads) {
+    const T inf = __builtin_inf();
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+        const T a = la[i], b = lb[i];
+        const bool a_big = a >= b;
+        const T big = a_big ? a : b, small = a_big ? b : a;
+        const T r_big = a_big ? ra[i] : rb[i], r_small = a_big ? rb[i] : ra[i];
+        const T d = small - big;  // ≤ 0; NaN when both are -inf or +inf, or for a NaN
+        const T t = exp_nonpositive(d == d ? d : -inf);
+        const T u = T(1) + t;
+        // log(1 + t) with the rounding of 1 + t corrected: log u - ((u - 1) - t) / u
+        const T log1p = log_positive(u) - ((u - T(1)) - t) / u;
+        const bool nan = (a != a) | (b != b);
+        lo[i] = nan ? a + b : big + log1p;
+        ro[i] = (r_big + t * r_small) / u;
+    }
+}
+
 // The two GEMM operands of a lifted weight in the Entropy semiring, for entries [i0, i1) of
 // w (count entries per batch) in the batches [b0, b1): |w| and |w|·(-log|w|) (0 at w = 0
 // and for NaN, whose Z sums are NaN anyway; -inf at |w| = inf), stacked per batch as
@@ -645,6 +696,16 @@ void entropy_mul_lift_f32(const float* la, const float* r, const float* w, float
 void entropy_mul_lift_f64(const double* la, const double* r, const double* w, double* la_out,
                           double* r_out, int64_t count, int threads) {
     entropy_mul_lift<double>(la, r, w, la_out, r_out, count, threads);
+}
+
+void entropy_add_f32(const float* la, const float* ra, const float* lb, const float* rb,
+                     float* lo, float* ro, int64_t count, int threads) {
+    entropy_add<float>(la, ra, lb, rb, lo, ro, count, threads);
+}
+
+void entropy_add_f64(const double* la, const double* ra, const double* lb, const double* rb,
+                     double* lo, double* ro, int64_t count, int threads) {
+    entropy_add<double>(la, ra, lb, rb, lo, ro, count, threads);
 }
 
 }  // extern "C"
