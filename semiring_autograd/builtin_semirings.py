@@ -740,8 +740,16 @@ class Boolean(Semiring):
         return ((count.sum(dim, keepdim=True) - count) > 0,)
 
     def matmul(self, a, b):
-        dtype = torch.float64 if a[0].device.type == "cpu" else torch.float32
-        return ((a[0].to(dtype) @ b[0].to(dtype)) > 0,)
+        # a GEMM of 0/1 entries: a sum of 0s and 1s is > 0 exactly when some term is 1, in
+        # any float format (no term rounds away and a positive sum never rounds to 0)
+        return ((a[0].to(torch.float32) @ b[0].to(torch.float32)) > 0,)
+
+    def matmul_lift(self, a, w):
+        """The GEMM operand w ≠ 0 as float32 in scratch storage, without a bool lift(w)
+        and its float copy per call."""
+        nonzero = torch.ne(w, 0, out=scratch("nonzero", w.shape, torch.bool, w.device))
+        operand = scratch("linear_lift", w.shape, torch.float32, w.device).copy_(nonzero)
+        return ((a[0].to(torch.float32) @ operand) > 0,)
 
     def index_add(self, a, index, size):
         x = a[0].to(torch.int64)
