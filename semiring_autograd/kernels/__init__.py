@@ -7,17 +7,18 @@ their own, within 2 ulp of torch's).
 There is no BLAS for max-times. Two fused paths compute it exactly:
 
 - CPU: ``extreme_matmul.cpp``, register-blocked SIMD loops, compiled on first use with the
-  system C++ compiler (``-O3 -march=native -fopenmp``) into a per-machine cache and called
-  through ctypes (which releases the GIL) on ``torch.get_num_threads()`` threads. With
-  OpenMP the library shares the libgomp torch loaded, so its team is torch's intra-op
-  threads; a pool of other threads would compete with them, as torch's idle OpenMP workers
-  spin for milliseconds after each op (measured: a kernel after any torch op ran 1.9x
-  slower). Without OpenMP it falls back to a thread pool of its own.
+  system C++ compiler (``-O3 -march=native -fno-trapping-math -fopenmp``) into a per-machine
+  cache and called through ctypes (which releases the GIL) on ``torch.get_num_threads()``
+  threads. With OpenMP the library shares the libgomp torch loaded, so its team is torch's
+  intra-op threads; a pool of other threads would compete with them, as torch's idle
+  OpenMP workers spin for milliseconds after each op (measured: a kernel after any torch op
+  ran 1.9x slower). Without OpenMP it falls back to a thread pool of its own.
 - CUDA: ``torch.compile`` of broadcast-multiply + reduction, which Inductor turns into one
   Triton kernel (dynamic shapes, so one compilation serves every shape).
 
-``SEMIRING_AUTOGRAD_KERNELS=eager`` turns both off; so does a failed compilation (with one
-warning). Callers then fall back to blocked eager evaluation, which gives the same values.
+``SEMIRING_AUTOGRAD_KERNELS=eager`` turns all of them off; so does a failed compilation (with
+one warning). Callers then fall back to blocked eager evaluation and torch formulas, which
+give the same values (those with a log or exp within 2 ulp).
 """
 
 from __future__ import annotations
