@@ -38,10 +38,11 @@ def attention_probs(
         attn_mask = attn_mask.to(dtype)
     scores = mask_scores((q @ k.transpose(-2, -1)) * factor, attn_mask, is_causal)
     top = scores.amax(-1, keepdim=True)
-    excluded = torch.isneginf(top)
-    weights = torch.exp(scores - torch.where(excluded, torch.zeros_like(top), top))
-    total = weights.sum(-1, keepdim=True)
-    probs = torch.where(excluded, torch.zeros_like(weights), weights / total)
+    excluded = torch.isneginf(top)  # masks on row maxima only: elementwise selects are slow
+    weights = torch.exp(scores - top.masked_fill(excluded, 0.0))
+    # an excluded row's weights are all e^-inf = 0: dividing by 1 keeps them 0 (and a NaN
+    # score still makes its row NaN)
+    probs = weights.div_(weights.sum(-1, keepdim=True).masked_fill_(excluded, 1.0))
     return probs.to(query.dtype)
 
 
@@ -82,12 +83,15 @@ def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor
 
 def gelu_derivative(x: Tensor, approximate: str) -> Tensor:
     """d gelu(x) / dx elementwise, by torch's own fused GELU backward (one pass)."""
-    return torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate=approximate)
+    one = torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)  # no x-sized buffer
+    return torch.ops.aten.gelu_backward(one, x, approximate=approximate)
 
 
 def silu_derivative(x: Tensor) -> Tensor:
     """d silu(x) / dx elementwise, by torch's own fused SiLU backward (one pass)."""
-    return torch.ops.aten.silu_backward(torch.ones_like(x), x)
+    return torch.ops.aten.silu_backward(
+        torch.ones((), dtype=x.dtype, device=x.device).expand_as(x), x
+    )
 
 
 HELPERS = (
