@@ -21,6 +21,8 @@ POS_INF = float("inf")
 
 # Elements of a broadcast product (rows × k × n) an eager max-times matmul holds at once.
 _CHUNK_ELEMENTS = 1 << 22
+# The largest shifted message operand of a log-space GEMM kept in scratch storage.
+_MESSAGE_SCRATCH_BYTES = 16 << 20
 
 
 def _full(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
@@ -71,6 +73,14 @@ def _safe_weight(x: Tensor, total: Tensor) -> Tensor:
     return torch.sub(x, total).exp_().nan_to_num_(nan=0.0, posinf=POS_INF)
 
 
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """num / den where den > 0, else 0 (a sum without terms), in place on a fresh ``num``
+    where the kernel runs; a NaN in num stays where den > 0."""
+    if kernels.ratio_where_positive(num, den):
+        return num
+    return torch.where(den > 0, num / den.masked_fill(den <= 0, 1.0), 0.0)
+
+
 def _flat(x: Tensor, batch: tuple[int, ...]) -> Tensor:
     """``x`` broadcast to ``batch`` and flattened to (count, rows, cols)."""
     return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
@@ -82,8 +92,11 @@ def _on_live_rows(
     """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) where
     ``live_of(parts)`` (…, m) holds only, the other rows' results set to ``empty``: rows
     without a term (where no path reaches, e.g. every token but the read-out one in a last
-    layer) cost nothing. None when every row is live, k is 0 or ``w`` is batched (the
-    caller then computes all rows)."""
+    layer) cost nothing. Such a row's result is the semiring zero whatever w holds (the
+    zero annihilates: 0 ⊗ x = 0), where IEEE arithmetic on the whole row would give NaN
+    for an inf or NaN weight; such a weight still shows in every live row it reaches. None
+    when every row is live, k is 0 or ``w`` is batched (the caller then computes all
+    rows)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:
         return None
     live = live_of(parts)
@@ -94,10 +107,11 @@ def _on_live_rows(
     k, n = parts[0].shape[-1], w.shape[-1]
     flat = [p.reshape(-1, k) for p in parts]
     rows = live.reshape(-1).nonzero().squeeze(1)
-    outs = [flat[0].new_full((flat[0].shape[0], n), value) for value in empty]
-    if rows.numel():
-        for out, result in zip(outs, fn(tuple(p[rows][None] for p in flat), w)):
-            out.index_copy_(0, rows, result[0])
+    results = fn(tuple(p[rows][None] for p in flat), w) if rows.numel() else None
+    dtype = results[0].dtype if results else torch.promote_types(flat[0].dtype, w.dtype)
+    outs = [flat[0].new_full((flat[0].shape[0], n), value, dtype=dtype) for value in empty]
+    for out, result in zip(outs, results or ()):
+        out.index_copy_(0, rows, result[0])
     return tuple(out.reshape(*live.shape, n) for out in outs)
 
 
@@ -119,8 +133,8 @@ def _log_live(a: Value) -> Tensor:
 
 def _gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
     """Whether every shifted GEMM sum in ``z`` (count, m, n) is trustworthy: none below
-    ``tiny`` (where the products may have underflowed) in the rows where a has a finite
-    entry (``live``, (count, m, 1): the other rows have no term and are rightly 0) and, when
+    ``tiny`` (where the products may have underflowed) in the rows whose maximum is finite
+    (``live``, (count, m, 1): a row of -inf has no term and its sums are rightly 0) and, when
     ``may_overflow``, none infinite. Reductions instead of elementwise masks, over the
     whole tensor when every row is live (several times faster than per row); a NaN answers
     False (then the caller checks element by element)."""
@@ -199,8 +213,13 @@ class _LogSpaceGemm:
         row_max = a3.amax(dim=-1, keepdim=True)
         live = torch.isfinite(row_max)
         ma = row_max.masked_fill(~live, 0.0)
-        # the shifted a (and its r product) are GEMM operands only: scratch storage
-        stacked = scratch("log_space_a", (count, m, (2 if with_r else 1) * k), a3.dtype, a3.device)
+        # the shifted a (and its r product) are GEMM operands only: scratch storage, up to
+        # a bound (a message grows with batch and sequence, and scratch stays resident)
+        shape = (count, m, (2 if with_r else 1) * k)
+        if math.prod(shape) * a3.element_size() <= _MESSAGE_SCRATCH_BYTES:
+            stacked = scratch("log_space_a", shape, a3.dtype, a3.device)
+        else:
+            stacked = a3.new_empty(shape)
         ea = torch.sub(a3, ma, out=stacked[..., -k:]).exp_()
         if with_r:
             torch.mul(ea, _flat(ra, batch), out=stacked[..., :k])
@@ -213,8 +232,8 @@ class _LogSpaceGemm:
             bad = (z < tiny) & live
             if b3 is None:
                 bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
-        if with_r:  # 0/0 = NaN where no term (z = 0) becomes 0
-            r.div_(z).nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
+        if with_r:  # 0 where no term (z = 0)
+            r = _ratio(r, z)
         out = z.log_().add_(ma)
         if mb is not None:
             out.add_(mb)
@@ -521,7 +540,7 @@ def _log_loo(x: Tensor, dim: int) -> Tensor:
 def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
     """Leave-one-out ⊕ of Entropy values (log Z, r) along ``dim``, with the shifts of
     :func:`_log_loo`: r of the rest is Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j (0 where no j has
-    weight: 0/0 there). Fresh tensors are updated in place (fewer passes)."""
+    weight). Fresh tensors are updated in place (fewer passes)."""
     n = la.shape[dim]
     if n <= 1:
         return torch.full_like(la, NEG_INF), torch.zeros_like(r)
@@ -530,11 +549,11 @@ def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
     er = e * r
     den = e.sum(dim, keepdim=True).sub(e).clamp_min_(0.0)
     # den ≥ 1 but at the argmax (its sum is replaced below) and in all -inf rows (0/0)
-    rest_r = torch.sub(er.sum(dim, keepdim=True), er, out=er).div_(den).nan_to_num_(nan=0.0)
+    rest_r = _ratio(torch.sub(er.sum(dim, keepdim=True), er, out=er), den)
     rest_l = den.log_().add_(s1)
     e2 = torch.sub(la, s2).exp_().scatter_(dim, first, 0.0)
     den2 = e2.sum(dim, keepdim=True)
-    at_r = (e2.mul_(r).sum(dim, keepdim=True) / den2).nan_to_num_(nan=0.0)
+    at_r = _ratio(e2.mul_(r).sum(dim, keepdim=True), den2)
     at_l = den2.log_().add_(s2)
     return rest_l.scatter_(dim, first, at_l), rest_r.scatter_(dim, first, at_r)
 
@@ -610,13 +629,6 @@ class Counting(Log):
         return (torch.where(w == 0, NEG_INF, a[0]),)
 
 
-def _r_where_finite(r: Tensor, la: Tensor) -> Tensor:
-    """``r`` where log Z ``la`` is finite, 0 where it is not (no path, or an overflow that
-    la itself shows). Arithmetic only: la - la is 0 or NaN, and the NaN becomes 0 (a masked
-    fill on isinf is several times slower on CPU)."""
-    return (r + (la - la)).nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
-
-
 def _entropy_weights(w: Tensor) -> Tensor:
     """The Entropy GEMM operand of lift(w) (…, k, n): [|w|; |w|·(-log|w|)] stacked along the
     rows (…, 2k, n), in scratch storage (valid for the calling matmul only). -|w|log|w| is
@@ -660,7 +672,7 @@ class Entropy(Semiring):
 
     def mul(self, a, b):
         la = a[0] + b[0]
-        return (la, _r_where_finite(a[1] + b[1], la))
+        return (la, (a[1] + b[1]).masked_fill(torch.isneginf(la), 0.0))
 
     def readout(self, a):
         la, r = torch.broadcast_tensors(*a)
@@ -692,7 +704,7 @@ class Entropy(Semiring):
             return fused
         log_w = torch.log(w.abs())  # -inf at 0: no edge
         la = a[0] + log_w
-        return (la, _r_where_finite(a[1] - log_w, la))
+        return (la, (a[1] - log_w).masked_fill(torch.isneginf(la), 0.0))
 
     def loo(self, a, dim):
         return _entropy_loo(*torch.broadcast_tensors(*a), dim)

@@ -42,7 +42,7 @@ def attention_probs(
     weights = torch.exp(scores - top.masked_fill(excluded, 0.0))
     # an excluded row's weights are all e^-inf = 0: dividing by 1 keeps them 0 (and a NaN
     # score still makes its row NaN)
-    probs = weights.div_(weights.sum(-1, keepdim=True).masked_fill_(excluded, 1.0))
+    probs = weights / weights.sum(-1, keepdim=True).masked_fill_(excluded, 1.0)
     return probs.to(query.dtype)
 
 

@@ -8,8 +8,9 @@ w ≠ 0 or a function of them as a GEMM operand for every linear layer, and the 
 GEMM a shifted copy of the message, so they take these from here.
 
 Each thread keeps one buffer per purpose and dtype, grown to the largest size asked for
-(the largest weight's size). A scratch tensor is valid until the same purpose is asked for
-again in the same thread: callers use it within one call and never return it.
+(for the weight operands, the largest weight's size; the shifted message of the log-space
+GEMM uses scratch only up to 16 MiB). A scratch tensor is valid until the same purpose is
+asked for again in the same thread: callers use it within one call and never return it.
 """
 
 from __future__ import annotations

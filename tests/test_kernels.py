@@ -158,29 +158,37 @@ def test_semiring_matmul_fused_equals_eager(semiring, monkeypatch):
             torch.testing.assert_close(fc, ec, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("semiring", [sa.Log(), sa.Entropy()], ids=repr)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_log_space_matmul_fused_equals_eager(semiring, dtype, monkeypatch):
-    """Log-space matmuls (two messages, and a message by a lifted weight) agree with the
-    kernels on and off, where sums underflow (the exact fallback), where a row or a column
-    has no term (0/0 in r), and with an empty k: the kernels' log is within 2 ulp."""
+def test_entropy_matmul_fused_equals_eager(dtype, monkeypatch):
+    """Entropy's matmuls (two messages, and a message by a lifted weight) agree with the
+    kernels on and off, where sums underflow (the exact fallback runs: checked), where a row
+    or a column has no term (0/0 in r), and with an empty k: within 4 ulp."""
+    import semiring_autograd.builtin_semirings as builtin
+
+    E = sa.Entropy()
     gen = torch.Generator().manual_seed(21)
+    tiny = 1e-33 if dtype == torch.float32 else 1e-300
     x = torch.randn(2, 5, 7, dtype=dtype, generator=gen)
     x[0, 1] = 0.0  # a row without terms
-    x[1, :, :3] *= 1e-30 if dtype == torch.float32 else 1e-250  # shifted products underflow
-    b = torch.randn(2, 7, 4, dtype=dtype, generator=gen)
+    x[..., :4] *= tiny  # row maxima and weight-column maxima at different k: products
+    b = torch.randn(2, 7, 4, dtype=dtype, generator=gen)  # underflow after the shift
     b[:, :, 2] = 0.0  # a column without terms
     w = torch.randn(7, 4, dtype=dtype, generator=gen)
+    w[4:] *= tiny
     w[:, 1] = 0.0
-    a, lb = semiring.lift(x), semiring.lift(b)
-    cases = [(a, lb, None), (a, None, w), (semiring.lift(x[..., :0]), None, w[:0])]
+    a, lb = E.lift(x), E.lift(b)
+    cases = [(a, lb, None), (a, None, w), (E.lift(x[..., :0]), None, w[:0])]
+    exact_calls = []
+    run_exact = builtin._exact_terms
+    monkeypatch.setattr(
+        builtin, "_exact_terms", lambda *args: exact_calls.append(1) or run_exact(*args)
+    )
 
     def run():
-        return [
-            semiring.matmul(p, q) if v is None else semiring.matmul_lift(p, v) for p, q, v in cases
-        ]
+        return [E.matmul(p, q) if v is None else E.matmul_lift(p, v) for p, q, v in cases]
 
     fused = run()
+    assert len(exact_calls) >= 2, "the underflow fallback did not run"
     monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")
     eager = run()
     eps = torch.finfo(dtype).eps
@@ -285,6 +293,8 @@ def library_without_openmp(tmp_path, monkeypatch):
 def test_thread_pool_split_without_openmp(library_without_openmp, shape, monkeypatch):
     assert library_without_openmp is not None and not library_without_openmp.uses_openmp()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # an uneven split
+    # every call splits, the small elementwise ones too (in uneven entry blocks below)
+    monkeypatch.setattr(kernels, "_PARALLEL_WORK", 0)
     gen = torch.Generator().manual_seed(7)
     batch, m, k, n = shape
     a = torch.rand(batch, m, k, generator=gen)
@@ -307,14 +317,17 @@ def test_thread_pool_split_without_openmp(library_without_openmp, shape, monkeyp
     )
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
-    wide = torch.randn(2, 3 * kernels._ENTRY_BLOCK + 5, generator=gen)  # uneven entry blocks
+    wide = torch.randn(2, 3 * kernels._ENTRY_BLOCK + 5, generator=gen)
     out = torch.empty(2, 2, wide.shape[-1])
-    assert kernels.entropy_weights(wide[:, None], out[:, :, None])
-    torch.testing.assert_close(out, _entropy_weights_formula(wide[:, None]).squeeze(2))
+    assert kernels.entropy_weights(wide[:, None], out)
+    torch.testing.assert_close(out, _entropy_weights_formula(wide[:, None]))
     la, r = torch.randn(2, *wide.shape, generator=gen)
     got = kernels.entropy_mul_lift(la, r, wide)
     log_w = torch.log(wide.abs())
     torch.testing.assert_close(got, (la + log_w, r - log_w), rtol=1e-6, atol=1e-6)
+    num, den = la.clone(), r.clone()
+    assert kernels.ratio_where_positive(num, den)
+    torch.testing.assert_close(num, torch.where(r > 0, la / r, 0.0))
     got = kernels.entropy_add(la, r, log_w, r.flip(-1))
     monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")  # the torch formula, in float64
     expected = sa.Entropy().add((la.double(), r.double()), (log_w.double(), r.flip(-1).double()))
@@ -338,6 +351,18 @@ def _special_weights(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     spread = spread * 10.0 ** torch.randint(-30, 30, (4000,), generator=gen)
     values = torch.cat([torch.tensor(edges, dtype=torch.float64), spread])
     return values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_ratio_where_positive(dtype):
+    """num / den in place where den > 0, 0 where den is 0 (a sum without terms) or
+    negative; a NaN numerator stays NaN where den > 0 (it hides nothing)."""
+    num = torch.tensor([1.0, 0.0, float("nan"), float("nan"), 3.0, float("inf")], dtype=dtype)
+    den = torch.tensor([2.0, 0.0, 1.0, 0.0, -1.0, 4.0], dtype=dtype)
+    assert kernels.ratio_where_positive(num, den)
+    expected = torch.tensor([0.5, 0.0, float("nan"), 0.0, 0.0, float("inf")], dtype=dtype)
+    torch.testing.assert_close(num, expected, rtol=0, atol=0, equal_nan=True)
+    assert not kernels.ratio_where_positive(num, den[:3])  # shapes differ: the caller's job
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -422,8 +447,9 @@ def test_entropy_add_kernel_equals_formula(dtype, shapes):
 )
 def test_matmul_lift_rows_without_terms(semiring):
     """Rows of a without any term (every token but one, as in a model's last layer) are
-    skipped by matmul_lift: the result still equals the definition, with the semiring zero
-    in those rows, and all-empty inputs give all-zero outputs."""
+    skipped by matmul_lift: with finite weights the result still equals the definition,
+    with the semiring zero in those rows; all-empty inputs give all-zero outputs; a
+    float32 message times a float64 weight keeps the promoted dtype."""
     gen = torch.Generator().manual_seed(13)
     x = torch.randn(2, 6, 8, dtype=torch.float64, generator=gen)
     w = torch.randn(8, 5, dtype=torch.float64, generator=gen)
@@ -440,6 +466,32 @@ def test_matmul_lift_rows_without_terms(semiring):
     nothing = semiring.matmul_lift(semiring.zero(x.shape, x), w)
     for g, z in zip(nothing, semiring.zero((2, 6, 5), x)):
         assert torch.equal(g, z)
+    if not isinstance(semiring, (sa.Log, sa.Entropy)):  # (these need one dtype)
+        single = tuple(c.float() for c in a)
+        mixed = semiring.matmul_lift(single, w)
+        for g, e in zip(mixed, semiring.matmul(single, semiring.lift(w))):
+            assert g.dtype == e.dtype == torch.float64
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-30)
+
+
+def test_nan_in_entropy_r_is_never_zeroed():
+    """A NaN in the r component survives ⊗, ⊗ by a lift, ⊕, matmuls and the leave-one-out
+    wherever its log Z is finite (the 0-where-no-path rules hide nothing), kernels on."""
+    E = sa.Entropy()
+    la = torch.tensor([[0.5, 1.0, -0.3]], dtype=torch.float64)
+    ra = torch.tensor([[float("nan"), 0.2, 0.1]], dtype=torch.float64)
+    b = E.lift(torch.tensor([[0.7, -1.2], [2.0, 0.4], [0.3, 0.9]], dtype=torch.float64))
+    w = torch.tensor([0.7, -1.2, 2.0], dtype=torch.float64)
+    results = {
+        "mul": E.mul((la, ra), E.lift(w)),
+        "mul_lift": E.mul_lift((la, ra), w),
+        "add": E.add((la, ra), (la.flip(-1), ra.flip(-1))),
+        "matmul": E.matmul((la, ra), b),
+        "matmul_lift": E.matmul_lift((la, ra), b[0].exp()),
+        "loo": E.loo((la, ra), -1),
+    }
+    for name, (log_z, r) in results.items():
+        assert torch.isnan(E.readout((log_z, r))).any(), name
 
 
 @pytest.mark.parametrize("semiring", [sa.Log(), sa.Entropy()], ids=repr)

@@ -2,7 +2,8 @@
 the signed ``mul_lift`` (torch needs eight passes and its select is slow), Entropy's
 ``mul_lift`` and ⊕, and the Entropy operands of a lifted weight, |w| and -|w|·log|w| (torch
 needs five to nine passes each; the kernels take log and exp from vectorised series of
-their own, within 2 ulp of torch's).
+their own, within 3 ulp of torch's, flushing results below the normal range to 0), and a
+ratio that is 0 at 0/0 without a select.
 
 There is no BLAS for max-times. Two fused paths compute it exactly:
 
@@ -18,7 +19,7 @@ There is no BLAS for max-times. Two fused paths compute it exactly:
 
 ``SEMIRING_AUTOGRAD_KERNELS=eager`` turns all of them off; so does a failed compilation (with
 one warning). Callers then fall back to blocked eager evaluation and torch formulas, which
-give the same values (those with a log or exp within 2 ulp).
+give the same values (those with a log or exp within 3 ulp).
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"entropy_mul_lift_{suffix}").restype = None
         getattr(lib, f"entropy_add_{suffix}").argtypes = [ptr] * 6 + [i64, i32]
         getattr(lib, f"entropy_add_{suffix}").restype = None
+        getattr(lib, f"ratio_where_positive_{suffix}").argtypes = [ptr] * 2 + [i64, i32]
+        getattr(lib, f"ratio_where_positive_{suffix}").restype = None
     return lib
 
 
@@ -351,11 +354,39 @@ def entropy_add(la: Tensor, ra: Tensor, lb: Tensor, rb: Tensor) -> tuple[Tensor,
     return _elementwise("entropy_add", la, ra, lb, rb)
 
 
+def ratio_where_positive(num: Tensor, den: Tensor) -> bool:
+    """num / den where den > 0, else 0 (a sum without terms, 0/0), in place on ``num`` in
+    one pass on the CPU; a NaN in num stays where den > 0. False (num untouched) off the
+    CPU, without the library, or unless both are contiguous and of one shape."""
+    lib = _cpu_ready(num, den)
+    if lib is None or num.shape != den.shape:
+        return False
+    if not (num.is_contiguous() and den.is_contiguous()):
+        return False
+    count, size = num.numel(), num.element_size()
+    pointers = (num.data_ptr(), den.data_ptr())
+
+    def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
+        start, stop = c0 * _ENTRY_BLOCK, min(count, c1 * _ENTRY_BLOCK)
+        return (*(p + start * size for p in pointers), stop - start)
+
+    fn = getattr(lib, f"ratio_where_positive_{_SUFFIX[num.dtype]}")
+    blocks = -(-count // _ENTRY_BLOCK)
+    _run(fn, args_of, 1, blocks, count * _ENTRY_COST, bool(lib.uses_openmp()))
+    return True
+
+
 def entropy_weights(w: Tensor, out: Tensor) -> bool:
     """Fill ``out`` (…, 2k, n) with the Entropy GEMM operands of a lifted (…, k, n) ``w``,
     stacked along the row dim: |w| in rows [0, k) and |w|·(-log|w|) in rows [k, 2k) (0 where
     w is 0 or NaN, -inf where |w| is inf), in one pass on the CPU. False (``out`` untouched)
     off the CPU or without the library."""
+    k, n = w.shape[-2:]
+    if out.shape != (*w.shape[:-2], 2 * k, n):
+        raise ValueError(
+            f"entropy_weights: out has shape {tuple(out.shape)}, expected "
+            f"{(*w.shape[:-2], 2 * k, n)} for w of shape {tuple(w.shape)}"
+        )
     lib = _cpu_ready(w, out)
     if lib is None or not out.is_contiguous():
         return False

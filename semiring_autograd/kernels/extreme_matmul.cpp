@@ -12,7 +12,7 @@
 //   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
 //   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
-//   entropy_weights, entropy_mul_lift and entropy_add are elementwise.
+//   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN.
@@ -465,8 +465,9 @@ void signed_mul_lift(const T* ah, const T* al, const T* w, T* hi, T* lo, int64_t
 // Natural logarithm of a finite x > 0, vectorisable (no calls, no branches): x = 2^e·m with
 // m in [√½, √2), and log m = 2·atanh(s) = 2s·(1 + s²/3 + s⁴/5 + …) for s = (m-1)/(m+1),
 // |s| < 0.172, so s² < 0.0295 and the series stops where its next term falls below the
-// format's rounding (4 terms for float, 9 for double; error under 2 ulp, measured). e·ln 2 is added in two parts, the
-// first exact in e. Subnormal x is scaled into the normal range first.
+// format's rounding (4 terms for float, 9 for double; error under 2 ulp, measured).
+// e·ln 2 is added in two parts, the first exact in e. Subnormal x is scaled into the
+// normal range first.
 template <typename T>
 struct LogParts;
 
@@ -553,8 +554,22 @@ void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* r
         // log(1 + t) with the rounding of 1 + t corrected: log u - ((u - 1) - t) / u
         const T log1p = log_positive(u) - ((u - T(1)) - t) / u;
         const bool nan = (a != a) | (b != b);
-        lo[i] = nan ? a + b : big + log1p;
-        ro[i] = (r_big + t * r_small) / u;
+        const T sum = nan ? a + b : big + log1p, mean = (r_big + t * r_small) / u;
+        lo[i] = sum;
+        ro[i] = sum == -inf ? T(0) : mean;
+    }
+}
+
+// num / den where den > 0, else 0 (a sum without terms: 0/0), in place on num, elementwise.
+// A NaN in num stays where den > 0.
+template <typename T>
+void ratio_where_positive(T* num, const T* den, int64_t count, int threads) {
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+        const T q = num[i] / den[i];
+        num[i] = den[i] > T(0) ? q : T(0);
     }
 }
 
@@ -579,7 +594,7 @@ void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, 
         for (int64_t i = i0; i < i1; ++i) {
             const T a = std::fabs(src[i]);
             const bool positive = a > T(0);                 // false at 0 and NaN
-            const T l = log_positive(positive ? a : T(1));  // (at +inf: 128·ln 2, finite)
+            const T l = log_positive(positive ? a : T(1));  // (finite at +inf)
             const T product = -(a * l);
             mag[i] = a;
             weighted[i] = positive ? product : T(0);
@@ -589,7 +604,7 @@ void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, 
 
 // The Entropy value (la, r) times lift(w), elementwise: log|w| (-inf at w = 0, +inf at
 // |w| = inf, NaN at NaN) is added to la and subtracted from r, and r is 0 where the new la
-// is not finite (no path, or an overflow or NaN that la itself shows).
+// is -inf (no path). A NaN in r stays.
 template <typename T>
 void entropy_mul_lift(const T* la, const T* r, const T* w, T* la_out, T* r_out, int64_t count,
                       int threads) {
@@ -605,7 +620,7 @@ void entropy_mul_lift(const T* la, const T* r, const T* w, T* la_out, T* r_out, 
         const T log_w = finite ? l : special;
         const T sum = la[i] + log_w, rest = r[i] - log_w;
         la_out[i] = sum;
-        r_out[i] = sum - sum == T(0) ? rest : T(0);
+        r_out[i] = sum == -inf ? T(0) : rest;
     }
 }
 
@@ -706,6 +721,14 @@ void entropy_add_f32(const float* la, const float* ra, const float* lb, const fl
 void entropy_add_f64(const double* la, const double* ra, const double* lb, const double* rb,
                      double* lo, double* ro, int64_t count, int threads) {
     entropy_add<double>(la, ra, lb, rb, lo, ro, count, threads);
+}
+
+void ratio_where_positive_f32(float* num, const float* den, int64_t count, int threads) {
+    ratio_where_positive<float>(num, den, count, threads);
+}
+
+void ratio_where_positive_f64(double* num, const double* den, int64_t count, int threads) {
+    ratio_where_positive<double>(num, den, count, threads);
 }
 
 }  // extern "C"
