@@ -81,6 +81,13 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(den > 0, num / den.masked_fill(den <= 0, 1.0), 0.0)
 
 
+def _nonzero_operand(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """w ≠ 0 as 0/1 in ``dtype``, a GEMM operand (Counting, Boolean), in scratch storage
+    (valid for the calling matmul only)."""
+    nonzero = torch.ne(w, 0, out=scratch("nonzero", w.shape, torch.bool, w.device))
+    return scratch("linear_lift", w.shape, dtype, w.device).copy_(nonzero)
+
+
 def _flat(x: Tensor, batch: tuple[int, ...]) -> Tensor:
     """``x`` broadcast to ``batch`` and flattened to (count, rows, cols)."""
     return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
@@ -621,9 +628,7 @@ class Counting(Log):
         return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)
 
     def linear_lift(self, w):
-        nonzero = torch.ne(w, 0, out=scratch("nonzero", w.shape, torch.bool, w.device))
-        out = scratch("linear_lift", w.shape, message_dtype(w.dtype), w.device)
-        return out.copy_(nonzero)
+        return _nonzero_operand(w, message_dtype(w.dtype))
 
     def mul_lift(self, a, w):
         return (torch.where(w == 0, NEG_INF, a[0]),)
@@ -757,11 +762,9 @@ class Boolean(Semiring):
         return ((a[0].to(torch.float32) @ b[0].to(torch.float32)) > 0,)
 
     def matmul_lift(self, a, w):
-        """The GEMM operand w ≠ 0 as float32 in scratch storage, without a bool lift(w)
-        and its float copy per call."""
-        nonzero = torch.ne(w, 0, out=scratch("nonzero", w.shape, torch.bool, w.device))
-        operand = scratch("linear_lift", w.shape, torch.float32, w.device).copy_(nonzero)
-        return ((a[0].to(torch.float32) @ operand) > 0,)
+        """On the GEMM operand w ≠ 0 in scratch storage, without a bool lift(w) and its
+        float copy per call."""
+        return ((a[0].to(torch.float32) @ _nonzero_operand(w, torch.float32)) > 0,)
 
     def index_add(self, a, index, size):
         x = a[0].to(torch.int64)

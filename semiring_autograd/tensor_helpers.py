@@ -83,15 +83,18 @@ def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor
 
 def gelu_derivative(x: Tensor, approximate: str) -> Tensor:
     """d gelu(x) / dx elementwise, by torch's own fused GELU backward (one pass)."""
-    one = torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)  # no x-sized buffer
-    return torch.ops.aten.gelu_backward(one, x, approximate=approximate)
+    return torch.ops.aten.gelu_backward(_ones_view(x), x, approximate=approximate)
 
 
 def silu_derivative(x: Tensor) -> Tensor:
     """d silu(x) / dx elementwise, by torch's own fused SiLU backward (one pass)."""
-    return torch.ops.aten.silu_backward(
-        torch.ones((), dtype=x.dtype, device=x.device).expand_as(x), x
-    )
+    return torch.ops.aten.silu_backward(_ones_view(x), x)
+
+
+def _ones_view(x: Tensor) -> Tensor:
+    """Ones shaped like ``x`` as a broadcast view of one element (no x-sized buffer): the
+    unit upstream gradient for a backward kernel that gives a local derivative."""
+    return torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
 
 
 HELPERS = (

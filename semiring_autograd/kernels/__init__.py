@@ -320,17 +320,24 @@ def _elementwise(name: str, *inputs: Tensor) -> tuple[Tensor, Tensor] | None:
         inputs = tuple(t.expand(shape) for t in inputs)
     inputs = tuple(t.contiguous() for t in inputs)
     first, second = torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
-    count, size = first.numel(), first.element_size()
-    pointers = [t.data_ptr() for t in (*inputs, first, second)]
+    _over_entries(lib, name, (*inputs, first, second))
+    return first, second
+
+
+def _over_entries(lib: ctypes.CDLL, name: str, tensors: tuple[Tensor, ...]) -> None:
+    """Call the elementwise C kernel ``name`` on contiguous ``tensors`` of one shape and
+    dtype (pointers in order, then the entry count), split in blocks of ``_ENTRY_BLOCK``
+    entries."""
+    count, size = tensors[0].numel(), tensors[0].element_size()
+    pointers = [t.data_ptr() for t in tensors]
 
     def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
         start, stop = c0 * _ENTRY_BLOCK, min(count, c1 * _ENTRY_BLOCK)
         return (*(p + start * size for p in pointers), stop - start)
 
     blocks = -(-count // _ENTRY_BLOCK)
-    fn = getattr(lib, f"{name}_{_SUFFIX[first.dtype]}")
+    fn = getattr(lib, f"{name}_{_SUFFIX[tensors[0].dtype]}")
     _run(fn, args_of, 1, blocks, count * _ENTRY_COST, bool(lib.uses_openmp()))
-    return first, second
 
 
 def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -342,8 +349,9 @@ def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tens
 
 def entropy_mul_lift(la: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
     """The Entropy value (la, r) times lift(w) elementwise (broadcasting), in one pass on the
-    CPU: (la + log|w|, r - log|w|), with r = 0 where the new la is not finite. log|w| is
-    within 2 ulp of torch.log's. None off the CPU or without the library."""
+    CPU: (la + log|w|, r - log|w|), with r = 0 where the new la is -inf (no path; a NaN
+    in r stays). log|w| is within 2 ulp of torch.log's. None off the CPU or without the
+    library."""
     return _elementwise("entropy_mul_lift", la, r, w)
 
 
@@ -363,16 +371,7 @@ def ratio_where_positive(num: Tensor, den: Tensor) -> bool:
         return False
     if not (num.is_contiguous() and den.is_contiguous()):
         return False
-    count, size = num.numel(), num.element_size()
-    pointers = (num.data_ptr(), den.data_ptr())
-
-    def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
-        start, stop = c0 * _ENTRY_BLOCK, min(count, c1 * _ENTRY_BLOCK)
-        return (*(p + start * size for p in pointers), stop - start)
-
-    fn = getattr(lib, f"ratio_where_positive_{_SUFFIX[num.dtype]}")
-    blocks = -(-count // _ENTRY_BLOCK)
-    _run(fn, args_of, 1, blocks, count * _ENTRY_COST, bool(lib.uses_openmp()))
+    _over_entries(lib, "ratio_where_positive", (num, den))
     return True
 
 
