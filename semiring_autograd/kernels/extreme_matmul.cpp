@@ -22,7 +22,12 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -160,6 +165,53 @@ void signed_block(const T* ahi, const T* alo, int64_t lda, const T* bhi, const T
     store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
 
+// The least value a term must pass to change any live column of a block of (hi, lo)
+// accumulators: the minimum over its live columns of hi and of -lo. `dead` holds, per
+// column, -inf for a live column and +inf for one with no term at all (padding, or every
+// entry empty), whose accumulators never move and so must not hold the others back.
+template <typename T, int R, typename V = typename Vec<T>::type>
+inline T pass_mark(const V (&acc_hi)[R][C], const V (&acc_lo)[R][C], const T* dead) {
+    constexpr int L = Vec<T>::lanes;
+    V least = V{} + T(__builtin_inf());
+    for (int c = 0; c < C; ++c) {
+        const V d = load<V>(dead + c * L);
+        for (int r = 0; r < R; ++r)
+            least = vmin(least, vmin(vmax(acc_hi[r][c], d), -vmin(acc_lo[r][c], -d)));
+    }
+    T t = least[0];
+    for (int l = 1; l < L; ++l) t = least[l] < t ? least[l] : t;
+    return t;
+}
+
+constexpr int PRUNE_GROUP = 128, FIRST_GROUP = 32;  // k entries per pruning decision
+
+// Write q0 + g to qs for the g < count with !(bp[g] · bx[g] <= t) (a NaN bound included),
+// in order: the terms lift_block keeps; returns how many. Branch-free (a kept fraction
+// that varies from group to group would mispredict a loop over the set bits); qs has room
+// for count + 16 entries.
+template <typename T>
+inline int kept_terms(const T* bp, const T* bx, T t, int count, int32_t q0, int32_t* qs) {
+    int n = 0, g = 0;
+#if defined(__AVX512F__)
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if constexpr (std::is_same_v<T, float>) {
+        const __m512 tv = _mm512_set1_ps(t);
+        for (; g + 16 <= count; g += 16) {
+            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(bp + g), _mm512_loadu_ps(bx + g));
+            const __mmask16 keep = _mm512_cmp_ps_mask(b, tv, _CMP_NLE_UQ);
+            const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(q0 + g));
+            _mm512_storeu_si512(qs + n, _mm512_maskz_compress_epi32(keep, at));
+            n += __builtin_popcount(keep);
+        }
+    }
+#endif
+    for (; g < count; ++g) {
+        qs[n] = q0 + g;
+        n += !(bp[g] * bx[g] <= t);
+    }
+    return n;
+}
+
 // A lifted point times a signed pair, the point first: hi[i, j] = max_q of p[i, q] · xhi[q, j]
 // when p[i, q] > 0, else p[i, q] · xlo[q, j]; lo[i, j] the min of the other end. Each term
 // needs 2 products and 2 extremes, where the pair-first form needs 6: the point's sign picks
@@ -167,14 +219,22 @@ void signed_block(const T* ahi, const T* alo, int64_t lda, const T* bhi, const T
 // `ps` and `flip` hold the R rows' point entries per q (q-major, row stride `stride`);
 // `strip` holds, per q, W entries of xhi then W of xlo, NaN where empty. Strides and
 // `resume` as in max_block.
+//
+// Terms that cannot change the result are skipped, exactly: every product of q's terms has
+// |p[i, q] · x[q, j]| ≤ bp[q] · bx[q] (bp: the largest |p| over the R rows, bx: the largest
+// |x| over the strip's row q, NaN entries counted as 0; the bound's rounding is monotone).
+// So once every live accumulator has hi ≥ t and lo ≤ -t for a t ≥ bp[q] · bx[q], q's terms
+// lose every max and min (a tie keeps the accumulator, as a computed term would). The test
+// runs per group of PRUNE_GROUP entries of q; a NaN bound (0 · inf) keeps the term.
 template <typename T, int R>
-void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, T* hi, T* lo,
-                int64_t ldo, int64_t kc, bool resume) {
+void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, const T* bp,
+                const T* bx, const T* dead, T* hi, T* lo, int64_t ldo, int64_t kc,
+                bool resume) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
     V acc_hi[R][C], acc_lo[R][C];
     start_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo, resume);
-    for (int64_t q = 0; q < kc; ++q) {
+    auto term = [&](int64_t q) {
         const T* row = strip + q * 2 * W;
         for (int r = 0; r < R; ++r) {
             const T s = ps[q * stride + r];
@@ -185,6 +245,20 @@ void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, T*
                 acc_lo[r][c] = vmin(load<V>(bottom + c * L) * s, acc_lo[r][c]);
             }
         }
+    };
+    int32_t qs[PRUNE_GROUP + 16];
+    // short groups while the accumulators are new (the first k block), so that pruning
+    // starts early; one group per k block after that
+    const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
+    for (int64_t q0 = 0; q0 < kc; q0 += group) {
+        const int count = static_cast<int>(std::min(kc - q0, group));
+        const T t = resume || q0 > 0 ? pass_mark<T, R>(acc_hi, acc_lo, dead) : T(-1);
+        int n = 0;
+        if (t >= T(0))  // else nothing can be skipped: bounds are ≥ 0
+            n = kept_terms(bp + q0, bx + q0, t, count, static_cast<int32_t>(q0), qs);
+        else
+            for (; n < count; ++n) qs[n] = static_cast<int32_t>(q0 + n);
+        for (int i = 0; i < n; ++i) term(qs[i]);
     }
     store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
@@ -218,13 +292,19 @@ void pack(const T* b, int64_t k, int64_t n, int64_t j, Buffer<T>& strip, bool ab
 
 // Pack columns [j, j + W) of a signed pair x (k x n, strides xqs per q and xjs per column,
 // any layout) into the k x 2W `strip`: per q, W entries of xhi then W of xlo, both NaN where
-// the entry is empty (xhi < xlo) or a padding column (j + c >= n).
+// the entry is empty (xhi < xlo) or a padding column (j + c >= n). For lift_block's pruning,
+// also bx[q] = the largest |entry| of the strip's row q (0 when all are empty), and dead[c]
+// = +inf for a column with no entry, else -inf.
 template <typename T>
 void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, int64_t n,
-               int64_t j, T* strip) {
-    constexpr int W = C * Vec<T>::lanes;
+               int64_t j, T* strip, T* bx, T* dead) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes, W = C * L;
     constexpr int64_t QB = 32;  // q block: its part of the strip (QB x 2W) stays in L1
-    const T nan = __builtin_nan("");
+    const T nan = __builtin_nan(""), inf = __builtin_inf();
+    const V zero = V{} + T(0), one = V{} + T(1);
+    V seen[C];
+    for (int c = 0; c < C; ++c) seen[c] = zero;
     for (int64_t q0 = 0; q0 < k; q0 += QB) {
         const int64_t q1 = std::min(k, q0 + QB);
         for (int64_t c = 0; c < W; ++c) {
@@ -239,7 +319,20 @@ void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, in
                 out[q * 2 * W + W] = empty ? nan : vl;
             }
         }
+        for (int64_t q = q0; q < q1; ++q) {  // NaN loses every vmax, so empty counts as 0
+            V big = zero;
+            for (int c = 0; c < 2 * C; ++c) {
+                const V v = load<V>(strip + q * 2 * W + c * L);
+                big = vmax(v < zero ? -v : v, big);
+                if (c < C) seen[c] = v == v ? one : seen[c];
+            }
+            T b = big[0];
+            for (int l = 1; l < L; ++l) b = big[l] > b ? big[l] : b;
+            bx[q] = b;
+        }
     }
+    for (int c = 0; c < C; ++c)
+        for (int l = 0; l < L; ++l) dead[c * L + l] = seen[c][l] > T(0) ? -inf : inf;
 }
 
 // Run body(bt, cb, scratch) for every batch bt in [b0, b1) and column block cb in [c0, c1):
@@ -323,41 +416,50 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
     });
 }
 
-// The point entries of rows [i0, i1) of p for one k block (kc entries from p's column q0,
-// `p` pointing there), as lift_block reads them: per group of ROWS rows, q-major
-// (ps[(i - i0)·kc + q·rows + r]), 0 as NaN when ZERO_EMPTY, with each entry's flip (0 when
-// positive, else W). Group by group, so the stores run in sequence and each q's loads come
-// from lines the previous group brought into L1; `prefetch` fetches the next k block's
-// lines into L2 meanwhile.
+// Layout of the point entries lift_prep writes: group g (rows i0 + g·ROWS ..) starts at
+// g·GROUP_STRIDE in ps and flip and at g·BOUND_STRIDE in bp. The padding (16 entries)
+// keeps the groups' lines in different L1 sets: lift_prep stores to every group per q, and
+// unpadded strides (powers of two) would map all of them onto a few sets.
+constexpr int64_t GROUP_STRIDE = ROWS * KC_LIFT + 16, BOUND_STRIDE = KC_LIFT + 16;
+
+// The point entries of rows [i0, i1) of p for one k block (kc ≤ KC_LIFT entries from p's
+// column q0, `p` pointing there), as lift_block reads them: per group of ROWS rows (fewer
+// in the last), q-major (ps[g·GROUP_STRIDE + q·rows + r]), 0 as NaN when ZERO_EMPTY, with
+// each entry's flip (0 when positive, else W) and, per group and q, the largest |entry|
+// (NaN as 0) in bp[g·BOUND_STRIDE + q]. Reads along p's rows (q outer), so that a
+// contiguous p streams in order.
 template <typename T, bool ZERO_EMPTY>
 void lift_prep(const T* p, int64_t prs, int64_t pqs, int64_t i0, int64_t i1, int64_t kc,
-               bool prefetch, T* __restrict ps, int32_t* __restrict flip) {
+               T* __restrict ps, int32_t* __restrict flip, T* __restrict bp) {
     typedef T V __attribute__((vector_size(ROWS * sizeof(T))));
     typedef int32_t I __attribute__((vector_size(ROWS * sizeof(int32_t))));
-    constexpr int W = C * Vec<T>::lanes, LINE = 64 / sizeof(T);
+    constexpr int W = C * Vec<T>::lanes;
     const V zero = V{} + T(0), nan = V{} + T(__builtin_nan(""));
     const T nan1 = __builtin_nan("");
-    int64_t i = i0;
-    if (prs == 1)
-        for (; i + ROWS <= i1; i += ROWS) {
-            T* ps_g = ps + (i - i0) * kc;
-            int32_t* flip_g = flip + (i - i0) * kc;
-            if (prefetch && (i - i0) % LINE == 0)
-                for (int64_t q = 0; q < kc; ++q) __builtin_prefetch(p + (q + kc) * pqs + i, 0, 2);
-            for (int64_t q = 0; q < kc; ++q) {
-                const V v = load<V>(p + q * pqs + i);
-                store(ps_g + q * ROWS, ZERO_EMPTY ? (v == zero ? nan : v) : v);
-                store(flip_g + q * ROWS, __builtin_convertvector(v > zero, I) ? I{} : I{} + W);
-            }
+    const int64_t whole = prs == 1 ? i0 + (i1 - i0) / ROWS * ROWS : i0;
+    for (int64_t q = 0; q < kc; ++q) {
+        const T* row = p + q * pqs;
+        for (int64_t i = i0; i < whole; i += ROWS) {
+            const int64_t g = (i - i0) / ROWS, at = g * GROUP_STRIDE + q * ROWS;
+            const V v = load<V>(row + i), a = v < zero ? -v : v;
+            store(ps + at, ZERO_EMPTY ? (v == zero ? nan : v) : v);
+            store(flip + at, __builtin_convertvector(v > zero, I) ? I{} : I{} + W);
+            T b = T(0);  // NaN loses
+            for (int r = 0; r < ROWS; ++r) b = a[r] > b ? a[r] : b;
+            bp[g * BOUND_STRIDE + q] = b;
         }
-    for (; i < i1; i += ROWS) {
-        const int64_t rows = std::min<int64_t>(ROWS, i1 - i), at = (i - i0) * kc;
-        for (int64_t q = 0; q < kc; ++q)
+        for (int64_t i = whole; i < i1; i += ROWS) {
+            const int64_t g = (i - i0) / ROWS, rows = std::min<int64_t>(ROWS, i1 - i);
+            T b = T(0);
             for (int64_t r = 0; r < rows; ++r) {
-                const T s = p[q * pqs + (i + r) * prs];
-                ps[at + q * rows + r] = ZERO_EMPTY && s == T(0) ? nan1 : s;
-                flip[at + q * rows + r] = s > T(0) ? 0 : W;
+                const T s = row[(i + r) * prs], a = s < T(0) ? -s : s;
+                const int64_t at = g * GROUP_STRIDE + q * rows + r;
+                ps[at] = ZERO_EMPTY && s == T(0) ? nan1 : s;
+                flip[at] = s > T(0) ? 0 : W;
+                b = a > b ? a : b;
             }
+            bp[g * BOUND_STRIDE + q] = b;
+        }
     }
 }
 
@@ -385,47 +487,52 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
     chunk = std::min({MAX_CHUNK, std::max<int64_t>(ROWS, SCRATCH / ldo / ROWS * ROWS),
                       (chunk + ROWS - 1) / ROWS * ROWS});
     const int64_t chunks = (m + chunk - 1) / chunk;
-    Buffer<T> strips((b1 - b0) * blocks * strip_size);
+    Buffer<T> strips((b1 - b0) * blocks * strip_size), bx((b1 - b0) * blocks * k),
+        dead((b1 - b0) * blocks * W);
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bt = b0; bt < b1; ++bt)
-            for (int64_t cb = c0; cb < c1; ++cb)
+            for (int64_t cb = c0; cb < c1; ++cb) {
+                const int64_t s = (bt - b0) * blocks + cb - c0;
                 pack_pair(xh + bt * xbs, xl + bt * xbs, xqs, xjs, k, n, cb * W,
-                          strips.data() + ((bt - b0) * blocks + cb - c0) * strip_size);
-        Buffer<T> ps(chunk * KC_LIFT), scratch(2 * chunk * ldo);
-        std::vector<int32_t> flip(chunk * KC_LIFT);
+                          strips.data() + s * strip_size, bx.data() + s * k,
+                          dead.data() + s * W);
+            }
+        const int64_t groups = (chunk + ROWS - 1) / ROWS;
+        Buffer<T> ps(groups * GROUP_STRIDE), bp(groups * BOUND_STRIDE), scratch(2 * chunk * ldo);
+        std::vector<int32_t> flip(groups * GROUP_STRIDE);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bt = b0; bt < b1; ++bt)
             for (int64_t h = 0; h < chunks; ++h) {
                 const int64_t i0 = h * chunk, i1 = std::min(m, i0 + chunk);
-                const T* sbt = strips.data() + (bt - b0) * blocks * strip_size;
                 for (int64_t q0 = 0; q0 < k; q0 += KC_LIFT) {
                     const int64_t kc = std::min(KC_LIFT, k - q0);
-                    // the chunk's entries by groups of ROWS rows, each group q-major
                     const T* src = p + bt * pbs + q0 * pqs;
-                    const bool next = q0 + 2 * KC_LIFT <= k;  // a whole next block to fetch
                     if (zero_empty)
-                        lift_prep<T, true>(src, prs, pqs, i0, i1, kc, next, ps.data(),
-                                           flip.data());
+                        lift_prep<T, true>(src, prs, pqs, i0, i1, kc, ps.data(), flip.data(),
+                                           bp.data());
                     else
-                        lift_prep<T, false>(src, prs, pqs, i0, i1, kc, next, ps.data(),
-                                            flip.data());
+                        lift_prep<T, false>(src, prs, pqs, i0, i1, kc, ps.data(), flip.data(),
+                                            bp.data());
                     for (int64_t cb = c0; cb < c1; ++cb) {
-                        const T* sb = sbt + (cb - c0) * strip_size + q0 * 2 * W;
+                        const int64_t s = (bt - b0) * blocks + cb - c0;
+                        const T* sb = strips.data() + s * strip_size + q0 * 2 * W;
+                        const T *bxs = bx.data() + s * k + q0, *ds = dead.data() + s * W;
                         for (int64_t i = i0; i < i1; i += ROWS) {
                             const int rows = static_cast<int>(std::min<int64_t>(ROWS, i1 - i));
-                            const int64_t at = (i - i0) * kc;
+                            const int64_t at = (i - i0) / ROWS * GROUP_STRIDE;
+                            const T* bps = bp.data() + (i - i0) / ROWS * BOUND_STRIDE;
                             T* h_out = scratch.data() + (i - i0) * ldo + (cb - c0) * W;
                             T* l_out = h_out + chunk * ldo;
                             if (rows == ROWS)
                                 lift_block<T, ROWS>(ps.data() + at, flip.data() + at, ROWS, sb,
-                                                    h_out, l_out, ldo, kc, q0);
+                                                    bps, bxs, ds, h_out, l_out, ldo, kc, q0);
                             else
                                 for (int r = 0; r < rows; ++r)
                                     lift_block<T, 1>(ps.data() + at + r, flip.data() + at + r,
-                                                     rows, sb, h_out + r * ldo,
+                                                     rows, sb, bps, bxs, ds, h_out + r * ldo,
                                                      l_out + r * ldo, ldo, kc, q0);
                         }
                     }
