@@ -248,7 +248,8 @@ def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> T
     win."""
     if a.device.type == "cuda" and enabled():
         return _cuda_call("max", a, b.abs() if abs_b else b, init)
-    out = _cpu_call("max_times", [a], [b], 0.0, 1, extra=(init, int(abs_b)))
+    # NaN padding: no term, so the padded columns do not hold back the pruning bounds
+    out = _cpu_call("max_times", [a], [b], float("nan"), 1, extra=(init, int(abs_b)))
     return None if out is None else out[0]
 
 

@@ -79,26 +79,138 @@ inline V vmin(V x, V y) {
 }
 
 constexpr int C = 2;  // vectors per row in a block: W = C * lanes columns
+constexpr int64_t KC = 256;  // k block: a packed strip block (KC x W) stays in L1
+
+constexpr int PRUNE_GROUP = 128, FIRST_GROUP = 32;  // k entries per pruning decision
+
+// Pruning (branch and bound), shared by max_block and lift_block. A term's product has
+// |x[i, q] · y[q, j]| ≤ |x[i, q]| · by[q], where by[q] is the largest |y| over the strip's
+// row q (NaN counted as 0), and the rounding of a product is monotone in its factors. Once
+// every live accumulator of row i has passed a mark t[i] (hi ≥ t and, for pairs, lo ≤ -t)
+// with t[i] ≥ |x[i, q]| · by[q] for every row i of a block, q's terms lose every max and
+// min (a tie keeps the accumulator, as a computed term would), so they are skipped. The
+// marks are taken per group of k entries; a NaN bound keeps the term.
+
+// Write q0 + g to qs, in order, for the g < count whose terms may still count: some row r
+// < R has !(|x[r·rs + g·gs]| · by[g] <= t[r]). Returns how many. Branch-free (a kept
+// fraction that varies from group to group would mispredict a loop over set bits); qs has
+// room for count + 16 entries.
+template <typename T, int R>
+inline int kept_terms(const T* x, int64_t rs, int64_t gs, const T* by, const T (&t)[R],
+                      int count, int32_t q0, int32_t* qs) {
+    int n = 0, g = 0;
+#if defined(__AVX512F__) && defined(__BMI2__)
+    if constexpr (std::is_same_v<T, float>) {
+        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                               14, 15);
+        auto emit = [&](uint32_t keep) {  // the kept entries of g .. g + 15
+            const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(q0 + g));
+            _mm512_storeu_si512(qs + n, _mm512_maskz_compress_epi32(keep, at));
+            n += __builtin_popcount(keep);
+        };
+        if (gs == 1) {  // rows along g (max_block's a)
+            for (; g + 16 <= count; g += 16) {
+                const __m512 b = _mm512_loadu_ps(by + g);
+                __mmask16 done = 0xffff;
+                for (int r = 0; r < R; ++r) {
+                    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + r * rs + g));
+                    done &= _mm512_cmp_ps_mask(_mm512_mul_ps(v, b), _mm512_set1_ps(t[r]),
+                                               _CMP_LE_OQ);
+                }
+                emit(static_cast<uint16_t>(~done));
+            }
+        } else if (R == 4 && rs == 1 && gs == 4) {  // q-major groups of 4 rows (lift_block)
+            const __m512 marks = _mm512_setr_ps(t[0], t[1 % R], t[2 % R], t[3 % R], t[0],
+                                                t[1 % R], t[2 % R], t[3 % R], t[0], t[1 % R],
+                                                t[2 % R], t[3 % R], t[0], t[1 % R], t[2 % R],
+                                                t[3 % R]);
+            const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3,
+                                                     3, 3);
+            for (; g + 16 <= count; g += 16) {
+                uint32_t keep = 0;
+                for (int h = 0; h < 16; h += 4) {
+                    const __m512 b = _mm512_permutexvar_ps(
+                        spread, _mm512_castps128_ps512(_mm_loadu_ps(by + g + h)));
+                    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + (g + h) * 4));
+                    uint32_t d = _mm512_cmp_ps_mask(_mm512_mul_ps(v, b), marks, _CMP_LE_OQ);
+                    d &= (d >> 1) & (d >> 2) & (d >> 3);  // all 4 rows done, per q
+                    keep |= (~_pext_u32(d, 0x1111) & 0xf) << h;
+                }
+                emit(keep);
+            }
+        }
+    }
+#endif
+    for (; g < count; ++g) {
+        bool done = true;
+        for (int r = 0; r < R; ++r) {
+            const T v = x[r * rs + g * gs];
+            done = done && (v < T(0) ? -v : v) * by[g] <= t[r];
+        }
+        qs[n] = q0 + g;
+        n += !done;
+    }
+    return n;
+}
+
+template <typename T, typename V = typename Vec<T>::type>
+inline T least_lane(V v) {
+    T t = v[0];
+    for (int l = 1; l < Vec<T>::lanes; ++l) t = v[l] < t ? v[l] : t;
+    return t;
+}
+
+// The marks of a block of accumulators: t[r] = their minimum over row r's live columns.
+// `dead` holds, per column, -inf for a live column and +inf for one with no term at all
+// (padding, or every entry NaN), whose accumulators never move and so must not hold the
+// others back.
+template <typename T, int R, typename V = typename Vec<T>::type>
+inline void max_marks(const V (&acc)[R][C], const T* dead, T (&t)[R]) {
+    constexpr int L = Vec<T>::lanes;
+    for (int r = 0; r < R; ++r) {
+        V least = vmax(acc[r][0], load<V>(dead));
+        for (int c = 1; c < C; ++c) least = vmin(least, vmax(acc[r][c], load<V>(dead + c * L)));
+        t[r] = least_lane<T>(least);
+    }
+}
 
 // out[i, j] = max(start, max_q a[i, q] * b[q, j]) for R rows from i, W columns from j and
-// q < kc, where start is `init`, or out's current value when `resume` (a later k block).
-// a has row stride lda; b is a packed strip (row stride W); out has row stride ldo.
+// q < kc ≤ KC, where start is `init`, or out's current value when `resume` (a later k
+// block). a has row stride lda; b is a packed strip (row stride W); out has row stride ldo.
+//
+// Terms that cannot change the result are skipped (see kept_terms; bb: the strip's bounds,
+// dead: its dead columns), per group of k entries: FIRST_GROUP in a first k block, while
+// the accumulators are new, PRUNE_GROUP after.
 template <typename T, int R>
-void max_block(const T* a, int64_t lda, const T* b, T* out, int64_t ldo, int64_t kc, T init,
-               bool resume) {
+void max_block(const T* a, int64_t lda, const T* b, const T* bb, const T* dead, T* out,
+               int64_t ldo, int64_t kc, T init, bool resume) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
     V acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c)
             acc[r][c] = resume ? load<V>(out + r * ldo + c * L) : V{} + init;
-    for (int64_t q = 0; q < kc; ++q) {
+    auto term = [&](int64_t q) {
         V bv[C];
         for (int c = 0; c < C; ++c) bv[c] = load<V>(b + q * W + c * L);
         for (int r = 0; r < R; ++r) {
             const T s = a[r * lda + q];
             for (int c = 0; c < C; ++c) acc[r][c] = vmax(bv[c] * s, acc[r][c]);
         }
+    };
+    int32_t qs[PRUNE_GROUP + 16];
+    const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
+    for (int64_t q0 = 0; q0 < kc; q0 += group) {
+        const int count = static_cast<int>(std::min(kc - q0, group));
+        int n = 0;
+        if (resume || q0 > 0) {
+            T t[R];
+            max_marks<T, R>(acc, dead, t);
+            n = kept_terms<T, R>(a + q0, lda, 1, bb + q0, t, count, static_cast<int32_t>(q0), qs);
+        } else {
+            for (; n < count; ++n) qs[n] = static_cast<int32_t>(q0 + n);
+        }
+        for (int i = 0; i < n; ++i) term(qs[i]);
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) store(out + r * ldo + c * L, acc[r][c]);
@@ -165,51 +277,20 @@ void signed_block(const T* ahi, const T* alo, int64_t lda, const T* bhi, const T
     store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
 
-// The least value a term must pass to change any live column of a block of (hi, lo)
-// accumulators: the minimum over its live columns of hi and of -lo. `dead` holds, per
-// column, -inf for a live column and +inf for one with no term at all (padding, or every
-// entry empty), whose accumulators never move and so must not hold the others back.
+// The marks of a block of (hi, lo) accumulators: t[r] = the minimum over row r's live
+// columns of hi and of -lo (`dead` as in max_marks).
 template <typename T, int R, typename V = typename Vec<T>::type>
-inline T pass_mark(const V (&acc_hi)[R][C], const V (&acc_lo)[R][C], const T* dead) {
+inline void pair_marks(const V (&acc_hi)[R][C], const V (&acc_lo)[R][C], const T* dead,
+                       T (&t)[R]) {
     constexpr int L = Vec<T>::lanes;
-    V least = V{} + T(__builtin_inf());
-    for (int c = 0; c < C; ++c) {
-        const V d = load<V>(dead + c * L);
-        for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+        V least = V{} + T(__builtin_inf());
+        for (int c = 0; c < C; ++c) {
+            const V d = load<V>(dead + c * L);
             least = vmin(least, vmin(vmax(acc_hi[r][c], d), -vmin(acc_lo[r][c], -d)));
-    }
-    T t = least[0];
-    for (int l = 1; l < L; ++l) t = least[l] < t ? least[l] : t;
-    return t;
-}
-
-constexpr int PRUNE_GROUP = 128, FIRST_GROUP = 32;  // k entries per pruning decision
-
-// Write q0 + g to qs for the g < count with !(bp[g] · bx[g] <= t) (a NaN bound included),
-// in order: the terms lift_block keeps; returns how many. Branch-free (a kept fraction
-// that varies from group to group would mispredict a loop over the set bits); qs has room
-// for count + 16 entries.
-template <typename T>
-inline int kept_terms(const T* bp, const T* bx, T t, int count, int32_t q0, int32_t* qs) {
-    int n = 0, g = 0;
-#if defined(__AVX512F__)
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    if constexpr (std::is_same_v<T, float>) {
-        const __m512 tv = _mm512_set1_ps(t);
-        for (; g + 16 <= count; g += 16) {
-            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(bp + g), _mm512_loadu_ps(bx + g));
-            const __mmask16 keep = _mm512_cmp_ps_mask(b, tv, _CMP_NLE_UQ);
-            const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(q0 + g));
-            _mm512_storeu_si512(qs + n, _mm512_maskz_compress_epi32(keep, at));
-            n += __builtin_popcount(keep);
         }
+        t[r] = least_lane<T>(least);
     }
-#endif
-    for (; g < count; ++g) {
-        qs[n] = q0 + g;
-        n += !(bp[g] * bx[g] <= t);
-    }
-    return n;
 }
 
 // A lifted point times a signed pair, the point first: hi[i, j] = max_q of p[i, q] · xhi[q, j]
@@ -218,16 +299,11 @@ inline int kept_terms(const T* bp, const T* bx, T t, int count, int32_t q0, int3
 // the ends by address (`flip`: 0 or W, set by the caller), not by a branch or a blend.
 // `ps` and `flip` hold the R rows' point entries per q (q-major, row stride `stride`);
 // `strip` holds, per q, W entries of xhi then W of xlo, NaN where empty. Strides and
-// `resume` as in max_block.
-//
-// Terms that cannot change the result are skipped, exactly: every product of q's terms has
-// |p[i, q] · x[q, j]| ≤ bp[q] · bx[q] (bp: the largest |p| over the R rows, bx: the largest
-// |x| over the strip's row q, NaN entries counted as 0; the bound's rounding is monotone).
-// So once every live accumulator has hi ≥ t and lo ≤ -t for a t ≥ bp[q] · bx[q], q's terms
-// lose every max and min (a tie keeps the accumulator, as a computed term would). The test
-// runs per group of PRUNE_GROUP entries of q; a NaN bound (0 · inf) keeps the term.
+// `resume` as in max_block. Terms that cannot change the result are skipped as in
+// max_block, with the points' magnitudes `pa` (laid out as ps, NaN as 0) as the row bounds
+// and the strip's bx and dead.
 template <typename T, int R>
-void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, const T* bp,
+void lift_block(const T* ps, const T* pa, const int32_t* flip, int stride, const T* strip,
                 const T* bx, const T* dead, T* hi, T* lo, int64_t ldo, int64_t kc,
                 bool resume) {
     typedef typename Vec<T>::type V;
@@ -252,59 +328,89 @@ void lift_block(const T* ps, const int32_t* flip, int stride, const T* strip, co
     const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
     for (int64_t q0 = 0; q0 < kc; q0 += group) {
         const int count = static_cast<int>(std::min(kc - q0, group));
-        const T t = resume || q0 > 0 ? pass_mark<T, R>(acc_hi, acc_lo, dead) : T(-1);
         int n = 0;
-        if (t >= T(0))  // else nothing can be skipped: bounds are ≥ 0
-            n = kept_terms(bp + q0, bx + q0, t, count, static_cast<int32_t>(q0), qs);
-        else
+        if (resume || q0 > 0) {
+            T t[R];
+            pair_marks<T, R>(acc_hi, acc_lo, dead, t);
+            n = kept_terms<T, R>(pa + q0 * stride, 1, stride, bx + q0, t, count,
+                                 static_cast<int32_t>(q0), qs);
+        } else {
             for (; n < count; ++n) qs[n] = static_cast<int32_t>(q0 + n);
+        }
         for (int i = 0; i < n; ++i) term(qs[i]);
     }
     store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
 
 constexpr int ROWS = 4;
-constexpr int64_t KC = 256;  // k block: a packed strip block (KC x W) stays in L1
 constexpr int64_t KC_LIFT = 128;  // the same for a pair strip (KC_LIFT x 2W)
 constexpr int64_t MAX_CHUNK = 512;  // rows of a lift_times task
 constexpr int64_t SCRATCH = 1 << 17;  // entries of a lift_times task's results, per end
 
+// The pruning bounds of a packed strip whose rows hold `vecs` vectors (W = C of them per
+// row end): bx[q] = the largest |entry| of row q (0 when all are NaN), and dead[c] = +inf
+// for a column none of whose rows has an entry in its first W, else -inf. Runs after the
+// packing, over rows in L1.
+template <typename T>
+void strip_bounds(const T* strip, int vecs, int64_t k, T* bx, T* dead) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const V zero = V{} + T(0), one = V{} + T(1);
+    V seen[C];
+    for (int c = 0; c < C; ++c) seen[c] = zero;
+    for (int64_t q = 0; q < k; ++q) {
+        V big = zero;  // NaN loses every vmax
+        for (int c = 0; c < vecs; ++c) {
+            const V v = load<V>(strip + (q * vecs + c) * L);
+            big = vmax(v < zero ? -v : v, big);
+            if (c < C) seen[c] = v == v ? one : seen[c];
+        }
+        T b = big[0];
+        for (int l = 1; l < L; ++l) b = big[l] > b ? big[l] : b;
+        bx[q] = b;
+    }
+    for (int c = 0; c < C; ++c)
+        for (int l = 0; l < L; ++l)
+            dead[c * L + l] = seen[c][l] > T(0) ? -T(__builtin_inf()) : T(__builtin_inf());
+}
+
 // Copy columns [j, j + W) of the k x n matrix b into a contiguous k x W strip, so the
 // kernel's loads are unit-stride whatever n is (large power-of-two row strides would
 // otherwise map every row of the strip onto the same cache sets); |b| when `abs_b`
-// (max-times of a lifted real derivative).
+// (max-times of a lifted real derivative). `bounds`, unless null, gets the strip's pruning
+// bounds: bx (k entries), then dead (W entries).
 template <typename T>
-void pack(const T* b, int64_t k, int64_t n, int64_t j, Buffer<T>& strip, bool abs_b) {
+void pack(const T* b, int64_t k, int64_t n, int64_t j, Buffer<T>& strip, Buffer<T>* bounds,
+          bool abs_b) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
     strip.resize(k * W);
     if (!abs_b) {
         for (int64_t q = 0; q < k; ++q) std::memcpy(&strip[q * W], b + q * n + j, W * sizeof(T));
-        return;
+    } else {
+        const V zero = V{} + T(0);
+        for (int64_t q = 0; q < k; ++q)
+            for (int c = 0; c < C; ++c) {
+                const V v = load<V>(b + q * n + j + c * L);
+                store(&strip[q * W + c * L], v < zero ? -v : v);
+            }
     }
-    const V zero = V{} + T(0);
-    for (int64_t q = 0; q < k; ++q)
-        for (int c = 0; c < C; ++c) {
-            const V v = load<V>(b + q * n + j + c * L);
-            store(&strip[q * W + c * L], v < zero ? -v : v);
-        }
+    if (bounds) {
+        bounds->resize(k + W);
+        strip_bounds(strip.data(), C, k, bounds->data(), bounds->data() + k);
+    }
 }
 
 // Pack columns [j, j + W) of a signed pair x (k x n, strides xqs per q and xjs per column,
 // any layout) into the k x 2W `strip`: per q, W entries of xhi then W of xlo, both NaN where
-// the entry is empty (xhi < xlo) or a padding column (j + c >= n). For lift_block's pruning,
-// also bx[q] = the largest |entry| of the strip's row q (0 when all are empty), and dead[c]
-// = +inf for a column with no entry, else -inf.
+// the entry is empty (xhi < xlo) or a padding column (j + c >= n); with the strip's pruning
+// bounds bx and dead (see strip_bounds).
 template <typename T>
 void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, int64_t n,
                int64_t j, T* strip, T* bx, T* dead) {
-    typedef typename Vec<T>::type V;
-    constexpr int L = Vec<T>::lanes, W = C * L;
+    constexpr int W = C * Vec<T>::lanes;
     constexpr int64_t QB = 32;  // q block: its part of the strip (QB x 2W) stays in L1
-    const T nan = __builtin_nan(""), inf = __builtin_inf();
-    const V zero = V{} + T(0), one = V{} + T(1);
-    V seen[C];
-    for (int c = 0; c < C; ++c) seen[c] = zero;
+    const T nan = __builtin_nan("");
     for (int64_t q0 = 0; q0 < k; q0 += QB) {
         const int64_t q1 = std::min(k, q0 + QB);
         for (int64_t c = 0; c < W; ++c) {
@@ -319,20 +425,8 @@ void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, in
                 out[q * 2 * W + W] = empty ? nan : vl;
             }
         }
-        for (int64_t q = q0; q < q1; ++q) {  // NaN loses every vmax, so empty counts as 0
-            V big = zero;
-            for (int c = 0; c < 2 * C; ++c) {
-                const V v = load<V>(strip + q * 2 * W + c * L);
-                big = vmax(v < zero ? -v : v, big);
-                if (c < C) seen[c] = v == v ? one : seen[c];
-            }
-            T b = big[0];
-            for (int l = 1; l < L; ++l) b = big[l] > b ? big[l] : b;
-            bx[q] = b;
-        }
     }
-    for (int c = 0; c < C; ++c)
-        for (int l = 0; l < L; ++l) dead[c * L + l] = seen[c][l] > T(0) ? -inf : inf;
+    strip_bounds(strip, 2 * C, k, bx, dead);
 }
 
 // Run body(bt, cb, scratch) for every batch bt in [b0, b1) and column block cb in [c0, c1):
@@ -369,19 +463,22 @@ void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, 
                int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads) {
     constexpr int W = C * Vec<T>::lanes;
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
-        Buffer<T>& strip = scratch.get(static_cast<T*>(nullptr))[0];
+        Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
         const T* ab = a + bt * m * k;
         T* ob = out + bt * m * n;
         const int64_t j = cb * W;
-        pack(b + bt * k * n, k, n, j, strip, abs_b);
+        pack(b + bt * k * n, k, n, j, buffers[0], &buffers[1], abs_b);
+        const T* dead = buffers[1].data() + k;
         for (int64_t q0 = 0; q0 < k; q0 += KC) {
             const int64_t kc = std::min(KC, k - q0);
-            const T* sb = strip.data() + q0 * W;
+            const T *sb = buffers[0].data() + q0 * W, *bb = buffers[1].data() + q0;
             int64_t i = 0;
             for (; i + ROWS <= m; i += ROWS)
-                max_block<T, ROWS>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
+                max_block<T, ROWS>(ab + i * k + q0, k, sb, bb, dead, ob + i * n + j, n, kc,
+                                   init, q0);
             for (; i < m; ++i)
-                max_block<T, 1>(ab + i * k + q0, k, sb, ob + i * n + j, n, kc, init, q0);
+                max_block<T, 1>(ab + i * k + q0, k, sb, bb, dead, ob + i * n + j, n, kc, init,
+                                q0);
         }
     });
 }
@@ -395,8 +492,8 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
         Buffer<T>* strips = scratch.get(static_cast<T*>(nullptr));
         const int64_t ao = bt * m * k, bo = bt * k * n, oo = bt * m * n;
         const int64_t j = cb * W;
-        pack(bhi + bo, k, n, j, strips[0], false);
-        if (!POINT) pack(blo + bo, k, n, j, strips[1], false);
+        pack<T>(bhi + bo, k, n, j, strips[0], nullptr, false);
+        if (!POINT) pack<T>(blo + bo, k, n, j, strips[1], nullptr, false);
         for (int64_t q0 = 0; q0 < k; q0 += KC) {
             const int64_t kc = std::min(KC, k - q0);
             const T* sh = strips[0].data() + q0 * W;
@@ -417,20 +514,20 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
 }
 
 // Layout of the point entries lift_prep writes: group g (rows i0 + g·ROWS ..) starts at
-// g·GROUP_STRIDE in ps and flip and at g·BOUND_STRIDE in bp. The padding (16 entries)
-// keeps the groups' lines in different L1 sets: lift_prep stores to every group per q, and
-// unpadded strides (powers of two) would map all of them onto a few sets.
-constexpr int64_t GROUP_STRIDE = ROWS * KC_LIFT + 16, BOUND_STRIDE = KC_LIFT + 16;
+// g·GROUP_STRIDE in ps, pa and flip. The padding (16 entries) keeps the groups' lines in
+// different L1 sets: lift_prep stores to every group per q, and unpadded strides (powers of
+// two) would map all of them onto a few sets.
+constexpr int64_t GROUP_STRIDE = ROWS * KC_LIFT + 16;
 
 // The point entries of rows [i0, i1) of p for one k block (kc ≤ KC_LIFT entries from p's
 // column q0, `p` pointing there), as lift_block reads them: per group of ROWS rows (fewer
-// in the last), q-major (ps[g·GROUP_STRIDE + q·rows + r]), 0 as NaN when ZERO_EMPTY, with
-// each entry's flip (0 when positive, else W) and, per group and q, the largest |entry|
-// (NaN as 0) in bp[g·BOUND_STRIDE + q]. Reads along p's rows (q outer), so that a
-// contiguous p streams in order.
+// in the last), q-major (ps[g·GROUP_STRIDE + q·rows + r]), 0 as NaN when ZERO_EMPTY; the
+// same layout for their magnitudes pa (NaN as 0: the pruning bounds) and flips (0 when
+// positive, else W). Reads along p's rows (q outer), so that a contiguous p streams in
+// order.
 template <typename T, bool ZERO_EMPTY>
 void lift_prep(const T* p, int64_t prs, int64_t pqs, int64_t i0, int64_t i1, int64_t kc,
-               T* __restrict ps, int32_t* __restrict flip, T* __restrict bp) {
+               T* __restrict ps, T* __restrict pa, int32_t* __restrict flip) {
     typedef T V __attribute__((vector_size(ROWS * sizeof(T))));
     typedef int32_t I __attribute__((vector_size(ROWS * sizeof(int32_t))));
     constexpr int W = C * Vec<T>::lanes;
@@ -440,25 +537,21 @@ void lift_prep(const T* p, int64_t prs, int64_t pqs, int64_t i0, int64_t i1, int
     for (int64_t q = 0; q < kc; ++q) {
         const T* row = p + q * pqs;
         for (int64_t i = i0; i < whole; i += ROWS) {
-            const int64_t g = (i - i0) / ROWS, at = g * GROUP_STRIDE + q * ROWS;
+            const int64_t at = (i - i0) / ROWS * GROUP_STRIDE + q * ROWS;
             const V v = load<V>(row + i), a = v < zero ? -v : v;
             store(ps + at, ZERO_EMPTY ? (v == zero ? nan : v) : v);
+            store(pa + at, a > zero ? a : zero);  // NaN loses
             store(flip + at, __builtin_convertvector(v > zero, I) ? I{} : I{} + W);
-            T b = T(0);  // NaN loses
-            for (int r = 0; r < ROWS; ++r) b = a[r] > b ? a[r] : b;
-            bp[g * BOUND_STRIDE + q] = b;
         }
         for (int64_t i = whole; i < i1; i += ROWS) {
-            const int64_t g = (i - i0) / ROWS, rows = std::min<int64_t>(ROWS, i1 - i);
-            T b = T(0);
+            const int64_t rows = std::min<int64_t>(ROWS, i1 - i);
             for (int64_t r = 0; r < rows; ++r) {
                 const T s = row[(i + r) * prs], a = s < T(0) ? -s : s;
-                const int64_t at = g * GROUP_STRIDE + q * rows + r;
+                const int64_t at = (i - i0) / ROWS * GROUP_STRIDE + q * rows + r;
                 ps[at] = ZERO_EMPTY && s == T(0) ? nan1 : s;
+                pa[at] = a > T(0) ? a : T(0);
                 flip[at] = s > T(0) ? 0 : W;
-                b = a > b ? a : b;
             }
-            bp[g * BOUND_STRIDE + q] = b;
         }
     }
 }
@@ -482,7 +575,9 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
     // at most MAX_CHUNK rows so that a chunk's entries for one k block stay in L2
     // and at most what keeps its results (chunk x blocks x W, twice) within SCRATCH entries
     const int64_t per_batch = std::max<int64_t>(1, (threads + b1 - b0 - 1) / (b1 - b0));
-    const int64_t ldo = blocks * W;
+    // results' row stride, a line longer than the row: the transposed write-out reads
+    // columns, which a power-of-two stride would map onto a few cache sets
+    const int64_t ldo = blocks * W + 64 / sizeof(T);
     int64_t chunk = (m + per_batch - 1) / per_batch;
     chunk = std::min({MAX_CHUNK, std::max<int64_t>(ROWS, SCRATCH / ldo / ROWS * ROWS),
                       (chunk + ROWS - 1) / ROWS * ROWS});
@@ -501,7 +596,7 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
                           dead.data() + s * W);
             }
         const int64_t groups = (chunk + ROWS - 1) / ROWS;
-        Buffer<T> ps(groups * GROUP_STRIDE), bp(groups * BOUND_STRIDE), scratch(2 * chunk * ldo);
+        Buffer<T> ps(groups * GROUP_STRIDE), pa(groups * GROUP_STRIDE), scratch(2 * chunk * ldo);
         std::vector<int32_t> flip(groups * GROUP_STRIDE);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bt = b0; bt < b1; ++bt)
@@ -511,11 +606,11 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
                     const int64_t kc = std::min(KC_LIFT, k - q0);
                     const T* src = p + bt * pbs + q0 * pqs;
                     if (zero_empty)
-                        lift_prep<T, true>(src, prs, pqs, i0, i1, kc, ps.data(), flip.data(),
-                                           bp.data());
+                        lift_prep<T, true>(src, prs, pqs, i0, i1, kc, ps.data(), pa.data(),
+                                           flip.data());
                     else
-                        lift_prep<T, false>(src, prs, pqs, i0, i1, kc, ps.data(), flip.data(),
-                                            bp.data());
+                        lift_prep<T, false>(src, prs, pqs, i0, i1, kc, ps.data(), pa.data(),
+                                            flip.data());
                     for (int64_t cb = c0; cb < c1; ++cb) {
                         const int64_t s = (bt - b0) * blocks + cb - c0;
                         const T* sb = strips.data() + s * strip_size + q0 * 2 * W;
@@ -523,17 +618,18 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
                         for (int64_t i = i0; i < i1; i += ROWS) {
                             const int rows = static_cast<int>(std::min<int64_t>(ROWS, i1 - i));
                             const int64_t at = (i - i0) / ROWS * GROUP_STRIDE;
-                            const T* bps = bp.data() + (i - i0) / ROWS * BOUND_STRIDE;
                             T* h_out = scratch.data() + (i - i0) * ldo + (cb - c0) * W;
                             T* l_out = h_out + chunk * ldo;
                             if (rows == ROWS)
-                                lift_block<T, ROWS>(ps.data() + at, flip.data() + at, ROWS, sb,
-                                                    bps, bxs, ds, h_out, l_out, ldo, kc, q0);
+                                lift_block<T, ROWS>(ps.data() + at, pa.data() + at, flip.data() + at,
+                                                    ROWS, sb, bxs, ds, h_out, l_out, ldo, kc,
+                                                    q0);
                             else
                                 for (int r = 0; r < rows; ++r)
-                                    lift_block<T, 1>(ps.data() + at + r, flip.data() + at + r,
-                                                     rows, sb, bps, bxs, ds, h_out + r * ldo,
-                                                     l_out + r * ldo, ldo, kc, q0);
+                                    lift_block<T, 1>(ps.data() + at + r, pa.data() + at + r,
+                                                     flip.data() + at + r, rows, sb, bxs, ds,
+                                                     h_out + r * ldo, l_out + r * ldo, ldo, kc,
+                                                     q0);
                         }
                     }
                 }
