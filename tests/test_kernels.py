@@ -108,6 +108,82 @@ def test_pair_lift_matmul_equals_corner_products(shape, dtype, device, zero_empt
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+def _pruning_case(scenario: str, shape, dtype, gen):
+    """Operands a (B, m, k) and b (B, k, n) on which the kernels skip most terms: the
+    magnitudes decay along k, so the early terms set the maxima and the later ones cannot
+    reach them. "late_winner" puts terms at the last k that must still win (a large one,
+    and a large negative one for the signed minimum); "uneven_rows" scales rows and
+    columns by up to 10^±3, so that one row's bound never stands in for another's;
+    "specials" adds infinities, exact zeros and a row of zeros. k spans several k blocks
+    (resumed accumulators), m and n are not multiples of the row group or the block width
+    (padding columns: dead for the pruning marks)."""
+    batch, m, k, n = shape
+    decay = 2.0 ** (-torch.arange(k, dtype=torch.float64) / 16)
+    a = torch.randn(batch, m, k, dtype=torch.float64, generator=gen) * decay
+    b = torch.randn(batch, k, n, dtype=torch.float64, generator=gen) * decay[:, None]
+    if scenario == "late_winner":
+        a[:, 3, -1], a[:, 5, -1] = 1e3, -1e3
+        b[:, -1, 2] = 1e3
+    elif scenario == "uneven_rows":
+        a *= 10.0 ** (torch.arange(m, dtype=torch.float64) % 7 - 3)[:, None]
+        b *= 10.0 ** (torch.arange(n, dtype=torch.float64) % 7 - 3)
+    elif scenario == "specials":
+        a[:, 1, 200], a[:, 2, 250] = INF, -INF
+        b[:, 40, 3] = INF
+        a[:, 4] = 0.0
+        b[:, 10:60:7, :] = 0.0
+    return a.to(dtype), b.to(dtype)
+
+
+PRUNING_SHAPE = (2, 37, 300, 70)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scenario", ["decaying", "late_winner", "uneven_rows", "specials"])
+def test_pruned_max_times_is_exact(scenario, dtype):
+    """max_times skips the terms that cannot pass its accumulators (branch and bound): the
+    result is still exactly max(0, the broadcast max), NaN products (0 · inf) never
+    winning, with b or |b|, for a non-negative a (MaxProduct's messages) or any a."""
+    gen = torch.Generator().manual_seed(7)
+    signed, b = _pruning_case(scenario, PRUNING_SHAPE, dtype, gen)
+    for a, abs_b in [(signed.abs(), False), (signed.abs(), True), (signed, False)]:
+        got = kernels.max_times(a, b, abs_b=abs_b)
+        assert got is not None, "the fused kernel is unavailable on this machine"
+        products = a[:, :, :, None] * (b.abs() if abs_b else b)[:, None]
+        expected = products.nan_to_num(nan=-INF, posinf=INF, neginf=-INF).amax(2).clamp_min(0)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scenario", ["decaying", "late_winner", "uneven_rows", "specials"])
+@pytest.mark.parametrize("zero_empty", [False, True], ids=["zero", "zero_empty"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_pruned_pair_lift_matmul_is_exact(scenario, dtype, zero_empty, layout):
+    """pair_lift_matmul skips the terms that cannot pass its (hi, lo) accumulators: both
+    ends stay exactly the corner products', with empty message entries, a message row
+    with no entry at all (a dead column for the pruning marks), and w read along its rows
+    or across them."""
+    gen = torch.Generator().manual_seed(11)
+    a, w = _pruning_case(scenario, PRUNING_SHAPE, dtype, gen)
+    batch, m, k, n = PRUNING_SHAPE
+    ah = a
+    spread = torch.rand(a.shape, dtype=dtype, generator=gen) * a.abs()
+    al = torch.where(a.isinf(), a, a - spread)  # (inf, inf): a point at infinity
+    empty = torch.rand(a.shape, generator=gen) < 0.2
+    empty[:, 6] = True  # a message row without entries
+    ah, al = ah.masked_fill(empty, NAN), al.masked_fill(empty, NAN)
+    if layout == "transposed":
+        w = w.mT.contiguous().mT
+    got = kernels.pair_lift_matmul(
+        ah.masked_fill(empty, -INF), al.masked_fill(empty, INF), w, zero_empty
+    )
+    assert got is not None, "the fused kernel is unavailable on this machine"
+    point = w.masked_fill(w == 0, NAN) if zero_empty else w
+    expected = _eager_signed(ah, al, point, point)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shapes", [((70000,), (70000,)), ((300, 1), (300, 250))], ids=str)
 def test_signed_mul_lift_kernel_equals_formula(dtype, shapes, monkeypatch):
