@@ -153,11 +153,25 @@ inline int kept_terms(const T* x, int64_t rs, int64_t gs, const T* by, const T (
     return n;
 }
 
+// The least lane of v, by halving (log2(lanes) dependent steps, not lanes - 1).
 template <typename T, typename V = typename Vec<T>::type>
 inline T least_lane(V v) {
-    T t = v[0];
-    for (int l = 1; l < Vec<T>::lanes; ++l) t = v[l] < t ? v[l] : t;
-    return t;
+    if constexpr (Vec<T>::lanes == 16) {
+        v = vmin(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4,
+                                            5, 6, 7));
+        v = vmin(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8,
+                                            9, 10, 11));
+        v = vmin(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15,
+                                            12, 13));
+        v = vmin(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12,
+                                            15, 14));
+    } else {
+        static_assert(Vec<T>::lanes == 8);
+        v = vmin(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+        v = vmin(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+        v = vmin(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+    }
+    return v[0];
 }
 
 // The marks of a block of accumulators: t[r] = their minimum over row r's live columns.
@@ -202,15 +216,16 @@ void max_block(const T* a, int64_t lda, const T* b, const T* bb, const T* dead, 
     const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
     for (int64_t q0 = 0; q0 < kc; q0 += group) {
         const int count = static_cast<int>(std::min(kc - q0, group));
-        int n = 0;
+        int n = count;
         if (resume || q0 > 0) {
             T t[R];
             max_marks<T, R>(acc, dead, t);
             n = kept_terms<T, R>(a + q0, lda, 1, bb + q0, t, count, static_cast<int32_t>(q0), qs);
-        } else {
-            for (; n < count; ++n) qs[n] = static_cast<int32_t>(q0 + n);
         }
-        for (int i = 0; i < n; ++i) term(qs[i]);
+        if (n == count)  // nothing skipped: the plain loop, without the index list
+            for (int64_t q = q0; q < q0 + count; ++q) term(q);
+        else
+            for (int i = 0; i < n; ++i) term(qs[i]);
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) store(out + r * ldo + c * L, acc[r][c]);
@@ -328,16 +343,17 @@ void lift_block(const T* ps, const T* pa, const int32_t* flip, int stride, const
     const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
     for (int64_t q0 = 0; q0 < kc; q0 += group) {
         const int count = static_cast<int>(std::min(kc - q0, group));
-        int n = 0;
+        int n = count;
         if (resume || q0 > 0) {
             T t[R];
             pair_marks<T, R>(acc_hi, acc_lo, dead, t);
             n = kept_terms<T, R>(pa + q0 * stride, 1, stride, bx + q0, t, count,
                                  static_cast<int32_t>(q0), qs);
-        } else {
-            for (; n < count; ++n) qs[n] = static_cast<int32_t>(q0 + n);
         }
-        for (int i = 0; i < n; ++i) term(qs[i]);
+        if (n == count)  // nothing skipped: the plain loop, without the index list
+            for (int64_t q = q0; q < q0 + count; ++q) term(q);
+        else
+            for (int i = 0; i < n; ++i) term(qs[i]);
     }
     store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
