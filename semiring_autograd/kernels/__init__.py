@@ -245,7 +245,8 @@ def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> T
     """max(init, max_k a[bt, i, k] · b[bt, k, j]) for 3-D ``a`` (B, m, k) and ``b``
     (B, k, n) on the fused path, with |b| in place of b when ``abs_b`` (read while packing
     b); None when the fused path is unavailable (the caller falls back). NaN entries never
-    win."""
+    win. On the CPU, terms whose bound |a|·max|b| cannot pass the row's accumulators are
+    skipped (branch and bound; the result is the same to the bit)."""
     if a.device.type == "cuda" and enabled():
         return _cuda_call("max", a, b.abs() if abs_b else b, init)
     # NaN padding: no term, so the padded columns do not hold back the pruning bounds
@@ -274,7 +275,8 @@ def pair_lift_matmul(
     as contiguous (B, m, n) tensors. 2 products and 2 extremes per term where the corner
     form needs 6. An a entry with a_hi < a_lo is empty, and so is a w entry of 0 when
     ``zero_empty`` (lift(0) is no edge); an output with no non-empty term is (-inf, +inf).
-    Any strides; None when the fused path is unavailable."""
+    Any strides; None when the fused path is unavailable. On the CPU, terms that cannot
+    pass either end's accumulators are skipped (branch and bound, exact)."""
     if w.device.type == "cuda" and enabled():
         empty = a_hi < a_lo
         nan = torch.tensor(float("nan"), dtype=w.dtype, device=w.device)

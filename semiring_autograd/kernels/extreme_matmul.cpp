@@ -15,7 +15,9 @@
 //   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
-// a min, because an update is `p > acc ? p : acc`, false for NaN.
+// a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
+// skip the terms that provably cannot change a max or a min (see kept_terms); the results
+// are the same to the bit.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
