@@ -190,13 +190,37 @@ inline void max_marks(const V (&acc)[R][C], const T* dead, T (&t)[R]) {
     }
 }
 
+// term(q) for every q < kc but the skipped ones: per group of k entries (FIRST_GROUP in a
+// first k block, while the accumulators are new, so that skipping starts early; one group
+// per k block after that), marks(t) takes the rows' marks and kept_terms (row bounds x
+// with strides rs, gs; strip bounds by) picks the entries to run.
+template <typename T, int R, typename Marks, typename Term>
+inline void pruned_terms(int64_t kc, bool resume, const T* x, int64_t rs, int64_t gs,
+                         const T* by, Marks marks, Term term) {
+    int32_t qs[PRUNE_GROUP + 16];
+    const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
+    for (int64_t q0 = 0; q0 < kc; q0 += group) {
+        const int count = static_cast<int>(std::min(kc - q0, group));
+        int n = count;
+        if (resume || q0 > 0) {
+            T t[R];
+            marks(t);
+            n = kept_terms<T, R>(x + q0 * gs, rs, gs, by + q0, t, count,
+                                 static_cast<int32_t>(q0), qs);
+        }
+        if (n == count)  // nothing skipped: the plain loop, without the index list
+            for (int64_t q = q0; q < q0 + count; ++q) term(q);
+        else
+            for (int i = 0; i < n; ++i) term(qs[i]);
+    }
+}
+
 // out[i, j] = max(start, max_q a[i, q] * b[q, j]) for R rows from i, W columns from j and
 // q < kc ≤ KC, where start is `init`, or out's current value when `resume` (a later k
 // block). a has row stride lda; b is a packed strip (row stride W); out has row stride ldo.
 //
-// Terms that cannot change the result are skipped (see kept_terms; bb: the strip's bounds,
-// dead: its dead columns), per group of k entries: FIRST_GROUP in a first k block, while
-// the accumulators are new, PRUNE_GROUP after.
+// Terms that cannot change the result are skipped (see kept_terms and pruned_terms; bb:
+// the strip's bounds, dead: its dead columns).
 template <typename T, int R>
 void max_block(const T* a, int64_t lda, const T* b, const T* bb, const T* dead, T* out,
                int64_t ldo, int64_t kc, T init, bool resume) {
@@ -214,21 +238,8 @@ void max_block(const T* a, int64_t lda, const T* b, const T* bb, const T* dead, 
             for (int c = 0; c < C; ++c) acc[r][c] = vmax(bv[c] * s, acc[r][c]);
         }
     };
-    int32_t qs[PRUNE_GROUP + 16];
-    const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
-    for (int64_t q0 = 0; q0 < kc; q0 += group) {
-        const int count = static_cast<int>(std::min(kc - q0, group));
-        int n = count;
-        if (resume || q0 > 0) {
-            T t[R];
-            max_marks<T, R>(acc, dead, t);
-            n = kept_terms<T, R>(a + q0, lda, 1, bb + q0, t, count, static_cast<int32_t>(q0), qs);
-        }
-        if (n == count)  // nothing skipped: the plain loop, without the index list
-            for (int64_t q = q0; q < q0 + count; ++q) term(q);
-        else
-            for (int i = 0; i < n; ++i) term(qs[i]);
-    }
+    pruned_terms<T, R>(
+        kc, resume, a, lda, 1, bb, [&](T(&t)[R]) { max_marks<T, R>(acc, dead, t); }, term);
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) store(out + r * ldo + c * L, acc[r][c]);
 }
@@ -339,24 +350,9 @@ void lift_block(const T* ps, const T* pa, const int32_t* flip, int stride, const
             }
         }
     };
-    int32_t qs[PRUNE_GROUP + 16];
-    // short groups while the accumulators are new (the first k block), so that pruning
-    // starts early; one group per k block after that
-    const int64_t group = resume ? PRUNE_GROUP : FIRST_GROUP;
-    for (int64_t q0 = 0; q0 < kc; q0 += group) {
-        const int count = static_cast<int>(std::min(kc - q0, group));
-        int n = count;
-        if (resume || q0 > 0) {
-            T t[R];
-            pair_marks<T, R>(acc_hi, acc_lo, dead, t);
-            n = kept_terms<T, R>(pa + q0 * stride, 1, stride, bx + q0, t, count,
-                                 static_cast<int32_t>(q0), qs);
-        }
-        if (n == count)  // nothing skipped: the plain loop, without the index list
-            for (int64_t q = q0; q < q0 + count; ++q) term(q);
-        else
-            for (int i = 0; i < n; ++i) term(qs[i]);
-    }
+    pruned_terms<T, R>(
+        kc, resume, pa, 1, stride, bx,
+        [&](T(&t)[R]) { pair_marks<T, R>(acc_hi, acc_lo, dead, t); }, term);
     store_pairs<T, R>(acc_hi, acc_lo, hi, lo, ldo);
 }
 
