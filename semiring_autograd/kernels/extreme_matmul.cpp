@@ -27,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX__)
+#if defined(__AVX512F__) && defined(__BMI2__)
 #include <immintrin.h>
 #endif
 
@@ -121,24 +121,26 @@ inline int kept_terms(const T* x, int64_t rs, int64_t gs, const T* by, const T (
                 }
                 emit(static_cast<uint16_t>(~done));
             }
-        } else if (R == 4 && rs == 1 && gs == 4) {  // q-major groups of 4 rows (lift_block)
-            const __m512 marks = _mm512_setr_ps(t[0], t[1 % R], t[2 % R], t[3 % R], t[0],
-                                                t[1 % R], t[2 % R], t[3 % R], t[0], t[1 % R],
-                                                t[2 % R], t[3 % R], t[0], t[1 % R], t[2 % R],
-                                                t[3 % R]);
-            const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3,
-                                                     3, 3);
-            for (; g + 16 <= count; g += 16) {
-                uint32_t keep = 0;
-                for (int h = 0; h < 16; h += 4) {
-                    const __m512 b = _mm512_permutexvar_ps(
-                        spread, _mm512_castps128_ps512(_mm_loadu_ps(by + g + h)));
-                    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + (g + h) * 4));
-                    uint32_t d = _mm512_cmp_ps_mask(_mm512_mul_ps(v, b), marks, _CMP_LE_OQ);
-                    d &= (d >> 1) & (d >> 2) & (d >> 3);  // all 4 rows done, per q
-                    keep |= (~_pext_u32(d, 0x1111) & 0xf) << h;
+        } else if (rs == 1 && gs == 4) {
+            if constexpr (R == 4) {  // q-major groups of 4 rows (lift_block)
+                const __m512 marks = _mm512_setr_ps(t[0], t[1], t[2], t[3], t[0], t[1], t[2],
+                                                    t[3], t[0], t[1], t[2], t[3], t[0], t[1],
+                                                    t[2], t[3]);
+                const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3,
+                                                         3, 3, 3);
+                for (; g + 16 <= count; g += 16) {
+                    uint32_t keep = 0;
+                    for (int h = 0; h < 16; h += 4) {
+                        const __m512 b = _mm512_permutexvar_ps(
+                            spread, _mm512_castps128_ps512(_mm_loadu_ps(by + g + h)));
+                        const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + (g + h) * 4));
+                        uint32_t d =
+                            _mm512_cmp_ps_mask(_mm512_mul_ps(v, b), marks, _CMP_LE_OQ);
+                        d &= (d >> 1) & (d >> 2) & (d >> 3);  // all 4 rows done, per q
+                        keep |= (~_pext_u32(d, 0x1111) & 0xf) << h;
+                    }
+                    emit(keep);
                 }
-                emit(keep);
             }
         }
     }
@@ -635,9 +637,9 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
                             T* h_out = scratch.data() + (i - i0) * ldo + (cb - c0) * W;
                             T* l_out = h_out + chunk * ldo;
                             if (rows == ROWS)
-                                lift_block<T, ROWS>(ps.data() + at, pa.data() + at, flip.data() + at,
-                                                    ROWS, sb, bxs, ds, h_out, l_out, ldo, kc,
-                                                    q0);
+                                lift_block<T, ROWS>(ps.data() + at, pa.data() + at,
+                                                    flip.data() + at, ROWS, sb, bxs, ds, h_out,
+                                                    l_out, ldo, kc, q0);
                             else
                                 for (int r = 0; r < rows; ++r)
                                     lift_block<T, 1>(ps.data() + at + r, pa.data() + at + r,
