@@ -536,6 +536,10 @@ def _log_loo(x: Tensor, dim: int) -> Tensor:
     n = x.shape[dim]
     if n <= 1:
         return torch.full_like(x, NEG_INF)
+    if dim in (-1, x.dim() - 1):
+        fused = kernels.loo_log(x, None)
+        if fused is not None:
+            return fused[0]
     first, s1, s2 = _top_two_shifts(x, dim)
     e = torch.exp(x - s1)
     rest = torch.log((e.sum(dim, keepdim=True) - e).clamp_min(0.0)) + s1
@@ -551,6 +555,10 @@ def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
     n = la.shape[dim]
     if n <= 1:
         return torch.full_like(la, NEG_INF), torch.zeros_like(r)
+    if dim in (-1, la.dim() - 1):
+        fused = kernels.loo_log(la, r)
+        if fused is not None:
+            return fused
     first, s1, s2 = _top_two_shifts(la, dim)
     e = torch.sub(la, s1).exp_()
     er = e * r

@@ -80,6 +80,11 @@ def _compiler() -> str | None:
 
 
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    # the elementwise loops auto-vectorise 256 bits wide by default even where the CPU has
+    # AVX-512 (the matmul kernels use its registers explicitly); 512 runs them faster
+    # (Entropy's ⊕ 20%, the leave-one-out 25%, measured)
+    _FLAGS.append("-mprefer-vector-width=512")
 #: tried first: the kernels then run on torch's own OpenMP threads (see the .cpp)
 _OPENMP_FLAGS = ["-fopenmp"]
 
@@ -142,6 +147,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"entropy_add_{suffix}").restype = None
         getattr(lib, f"ratio_where_positive_{suffix}").argtypes = [ptr] * 2 + [i64, i32]
         getattr(lib, f"ratio_where_positive_{suffix}").restype = None
+        getattr(lib, f"loo_log_{suffix}").argtypes = [ptr] * 5 + [i64] * 3 + [i32]
+        getattr(lib, f"loo_log_{suffix}").restype = None
     return lib
 
 
@@ -376,6 +383,34 @@ def ratio_where_positive(num: Tensor, den: Tensor) -> bool:
         return False
     _over_entries(lib, "ratio_where_positive", (num, den))
     return True
+
+
+def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
+    """The leave-one-out ⊕ in log space along the last dim, in one C call on the CPU:
+    log Σ_{j≠i} e^{x_j} and, given ``r`` (Entropy's, of x's shape), the e^x-weighted mean of
+    the other entries' r (0 where no other entry has weight). Shifted by the top two of each
+    row, as ``builtin_semirings._log_loo``. None off the CPU, without the library, or when a
+    row holds NaN or +inf (the caller's torch formula then handles every row)."""
+    parts = (x,) if r is None else (x, r)
+    lib = _cpu_ready(*parts)
+    if lib is None or x.dim() == 0 or (r is not None and r.shape != x.shape):
+        return None
+    n = x.shape[-1]
+    rows = x.numel() // max(1, n)
+    x, r = x.contiguous(), None if r is None else r.contiguous()
+    out_l = torch.empty_like(x)
+    out_r = None if r is None else torch.empty_like(r)
+    bad = torch.empty(rows, dtype=torch.uint8)
+    head = (x.data_ptr(), _ptr(r), out_l.data_ptr(), _ptr(out_r), bad.data_ptr(), n)
+
+    def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
+        return (*head, c0, c1)
+
+    fn = getattr(lib, f"loo_log_{_SUFFIX[x.dtype]}")
+    _run(fn, args_of, 1, rows, x.numel() * _ENTRY_COST, bool(lib.uses_openmp()))
+    if bool(bad.any()):
+        return None
+    return out_l, out_r
 
 
 def entropy_weights(w: Tensor, out: Tensor) -> bool:

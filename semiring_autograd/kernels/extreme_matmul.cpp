@@ -12,7 +12,8 @@
 //   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
 //   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
-//   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise.
+//   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise;
+//   loo_log works along contiguous rows.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
@@ -727,10 +728,13 @@ inline T log_positive(T x) {
     return T(e) * P::ln2_hi + (T(e) * P::ln2_lo + (two_s + two_s * s2 * series));
 }
 
+// 1/i! (folded to a constant where i is one).
+constexpr double inverse_factorial(int i) { return i <= 1 ? 1.0 : inverse_factorial(i - 1) / i; }
+
 // e^x for x ≤ 0, vectorisable: x = k·ln 2 + f with k an integer and |f| ≤ ln2/2, e^f by its
-// Taylor series (7 terms for float, 13 for double, cut where the next term falls below the
-// rounding), 2^k put into the exponent bits. Below the normal range (and for -inf) the
-// result is 0: the callers add it to 1. x must not be NaN.
+// Taylor polynomial (degree 7 for float, 13 for double, cut where the next term falls below
+// the rounding) in Horner form, 2^k put into the exponent bits. Below the normal range (and
+// for -inf) the result is 0: the callers add it to a term of 1. x must not be NaN.
 template <typename T>
 inline T exp_nonpositive(T x) {
     typedef LogParts<T> P;
@@ -742,9 +746,9 @@ inline T exp_nonpositive(T x) {
     const T xs = under ? T(0) : x;
     const T kf = (xs * T(1.4426950408889634) + shifter) - shifter;
     const T f = (xs - kf * P::ln2_hi) - kf * P::ln2_lo;
-    T series = T(1);
+    T series = T(inverse_factorial(terms));
 #pragma GCC unroll 16
-    for (int i = terms; i >= 1; --i) series = T(1) + f * series * (T(1) / T(i));
+    for (int i = terms - 1; i >= 0; --i) series = series * f + T(inverse_factorial(i));
     const I bits = (static_cast<I>(kf) + P::bias) << P::mantissa;
     T scale;
     std::memcpy(&scale, &bits, sizeof scale);
@@ -840,6 +844,85 @@ void entropy_mul_lift(const T* la, const T* r, const T* w, T* la_out, T* r_out, 
         const T sum = la[i] + log_w, rest = r[i] - log_w;
         la_out[i] = sum;
         r_out[i] = sum == -inf ? T(0) : rest;
+    }
+}
+
+// log v for a finite v ≥ 0: -inf at 0.
+template <typename T>
+inline T log_nonnegative(T v) {
+    const T l = log_positive(v > T(0) ? v : T(1));
+    return v > T(0) ? l : -T(__builtin_inf());
+}
+
+// The leave-one-out ⊕ in log space along one row of n contiguous entries xs: ls[i] =
+// log Σ_{j≠i} e^{x_j} and, with r (Entropy), qs[i] = Σ_{j≠i} e^{x_j}·r_j / Σ_{j≠i} e^{x_j},
+// 0 where that sum is 0. Shifted by the row's maximum, every entry but the (first) argmax
+// keeps the maximum's term 1 in its sum, so the total minus its own term loses no
+// precision; the argmax sums the others afresh, shifted by the second largest, so a gap
+// between the two never underflows. The argmax's own term enters that sum as 0·r, so a
+// NaN or inf r there still shows. A row holding NaN or +inf is not computed: false.
+template <typename T, bool with_r>
+bool loo_row(const T* xs, const T* rs, T* ls, T* qs, int64_t n) {
+    const T inf = __builtin_inf();
+    T top = -inf;
+    int odd = 0;
+#pragma omp simd reduction(max : top) reduction(| : odd)
+    for (int64_t j = 0; j < n; ++j) {
+        const T v = xs[j];
+        top = v > top ? v : top;
+        odd |= !(v < inf);  // NaN or +inf
+    }
+    if (odd) return false;
+    int64_t at = 0;
+    while (xs[at] != top) ++at;
+    T second = -inf;
+#pragma omp simd reduction(max : second)
+    for (int64_t j = 0; j < n; ++j) {
+        const T v = j == at ? -inf : xs[j];
+        second = v > second ? v : second;
+    }
+    const T s1 = top == -inf ? T(0) : top, s2 = second == -inf ? T(0) : second;
+    T sum = 0, sum_r = 0, sum2 = 0, sum2_r = 0;
+#pragma omp simd reduction(+ : sum, sum_r, sum2, sum2_r)
+    for (int64_t j = 0; j < n; ++j) {
+        const T v = xs[j];
+        const T e = exp_nonpositive(v - s1), e2 = exp_nonpositive(j == at ? -inf : v - s2);
+        ls[j] = e;
+        sum += e;
+        sum2 += e2;
+        if constexpr (with_r) {
+            const T er = e * rs[j];
+            qs[j] = er;
+            sum_r += er;
+            sum2_r += e2 * rs[j];
+        }
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+        const T d = sum - ls[j], den = d > T(0) ? d : T(0);
+        ls[j] = log_nonnegative(den) + s1;
+        if constexpr (with_r) {
+            const T q = (sum_r - qs[j]) / den;
+            qs[j] = den > T(0) ? q : T(0);
+        }
+    }
+    ls[at] = log_nonnegative(sum2) + s2;
+    if constexpr (with_r) qs[at] = sum2 > T(0) ? sum2_r / sum2 : T(0);
+    return true;
+}
+
+// loo_row over rows [r0, r1) of x (and r, out_r: Entropy; null for Log); bad[row] = 1 where
+// a row was not computed (NaN or +inf in it), else 0.
+template <typename T>
+void loo_log(const T* x, const T* r, T* out_l, T* out_r, uint8_t* bad, int64_t n, int64_t r0,
+             int64_t r1, int threads) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t row = r0; row < r1; ++row) {
+        const int64_t at = row * n;
+        const bool done = r ? loo_row<T, true>(x + at, r + at, out_l + at, out_r + at, n)
+                            : loo_row<T, false>(x + at, nullptr, out_l + at, nullptr, n);
+        bad[row] = !done;
     }
 }
 
@@ -940,6 +1023,16 @@ void entropy_add_f32(const float* la, const float* ra, const float* lb, const fl
 void entropy_add_f64(const double* la, const double* ra, const double* lb, const double* rb,
                      double* lo, double* ro, int64_t count, int threads) {
     entropy_add<double>(la, ra, lb, rb, lo, ro, count, threads);
+}
+
+void loo_log_f32(const float* x, const float* r, float* out_l, float* out_r, uint8_t* bad,
+                 int64_t n, int64_t r0, int64_t r1, int threads) {
+    loo_log<float>(x, r, out_l, out_r, bad, n, r0, r1, threads);
+}
+
+void loo_log_f64(const double* x, const double* r, double* out_l, double* out_r, uint8_t* bad,
+                 int64_t n, int64_t r0, int64_t r1, int threads) {
+    loo_log<double>(x, r, out_l, out_r, bad, n, r0, r1, threads);
 }
 
 void ratio_where_positive_f32(float* num, const float* den, int64_t count, int threads) {
