@@ -217,9 +217,6 @@ class _LogSpaceGemm:
             torch.sub(b3, mb, out=b_lin[:, :k]).exp_()
             if with_r:
                 torch.mul(b_lin[:, :k], _flat(rb, batch), out=b_lin[:, k:])
-        row_max = a3.amax(dim=-1, keepdim=True)
-        live = torch.isfinite(row_max)
-        ma = row_max.masked_fill(~live, 0.0)
         # the shifted a (and its r product) are GEMM operands only: scratch storage, up to
         # a bound (a message grows with batch and sequence, and scratch stays resident)
         shape = (count, m, (2 if with_r else 1) * k)
@@ -227,9 +224,18 @@ class _LogSpaceGemm:
             stacked = scratch("log_space_a", shape, a3.dtype, a3.device)
         else:
             stacked = a3.new_empty(shape)
-        ea = torch.sub(a3, ma, out=stacked[..., -k:]).exp_()
-        if with_r:
-            torch.mul(ea, _flat(ra, batch), out=stacked[..., :k])
+        ra3 = _flat(ra, batch).contiguous() if with_r else None
+        fused = kernels.log_space_rows(a3.contiguous(), ra3, stacked)
+        if fused is not None:
+            ma, live = fused
+            ea = stacked[..., -k:]
+        else:
+            row_max = a3.amax(dim=-1, keepdim=True)
+            live = torch.isfinite(row_max)
+            ma = row_max.masked_fill(~live, 0.0)
+            ea = torch.sub(a3, ma, out=stacked[..., -k:]).exp_()
+            if with_r:
+                torch.mul(ea, ra3, out=stacked[..., :k])
         z = torch.bmm(ea, b_lin[:, :k])
         # r's numerators: Σ ea·eb·(ra + rb), then divided by z
         r = torch.bmm(stacked, b_lin) if with_r else None
@@ -245,7 +251,6 @@ class _LogSpaceGemm:
         if mb is not None:
             out.add_(mb)
         if bad is not None and bad.any():
-            ra3 = _flat(ra, batch) if with_r else None
             if b3 is None:  # back to log space from the linear operands
                 eb = b_lin[:, :k]
                 b3 = torch.log(eb)

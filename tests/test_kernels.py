@@ -661,3 +661,39 @@ def test_loo_with_and_without_kernel_agree(semiring, monkeypatch):
         torch.testing.assert_close(g, e, rtol=4e-7, atol=4e-6)
     for g, e in zip(fused[1], formula[1]):
         torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_r", [False, True], ids=["log", "entropy"])
+def test_log_space_rows_kernel_equals_formula(dtype, with_r):
+    """The fused message operand of the log-space GEMM against torch's passes: each row's
+    shift (its finite maximum, else 0) and liveness exactly; e^(a - shift) within 3 ulp of
+    torch.exp (0 where torch's result is below the normal range), and e·r; rows of -inf,
+    rows holding NaN or +inf (their e follows IEEE arithmetic: NaN and inf stay)."""
+    gen = torch.Generator().manual_seed(31)
+    a = torch.randn(3, 70, 300, generator=gen, dtype=dtype) * 30
+    a[0, 0, :] = -INF
+    a[0, 1, ::3] = -INF
+    a[1, 2, 7] = NAN
+    a[1, 3, 9] = INF
+    a[2, 4, :] = 5.0
+    r = torch.rand(a.shape, generator=gen, dtype=dtype) if with_r else None
+    out = torch.full((*a.shape[:-1], 600 if with_r else 300), 7.0, dtype=dtype)
+    got = kernels.log_space_rows(a, r, out)
+    if got is None:
+        pytest.skip("the CPU kernels are unavailable")
+    shift, live = got
+    row_max = a.amax(-1, keepdim=True)
+    assert torch.equal(live, torch.isfinite(row_max))
+    assert torch.equal(shift, row_max.masked_fill(~torch.isfinite(row_max), 0.0))
+    expected = torch.exp(a - shift)
+    tiny = torch.finfo(dtype).tiny
+    # rows with NaN or +inf take std::exp, which keeps results below the normal range
+    series_rows = ~(torch.isnan(row_max) | (row_max == INF))
+    expected = expected.masked_fill((expected < tiny) & series_rows, 0.0)
+    e = out[..., -300:]
+    torch.testing.assert_close(
+        e, expected, rtol=3 * torch.finfo(dtype).eps, atol=0.0, equal_nan=True
+    )
+    if with_r:
+        torch.testing.assert_close(out[..., :300], e * r, rtol=0.0, atol=0.0, equal_nan=True)

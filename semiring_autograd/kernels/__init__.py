@@ -149,6 +149,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"ratio_where_positive_{suffix}").restype = None
         getattr(lib, f"loo_log_{suffix}").argtypes = [ptr] * 5 + [i64] * 3 + [i32]
         getattr(lib, f"loo_log_{suffix}").restype = None
+        getattr(lib, f"log_space_rows_{suffix}").argtypes = [ptr] * 5 + [i64] * 3 + [i32]
+        getattr(lib, f"log_space_rows_{suffix}").restype = None
     return lib
 
 
@@ -411,6 +413,34 @@ def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     if bool(bad.any()):
         return None
     return out_l, out_r
+
+
+def log_space_rows(a: Tensor, r: Tensor | None, out: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The message operand of a shift-and-GEMM in log space, in one C pass over the rows of
+    ``a`` (…, m, k): each row's shift (its maximum where finite, else 0) and liveness (that
+    maximum is finite), both (…, m, 1), and e = exp(a - shift) written into ``out``: (…, m, k),
+    or, given ``r``, [e·r | e] (…, m, 2k). None (``out`` untouched) off the CPU, without
+    the library, or unless a, r and out are contiguous."""
+    parts = (a, out) if r is None else (a, r, out)
+    lib = _cpu_ready(*parts)
+    if lib is None or not all(t.is_contiguous() for t in parts) or a.dim() < 2:
+        return None
+    k = a.shape[-1]
+    if out.shape != (*a.shape[:-1], k if r is None else 2 * k):
+        raise ValueError(
+            f"log_space_rows: out has shape {tuple(out.shape)} for a of shape {tuple(a.shape)}"
+        )
+    rows = a.numel() // max(1, k)
+    shift = a.new_empty((*a.shape[:-1], 1))
+    live = torch.empty(shift.shape, dtype=torch.bool)
+    head = (a.data_ptr(), _ptr(r), out.data_ptr(), shift.data_ptr(), live.data_ptr(), k)
+
+    def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
+        return (*head, c0, c1)
+
+    fn = getattr(lib, f"log_space_rows_{_SUFFIX[a.dtype]}")
+    _run(fn, args_of, 1, rows, a.numel() * _ENTRY_COST, bool(lib.uses_openmp()))
+    return shift, live
 
 
 def entropy_weights(w: Tensor, out: Tensor) -> bool:

@@ -13,7 +13,7 @@
 //   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise;
-//   loo_log works along contiguous rows.
+//   loo_log and log_space_rows work along contiguous rows.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
@@ -926,6 +926,48 @@ void loo_log(const T* x, const T* r, T* out_l, T* out_r, uint8_t* bad, int64_t n
     }
 }
 
+// The message operands of a shift-and-GEMM in log space, for rows [r0, r1) of a (k
+// contiguous entries per row): shift[row] = the row's maximum where finite, else 0; live[row]
+// = whether that maximum is finite; e = e^(a - shift) into out[row·2k + k + j] and, given r
+// (Entropy), e·r into out[row·2k + j] (the stacked [e·r | e]; without r, e alone at
+// out[row·k + j]). A row whose maximum is +inf or NaN takes std::exp, as its shifted entries
+// may be positive.
+template <typename T>
+void log_space_rows(const T* a, const T* r, T* out, T* shift, uint8_t* live, int64_t k,
+                    int64_t r0, int64_t r1, int threads) {
+    const T inf = __builtin_inf();
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t row = r0; row < r1; ++row) {
+        const T* as = a + row * k;
+        const T* rs = r ? r + row * k : nullptr;
+        T* es = r ? out + row * 2 * k + k : out + row * k;
+        T* ers = r ? out + row * 2 * k : nullptr;
+        T top = -inf;
+        int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+        for (int64_t j = 0; j < k; ++j) {
+            const T v = as[j];
+            top = v > top ? v : top;
+            nan |= v != v;
+        }
+        const bool finite = !nan && top > -inf && top < inf;
+        const T s = finite ? top : T(0);
+        shift[row] = s;
+        live[row] = finite;
+        if (!nan && top < inf) {
+#pragma omp simd
+            for (int64_t j = 0; j < k; ++j) es[j] = exp_nonpositive(as[j] - s);
+        } else {
+            for (int64_t j = 0; j < k; ++j) es[j] = std::exp(as[j] - s);
+        }
+        if (rs) {
+#pragma omp simd
+            for (int64_t j = 0; j < k; ++j) ers[j] = es[j] * rs[j];
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1033,6 +1075,16 @@ void loo_log_f32(const float* x, const float* r, float* out_l, float* out_r, uin
 void loo_log_f64(const double* x, const double* r, double* out_l, double* out_r, uint8_t* bad,
                  int64_t n, int64_t r0, int64_t r1, int threads) {
     loo_log<double>(x, r, out_l, out_r, bad, n, r0, r1, threads);
+}
+
+void log_space_rows_f32(const float* a, const float* r, float* out, float* shift,
+                        uint8_t* live, int64_t k, int64_t r0, int64_t r1, int threads) {
+    log_space_rows<float>(a, r, out, shift, live, k, r0, r1, threads);
+}
+
+void log_space_rows_f64(const double* a, const double* r, double* out, double* shift,
+                        uint8_t* live, int64_t k, int64_t r0, int64_t r1, int threads) {
+    log_space_rows<double>(a, r, out, shift, live, k, r0, r1, threads);
 }
 
 void ratio_where_positive_f32(float* num, const float* den, int64_t count, int threads) {
