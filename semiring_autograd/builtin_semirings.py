@@ -699,6 +699,10 @@ class Entropy(Semiring):
 
     def _reduce(self, a, dims, keepdim):
         la, r = a
+        if dims == (la.dim() - 1,) and la.shape[-1] > 0:
+            fused = kernels.entropy_reduce_rows(la, r)
+            if fused is not None:
+                return fused if keepdim else tuple(c.squeeze(-1) for c in fused)
         total = torch.logsumexp(la, dim=dims, keepdim=True)
         rs = (_safe_weight(la, total) * r).sum(dim=dims, keepdim=keepdim)
         return (total if keepdim else total.squeeze(dims), rs)

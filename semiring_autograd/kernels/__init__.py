@@ -151,6 +151,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"loo_log_{suffix}").restype = None
         getattr(lib, f"log_space_rows_{suffix}").argtypes = [ptr] * 5 + [i64] * 3 + [i32]
         getattr(lib, f"log_space_rows_{suffix}").restype = None
+        getattr(lib, f"entropy_reduce_rows_{suffix}").argtypes = [ptr] * 5 + [i64] * 3 + [i32]
+        getattr(lib, f"entropy_reduce_rows_{suffix}").restype = None
     return lib
 
 
@@ -410,6 +412,32 @@ def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
 
     fn = getattr(lib, f"loo_log_{_SUFFIX[x.dtype]}")
     _run(fn, args_of, 1, rows, x.numel() * _ENTRY_COST, bool(lib.uses_openmp()))
+    if bool(bad.any()):
+        return None
+    return out_l, out_r
+
+
+def entropy_reduce_rows(la: Tensor, r: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Entropy's ⊕-reduction along the last dim (kept, size 1), in one C pass per row:
+    log Σ e^la and the e^la-weighted mean of r (0 where no entry has weight), shifted by
+    each row's maximum. None off the CPU, without the library, or when a row holds NaN or
+    +inf (the caller's torch formula then handles every row)."""
+    lib = _cpu_ready(la, r)
+    if lib is None or la.dim() == 0 or r.shape != la.shape:
+        return None
+    n = la.shape[-1]
+    rows = la.numel() // max(1, n)
+    la, r = la.contiguous(), r.contiguous()
+    out_l = la.new_empty((*la.shape[:-1], 1))
+    out_r = la.new_empty(out_l.shape)
+    bad = torch.empty(rows, dtype=torch.uint8)
+    head = (la.data_ptr(), r.data_ptr(), out_l.data_ptr(), out_r.data_ptr(), bad.data_ptr(), n)
+
+    def args_of(b0: int, b1: int, c0: int, c1: int) -> tuple:
+        return (*head, c0, c1)
+
+    fn = getattr(lib, f"entropy_reduce_rows_{_SUFFIX[la.dtype]}")
+    _run(fn, args_of, 1, rows, la.numel() * _ENTRY_COST, bool(lib.uses_openmp()))
     if bool(bad.any()):
         return None
     return out_l, out_r

@@ -13,7 +13,7 @@
 //   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise;
-//   loo_log and log_space_rows work along contiguous rows.
+//   loo_log, log_space_rows and entropy_reduce_rows work along contiguous rows.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
@@ -968,6 +968,42 @@ void log_space_rows(const T* a, const T* r, T* out, T* shift, uint8_t* live, int
     }
 }
 
+// The ⊕-reduction of Entropy values (x = log Z, r) along rows of n contiguous entries (rows
+// [r0, r1)): out_l[row] = log Σ_j e^{x_j}, out_r[row] = Σ_j e^{x_j}·r_j / Σ_j e^{x_j} (0
+// where no entry has weight), each term shifted by the row's maximum. A row holding NaN or
+// +inf is not computed: bad[row] = 1 (0 for every other row), for the caller's formula.
+template <typename T>
+void entropy_reduce_rows(const T* x, const T* r, T* out_l, T* out_r, uint8_t* bad, int64_t n,
+                         int64_t r0, int64_t r1, int threads) {
+    const T inf = __builtin_inf();
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t row = r0; row < r1; ++row) {
+        const T* xs = x + row * n;
+        const T* rs = r + row * n;
+        T top = -inf;
+        int odd = 0;
+#pragma omp simd reduction(max : top) reduction(| : odd)
+        for (int64_t j = 0; j < n; ++j) {
+            const T v = xs[j];
+            top = v > top ? v : top;
+            odd |= !(v < inf);  // NaN or +inf
+        }
+        bad[row] = odd != 0;
+        if (odd) continue;
+        const T s = top == -inf ? T(0) : top;
+        T sum = 0, sum_r = 0;
+#pragma omp simd reduction(+ : sum, sum_r)
+        for (int64_t j = 0; j < n; ++j) {
+            const T e = exp_nonpositive(xs[j] - s);
+            sum += e;
+            sum_r += e * rs[j];
+        }
+        out_l[row] = log_nonnegative(sum) + s;
+        out_r[row] = sum > T(0) ? sum_r / sum : T(0);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1085,6 +1121,16 @@ void log_space_rows_f32(const float* a, const float* r, float* out, float* shift
 void log_space_rows_f64(const double* a, const double* r, double* out, double* shift,
                         uint8_t* live, int64_t k, int64_t r0, int64_t r1, int threads) {
     log_space_rows<double>(a, r, out, shift, live, k, r0, r1, threads);
+}
+
+void entropy_reduce_rows_f32(const float* x, const float* r, float* out_l, float* out_r,
+                             uint8_t* bad, int64_t n, int64_t r0, int64_t r1, int threads) {
+    entropy_reduce_rows<float>(x, r, out_l, out_r, bad, n, r0, r1, threads);
+}
+
+void entropy_reduce_rows_f64(const double* x, const double* r, double* out_l, double* out_r,
+                             uint8_t* bad, int64_t n, int64_t r0, int64_t r1, int threads) {
+    entropy_reduce_rows<double>(x, r, out_l, out_r, bad, n, r0, r1, threads);
 }
 
 void ratio_where_positive_f32(float* num, const float* den, int64_t count, int threads) {
