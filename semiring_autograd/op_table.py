@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -41,7 +42,8 @@ class OpSpec:
     forward_helper: str | None = None  # a forward_helpers function computing (output, aux)
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """Match a torch call to this signature; None when it does not fit."""
+        """Match a torch call to this signature; None when it does not fit. Runs on every
+        patched torch call, so the type checks are functions looked up once per type."""
         bound: dict[str, Any] = {}
         args = list(args)
         for p in self.params:
@@ -66,11 +68,11 @@ class OpSpec:
                 bound[p.name] = p.default
             else:
                 return None
-        extra = set(kwargs) - set(bound) - {"input"}
-        if args or extra:
+        if args or (kwargs and set(kwargs) - set(bound) - {"input"}):
             return None
-        if not all(_type_ok(p.type, bound[p.name]) for p in self.params):
-            return None
+        for p in self.params:
+            if not _checker(p.type)(bound[p.name]):
+                return None
         return bound
 
     def accepted(self, bound: dict[str, Any]) -> bool:
@@ -81,35 +83,35 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _type_ok(t: str, v: object) -> bool:
-    if t == "Any":
-        return True
-    if t.endswith("?") and v is None:
-        return True
-    t = t.rstrip("?")
-    if t == "Tensor":
-        return isinstance(v, Tensor)
-    if t == "Tensor[]":
-        return isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v)
-    if t == "Scalar":
-        return isinstance(v, Number) and not isinstance(v, Tensor)
-    if t == "int":
-        return _is_int(v)
-    if t in ("int[]", "int..."):
-        return _is_int(v) or (
-            isinstance(v, (list, tuple, torch.Size)) and all(_is_int(x) for x in v)
-        )
-    if t == "float":
-        return isinstance(v, Number) and not isinstance(v, (bool, Tensor))
-    if t == "bool":
-        return isinstance(v, bool)
-    if t == "str":
-        return isinstance(v, str)
-    if t == "ScalarType":
-        return isinstance(v, torch.dtype)
-    if t == "MemoryFormat":
-        return isinstance(v, torch.memory_format)
-    raise AssertionError(f"unknown parameter type {t}")
+def _is_int_list(v: object) -> bool:
+    return _is_int(v) or (isinstance(v, (list, tuple, torch.Size)) and all(_is_int(x) for x in v))
+
+
+_CHECKS: dict[str, Callable[[object], bool]] = {
+    "Any": lambda v: True,
+    "Tensor": lambda v: isinstance(v, Tensor),
+    "Tensor[]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v),
+    "Scalar": lambda v: isinstance(v, Number) and not isinstance(v, Tensor),
+    "int": _is_int,
+    "int[]": _is_int_list,
+    "int...": _is_int_list,
+    "float": lambda v: isinstance(v, Number) and not isinstance(v, (bool, Tensor)),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "ScalarType": lambda v: isinstance(v, torch.dtype),
+    "MemoryFormat": lambda v: isinstance(v, torch.memory_format),
+}
+
+
+@functools.cache
+def _checker(t: str) -> Callable[[object], bool]:
+    """Whether a value fits the YAML parameter type ``t`` (``T?`` also takes None)."""
+    if t.endswith("?"):
+        inner = _checker(t[:-1])
+        return lambda v: v is None or inner(v)
+    if t not in _CHECKS:
+        raise AssertionError(f"unknown parameter type {t}")
+    return _CHECKS[t]
 
 
 def _resolve(path: str) -> Any:
