@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__BMI2__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -756,6 +756,31 @@ inline T exp_nonpositive(T x) {
     return under ? T(0) : value;
 }
 
+#if defined(__AVX512F__)
+// log|x| of 16 floats: |x| = 2^e·m with m in [0.75, 1.5) by getexp and getmant (exact,
+// subnormals included), log m = f − f²/2 + f³·g(f) for f = m − 1, g a degree-8 polynomial
+// fitted to (log(1 + f) − f + f²/2) / f³ on [−0.25, 0.5] (relative error 7e-8), e·ln 2 added
+// in two parts. Within 1 ulp of the true logarithm for every positive float (0.93 at most,
+// checked against double over all of them); the instructions carry the specials through:
+// -inf at 0, +inf at inf, NaN at NaN. Twice as fast as the series in log_positive.
+inline __m512 log_abs16(__m512 x) {
+    static constexpr float g[9] = {
+        0.33333333021489187f,  -0.25000056099380041f, 0.20000172025670782f,
+        -0.16660911586043123f, 0.14267211181705788f,  -0.12635526392208918f,
+        0.11688433855124182f,  -0.096023289206834658f, 0.043264014141404218f};
+    const __m512 one = _mm512_set1_ps(1.0f), a = _mm512_abs_ps(x);
+    const __m512 m = _mm512_getmant_ps(a, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_zero);
+    const __mmask16 halved = _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ);  // m = mantissa / 2
+    const __m512 e = _mm512_mask_add_ps(_mm512_getexp_ps(a), halved, _mm512_getexp_ps(a), one);
+    const __m512 f = _mm512_sub_ps(m, one);
+    __m512 p = _mm512_set1_ps(g[8]);
+    for (int i = 7; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(g[i]));
+    const __m512 tail = _mm512_mul_ps(_mm512_mul_ps(f, f), _mm512_fmsub_ps(f, p, _mm512_set1_ps(0.5f)));
+    const __m512 low = _mm512_fmadd_ps(e, _mm512_set1_ps(LogParts<float>::ln2_lo), _mm512_add_ps(f, tail));
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(LogParts<float>::ln2_hi), low);
+}
+#endif
+
 // The Entropy ⊕ of (la, ra) and (lb, rb), elementwise: la ⊕ lb = big + log(1 + t) with
 // t = e^(small - big), and r = (r_big + t·r_small) / (1 + t), the Z-weighted mean. Both -inf
 // gives (-inf, 0) (r is 0 there by convention); a NaN gives a NaN log Z.
@@ -805,6 +830,16 @@ void ratio_where_positive(T* num, const T* den, int64_t count, int threads) {
 // `parallel for simd if (...)`, GCC's serial copy of the loop (threads = 1) is not vectorised
 // (measured 3.5x slower).
 template <typename T>
+inline void entropy_weight_entry(T w, T* mag, T* weighted) {
+    const T a = std::fabs(w);
+    const bool positive = a > T(0);                 // false at 0 and NaN
+    const T l = log_positive(positive ? a : T(1));  // (finite at +inf)
+    const T product = -(a * l);
+    *mag = a;
+    *weighted = positive ? product : T(0);
+}
+
+template <typename T>
 void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, int64_t b0,
                      int64_t b1, int threads) {
     (void)threads;
@@ -812,16 +847,26 @@ void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, 
         const T* src = w + bt * count;
         T* mag = out + bt * 2 * count;
         T* weighted = mag + count;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float>) {
+            const int64_t vectors = (i1 - i0) / 16, tail = i0 + 16 * vectors;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+            for (int64_t v = 0; v < vectors; ++v) {
+                const int64_t i = i0 + 16 * v;
+                const __m512 x = _mm512_loadu_ps(src + i), a = _mm512_abs_ps(x);
+                const __mmask16 positive = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
+                const __m512 product = _mm512_mul_ps(a, log_abs16(a));
+                _mm512_storeu_ps(mag + i, a);
+                _mm512_storeu_ps(weighted + i,
+                                 _mm512_maskz_sub_ps(positive, _mm512_setzero_ps(), product));
+            }
+            for (int64_t i = tail; i < i1; ++i) entropy_weight_entry(src[i], mag + i, weighted + i);
+            continue;
+        }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #pragma omp for simd schedule(static)
-        for (int64_t i = i0; i < i1; ++i) {
-            const T a = std::fabs(src[i]);
-            const bool positive = a > T(0);                 // false at 0 and NaN
-            const T l = log_positive(positive ? a : T(1));  // (finite at +inf)
-            const T product = -(a * l);
-            mag[i] = a;
-            weighted[i] = positive ? product : T(0);
-        }
+        for (int64_t i = i0; i < i1; ++i) entropy_weight_entry(src[i], mag + i, weighted + i);
     }
 }
 
@@ -829,22 +874,45 @@ void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, 
 // |w| = inf, NaN at NaN) is added to la and subtracted from r, and r is 0 where the new la
 // is -inf (no path). A NaN in r stays.
 template <typename T>
+inline void entropy_mul_lift_entry(T la, T r, T w, T* la_out, T* r_out) {
+    const T inf = __builtin_inf(), big = std::numeric_limits<T>::max();
+    const T x = std::fabs(w);
+    const bool finite = (x > T(0)) & (x <= big);
+    const T l = log_positive(finite ? x : T(1));
+    const T special = x == T(0) ? -inf : x;  // -inf at 0; +inf and NaN pass through
+    const T log_w = finite ? l : special;
+    const T sum = la + log_w, rest = r - log_w;
+    *la_out = sum;
+    *r_out = sum == -inf ? T(0) : rest;
+}
+
+template <typename T>
 void entropy_mul_lift(const T* la, const T* r, const T* w, T* la_out, T* r_out, int64_t count,
                       int threads) {
-    const T inf = __builtin_inf(), big = std::numeric_limits<T>::max();
     (void)threads;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+        const int64_t vectors = count / 16;
+        const __m512 none = _mm512_set1_ps(-__builtin_inff());
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t v = 0; v < vectors; ++v) {
+            const int64_t i = 16 * v;
+            const __m512 log_w = log_abs16(_mm512_loadu_ps(w + i));
+            const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(la + i), log_w);
+            const __m512 rest = _mm512_sub_ps(_mm512_loadu_ps(r + i), log_w);
+            const __mmask16 path = _mm512_cmp_ps_mask(sum, none, _CMP_NEQ_UQ);
+            _mm512_storeu_ps(la_out + i, sum);
+            _mm512_storeu_ps(r_out + i, _mm512_maskz_mov_ps(path, rest));
+        }
+        for (int64_t i = 16 * vectors; i < count; ++i)
+            entropy_mul_lift_entry(la[i], r[i], w[i], la_out + i, r_out + i);
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #pragma omp for simd schedule(static)
-    for (int64_t i = 0; i < count; ++i) {
-        const T x = std::fabs(w[i]);
-        const bool finite = (x > T(0)) & (x <= big);
-        const T l = log_positive(finite ? x : T(1));
-        const T special = x == T(0) ? -inf : x;  // -inf at 0; +inf and NaN pass through
-        const T log_w = finite ? l : special;
-        const T sum = la[i] + log_w, rest = r[i] - log_w;
-        la_out[i] = sum;
-        r_out[i] = sum == -inf ? T(0) : rest;
-    }
+    for (int64_t i = 0; i < count; ++i)
+        entropy_mul_lift_entry(la[i], r[i], w[i], la_out + i, r_out + i);
 }
 
 // log v for a finite v ≥ 0: -inf at 0.
