@@ -769,3 +769,20 @@ def test_entropy_log_within_two_ulp_over_dense_floats():
     ulp = torch.ldexp(torch.ones_like(expected), torch.frexp(expected).exponent - 24)
     err = (got[0].double() - expected).abs() / ulp  # float32's ulp at the true result
     assert err.max() <= 2.0, (err.max(), w[err.argmax()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_entropy_add_small_terms_relative(dtype):
+    """Entropy's ⊕ of (0, 0) and (-x, 1) for x up to 80 nats: log Z = log(1 + e^-x) and r =
+    e^-x / (1 + e^-x), each within a few ulp of itself (not of the operands' scale): the
+    rounding of 1 + t is corrected, and a small term keeps its weight in r."""
+    x = torch.linspace(0.01, 80.0, 4001, dtype=torch.float64)
+    zero = torch.zeros_like(x, dtype=dtype)
+    got = kernels.entropy_add(zero, zero, (-x).to(dtype), torch.ones_like(zero))
+    if got is None:
+        pytest.skip("the CPU kernels are unavailable")
+    log_z = torch.log1p(torch.exp(-x.to(dtype).double()))
+    r = torch.sigmoid(-x.to(dtype).double())
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got[0].double(), log_z, rtol=4 * eps, atol=0.0)
+    torch.testing.assert_close(got[1].double(), r, rtol=4 * eps, atol=0.0)
