@@ -147,6 +147,8 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, f"entropy_add_{suffix}").restype = None
         getattr(lib, f"ratio_where_positive_{suffix}").argtypes = [ptr] * 2 + [i64, i32]
         getattr(lib, f"ratio_where_positive_{suffix}").restype = None
+        getattr(lib, f"zero_where_no_path_{suffix}").argtypes = [ptr] * 2 + [i64, i32]
+        getattr(lib, f"zero_where_no_path_{suffix}").restype = None
         getattr(lib, f"loo_log_{suffix}").argtypes = [ptr] * 5 + [i64] * 3 + [i32]
         getattr(lib, f"loo_log_{suffix}").restype = None
         getattr(lib, f"log_space_rows_{suffix}").argtypes = [ptr] * 5 + [i64] * 3 + [i32]
@@ -364,8 +366,19 @@ def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tens
 def entropy_mul_lift(la: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
     """The Entropy value (la, r) times lift(w) elementwise (broadcasting), in one pass on the
     CPU: (la + log|w|, r - log|w|), with r = 0 where the new la is -inf (no path; a NaN
-    in r stays). log|w| is within 2 ulp of torch.log's. None off the CPU or without the
-    library."""
+    in r stays). log|w| is within 2 ulp of torch.log's. A ``w`` smaller than the value (a
+    scalar, a row or a column broadcast over it) takes torch.log of w alone and two
+    broadcasting torch ops instead: no w-sized copy of the value's size, no log per entry.
+    None off the CPU or without the library."""
+    if la.shape == r.shape and w.numel() < la.numel() and la.dim() >= w.dim():
+        lib = _cpu_ready(la, r, w)
+        if lib is None:
+            return None
+        log_w = torch.log(w.abs())
+        sum_, rest = torch.add(la, log_w), torch.sub(r, log_w)
+        if sum_.shape == rest.shape and sum_.is_contiguous() and rest.is_contiguous():
+            _over_entries(lib, "zero_where_no_path", (rest, sum_))
+            return sum_, rest
     return _elementwise("entropy_mul_lift", la, r, w)
 
 

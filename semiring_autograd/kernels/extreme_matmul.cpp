@@ -12,7 +12,8 @@
 //   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
 //   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
-//   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise;
+//   entropy_weights, entropy_mul_lift, entropy_add, zero_where_no_path and ratio_where_positive
+//   are elementwise;
 //   loo_log, log_space_rows and entropy_reduce_rows work along contiguous rows.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
@@ -858,6 +859,16 @@ void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* r
         entropy_add_entry(la[i], ra[i], lb[i], rb[i], lo + i, ro + i);
 }
 
+// r = 0 where la is -inf (no path), in place on r, elementwise; a NaN in r stays elsewhere.
+template <typename T>
+void zero_where_no_path(T* r, const T* la, int64_t count, int threads) {
+    const T none = -T(__builtin_inf());
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+    for (int64_t i = 0; i < count; ++i) r[i] = la[i] == none ? T(0) : r[i];
+}
+
 // num / den where den > 0, else 0 (a sum without terms: 0/0), in place on num, elementwise.
 // A NaN in num stays where den > 0.
 template <typename T>
@@ -1249,6 +1260,14 @@ void entropy_reduce_rows_f32(const float* x, const float* r, float* out_l, float
 void entropy_reduce_rows_f64(const double* x, const double* r, double* out_l, double* out_r,
                              uint8_t* bad, int64_t n, int64_t r0, int64_t r1, int threads) {
     entropy_reduce_rows<double>(x, r, out_l, out_r, bad, n, r0, r1, threads);
+}
+
+void zero_where_no_path_f32(float* r, const float* la, int64_t count, int threads) {
+    zero_where_no_path<float>(r, la, count, threads);
+}
+
+void zero_where_no_path_f64(double* r, const double* la, int64_t count, int threads) {
+    zero_where_no_path<double>(r, la, count, threads);
 }
 
 void ratio_where_positive_f32(float* num, const float* den, int64_t count, int threads) {
