@@ -2,13 +2,16 @@
 the signed ``mul_lift`` (torch needs eight passes and its select is slow), Entropy's
 ``mul_lift`` and ⊕, and the Entropy operands of a lifted weight, |w| and -|w|·log|w| (torch
 needs five to nine passes each; the kernels take log and exp from vectorised series of
-their own, within 3 ulp of torch's, flushing results below the normal range to 0), and a
-ratio that is 0 at 0/0 without a select.
+their own, within 3 ulp of torch's, flushing results below the normal range to 0; on
+AVX-512 float, 16 lanes at a time from getexp/getmant and scalef), a ratio that is 0 at
+0/0 without a select; and per-row kernels in log space: the leave-one-out ⊕, Entropy's
+⊕-reduction and the shifted message operand of a log-space GEMM.
 
 There is no BLAS for max-times. Two fused paths compute it exactly:
 
 - CPU: ``extreme_matmul.cpp``, register-blocked SIMD loops, compiled on first use with the
-  system C++ compiler (``-O3 -march=native -fno-trapping-math -fopenmp``) into a per-machine
+  system C++ compiler (``-O3 -march=native -fno-trapping-math -fopenmp``, and
+  ``-mprefer-vector-width=512`` on x86-64) into a per-machine
   cache and called through ctypes (which releases the GIL) on ``torch.get_num_threads()``
   threads. With OpenMP the library shares the libgomp torch loaded, so its team is torch's
   intra-op threads; a pool of other threads would compete with them, as torch's idle
