@@ -983,6 +983,21 @@ inline T log_nonnegative(T v) {
     return v > T(0) ? l : -T(__builtin_inf());
 }
 
+// The largest of n entries (-inf for none), and in *nan whether any is NaN.
+template <typename T>
+inline T row_top(const T* xs, int64_t n, bool* nan) {
+    T top = -T(__builtin_inf());
+    int any_nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : any_nan)
+    for (int64_t j = 0; j < n; ++j) {
+        const T v = xs[j];
+        top = v > top ? v : top;
+        any_nan |= v != v;
+    }
+    *nan = any_nan != 0;
+    return top;
+}
+
 // The leave-one-out ⊕ in log space along one row of n contiguous entries xs: ls[i] =
 // log Σ_{j≠i} e^{x_j} and, with r (Entropy), qs[i] = Σ_{j≠i} e^{x_j}·r_j / Σ_{j≠i} e^{x_j},
 // 0 where that sum is 0. Shifted by the row's maximum, every entry but the (first) argmax
@@ -993,15 +1008,9 @@ inline T log_nonnegative(T v) {
 template <typename T, bool with_r>
 bool loo_row(const T* xs, const T* rs, T* ls, T* qs, int64_t n) {
     const T inf = __builtin_inf();
-    T top = -inf;
-    int odd = 0;
-#pragma omp simd reduction(max : top) reduction(| : odd)
-    for (int64_t j = 0; j < n; ++j) {
-        const T v = xs[j];
-        top = v > top ? v : top;
-        odd |= !(v < inf);  // NaN or +inf
-    }
-    if (odd) return false;
+    bool nan;
+    const T top = row_top(xs, n, &nan);
+    if (nan || top == inf) return false;
     int64_t at = 0;
     while (xs[at] != top) ++at;
     T second = -inf;
@@ -1072,14 +1081,8 @@ void log_space_rows(const T* a, const T* r, T* out, T* shift, uint8_t* live, int
         const T* rs = r ? r + row * k : nullptr;
         T* es = r ? out + row * 2 * k + k : out + row * k;
         T* ers = r ? out + row * 2 * k : nullptr;
-        T top = -inf;
-        int nan = 0;
-#pragma omp simd reduction(max : top) reduction(| : nan)
-        for (int64_t j = 0; j < k; ++j) {
-            const T v = as[j];
-            top = v > top ? v : top;
-            nan |= v != v;
-        }
+        bool nan;
+        const T top = row_top(as, k, &nan);
         const bool finite = !nan && top > -inf && top < inf;
         const T s = finite ? top : T(0);
         shift[row] = s;
@@ -1110,16 +1113,10 @@ void entropy_reduce_rows(const T* x, const T* r, T* out_l, T* out_r, uint8_t* ba
     for (int64_t row = r0; row < r1; ++row) {
         const T* xs = x + row * n;
         const T* rs = r + row * n;
-        T top = -inf;
-        int odd = 0;
-#pragma omp simd reduction(max : top) reduction(| : odd)
-        for (int64_t j = 0; j < n; ++j) {
-            const T v = xs[j];
-            top = v > top ? v : top;
-            odd |= !(v < inf);  // NaN or +inf
-        }
-        bad[row] = odd != 0;
-        if (odd) continue;
+        bool nan;
+        const T top = row_top(xs, n, &nan);
+        bad[row] = nan || top == inf;
+        if (bad[row]) continue;
         const T s = top == -inf ? T(0) : top;
         T sum = 0, sum_r = 0;
 #pragma omp simd reduction(+ : sum, sum_r)
@@ -1232,35 +1229,20 @@ void entropy_add_f64(const double* la, const double* ra, const double* lb, const
     entropy_add<double>(la, ra, lb, rb, lo, ro, count, threads);
 }
 
-void loo_log_f32(const float* x, const float* r, float* out_l, float* out_r, uint8_t* bad,
-                 int64_t n, int64_t r0, int64_t r1, int threads) {
-    loo_log<float>(x, r, out_l, out_r, bad, n, r0, r1, threads);
-}
-
-void loo_log_f64(const double* x, const double* r, double* out_l, double* out_r, uint8_t* bad,
-                 int64_t n, int64_t r0, int64_t r1, int threads) {
-    loo_log<double>(x, r, out_l, out_r, bad, n, r0, r1, threads);
-}
-
-void log_space_rows_f32(const float* a, const float* r, float* out, float* shift,
-                        uint8_t* live, int64_t k, int64_t r0, int64_t r1, int threads) {
-    log_space_rows<float>(a, r, out, shift, live, k, r0, r1, threads);
-}
-
-void log_space_rows_f64(const double* a, const double* r, double* out, double* shift,
-                        uint8_t* live, int64_t k, int64_t r0, int64_t r1, int threads) {
-    log_space_rows<double>(a, r, out, shift, live, k, r0, r1, threads);
-}
-
-void entropy_reduce_rows_f32(const float* x, const float* r, float* out_l, float* out_r,
-                             uint8_t* bad, int64_t n, int64_t r0, int64_t r1, int threads) {
-    entropy_reduce_rows<float>(x, r, out_l, out_r, bad, n, r0, r1, threads);
-}
-
-void entropy_reduce_rows_f64(const double* x, const double* r, double* out_l, double* out_r,
-                             uint8_t* bad, int64_t n, int64_t r0, int64_t r1, int threads) {
-    entropy_reduce_rows<double>(x, r, out_l, out_r, bad, n, r0, r1, threads);
-}
+// The row kernels share one signature: (x, r, two outputs, a flag per row, the row length,
+// the row range, threads).
+#define ROW_KERNEL(name, T, suffix)                                                          \
+    void name##_##suffix(const T* x, const T* r, T* out, T* out2, uint8_t* flags, int64_t n, \
+                         int64_t r0, int64_t r1, int threads) {                               \
+        name<T>(x, r, out, out2, flags, n, r0, r1, threads);                                 \
+    }
+ROW_KERNEL(loo_log, float, f32)
+ROW_KERNEL(loo_log, double, f64)
+ROW_KERNEL(log_space_rows, float, f32)
+ROW_KERNEL(log_space_rows, double, f64)
+ROW_KERNEL(entropy_reduce_rows, float, f32)
+ROW_KERNEL(entropy_reduce_rows, double, f64)
+#undef ROW_KERNEL
 
 void zero_where_no_path_f32(float* r, const float* la, int64_t count, int threads) {
     zero_where_no_path<float>(r, la, count, threads);
