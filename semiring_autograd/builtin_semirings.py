@@ -97,16 +97,18 @@ def _on_live_rows(
     parts: tuple[Tensor, ...], live_of, w: Tensor, fn, empty: tuple[float, ...]
 ) -> Value | None:
     """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) where
-    ``live_of(parts)`` (…, m) holds only, the other rows' results set to ``empty``: rows
-    without a term (where no path reaches, e.g. every token but the read-out one in a last
-    layer) cost nothing. Such a row's result is the semiring zero whatever w holds (the
-    zero annihilates: 0 ⊗ x = 0), where IEEE arithmetic on the whole row would give NaN
-    for an inf or NaN weight; such a weight still shows in every live row it reaches. None
-    when every row is live, k is 0 or ``w`` is batched (the caller then computes all
-    rows)."""
+    ``live_of(parts, -1)`` (…, m) holds only, the other rows' results set to ``empty``:
+    rows without a term (where no path reaches, e.g. every token but the read-out one in a
+    last layer) cost nothing. Among those rows, the k columns without a term in any of them
+    are dropped too, with their rows of ``w`` (a read-out of one logit reaches one row of an
+    lm_head's weight). Such a row's result is the semiring zero whatever w holds (the zero
+    annihilates: 0 ⊗ x = 0), and a dropped column adds nothing, where IEEE arithmetic would
+    give NaN for an inf or NaN weight; such a weight still shows in every live row it
+    reaches. None when every row is live, k is 0 or ``w`` is batched (the caller then
+    computes all rows)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:
         return None
-    live = live_of(parts)
+    live = live_of(parts, -1)
     if bool(live.all()):
         return None
     parts = torch.broadcast_tensors(*parts)
@@ -114,7 +116,14 @@ def _on_live_rows(
     k, n = parts[0].shape[-1], w.shape[-1]
     flat = [p.reshape(-1, k) for p in parts]
     rows = live.reshape(-1).nonzero().squeeze(1)
-    results = fn(tuple(p[rows][None] for p in flat), w) if rows.numel() else None
+    results = None
+    if rows.numel():
+        picked = tuple(p[rows] for p in flat)
+        columns = live_of(picked, -2)
+        if not bool(columns.all()):
+            kept = columns.nonzero().squeeze(1)
+            picked, w = tuple(p[:, kept] for p in picked), w[kept]
+        results = fn(tuple(p[None] for p in picked), w)
     dtype = results[0].dtype if results else torch.promote_types(flat[0].dtype, w.dtype)
     outs = [flat[0].new_full((flat[0].shape[0], n), value, dtype=dtype) for value in empty]
     for out, result in zip(outs, results or ()):
@@ -122,20 +131,22 @@ def _on_live_rows(
     return tuple(out.reshape(*live.shape, n) for out in outs)
 
 
-def _max_product_live(a: Value) -> Tensor:
-    """Rows with a path (a non-zero entry; NaN counts as live)."""
-    return a[0].amax(-1) != 0
+def _max_product_live(a: Value, dim: int) -> Tensor:
+    """Rows (dim -1) or columns (dim -2) with a path: a non-zero entry (NaN counts as
+    live)."""
+    return a[0].amax(dim) != 0
 
 
-def _signed_live(a: Value) -> Tensor:
-    """Rows with a non-empty entry (hi ≥ lo; NaN counts as live). A row reduction: comparing
-    every entry and reducing the bools took 4x longer."""
-    return ~((a[0] - a[1]).amax(-1) < 0)
+def _signed_live(a: Value, dim: int) -> Tensor:
+    """Rows (dim -1) or columns (dim -2) with a non-empty entry (hi ≥ lo; NaN counts as
+    live). A reduction: comparing every entry and reducing the bools took 4x longer."""
+    return ~((a[0] - a[1]).amax(dim) < 0)
 
 
-def _log_live(a: Value) -> Tensor:
-    """Rows with a term (a log value above -inf; NaN counts as live)."""
-    return a[0].amax(-1) != NEG_INF
+def _log_live(a: Value, dim: int) -> Tensor:
+    """Rows (dim -1) or columns (dim -2) with a term (a log value above -inf; NaN counts as
+    live)."""
+    return a[0].amax(dim) != NEG_INF
 
 
 def _gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:

@@ -786,3 +786,35 @@ def test_entropy_add_small_terms_relative(dtype):
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(got[0].double(), log_z, rtol=4 * eps, atol=0.0)
     torch.testing.assert_close(got[1].double(), r, rtol=4 * eps, atol=0.0)
+
+
+@pytest.mark.parametrize(
+    "semiring", [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Entropy()], ids=repr
+)
+def test_matmul_lift_columns_without_terms(semiring):
+    """A read-out of one logit: one live row holding terms in two of its k columns. The
+    columns without a term are dropped with their rows of w: the result equals the
+    definition (finite weights), and inf or NaN weights in the dropped rows of w change
+    nothing (no path reaches them: the zero annihilates), while in log space a NaN weight
+    in a kept row still shows (the max kernels take a NaN weight for no edge)."""
+    gen = torch.Generator().manual_seed(41)
+    x = torch.randn(1, 5, 9, dtype=torch.float64, generator=gen)
+    w = torch.randn(9, 4, dtype=torch.float64, generator=gen)
+    a = semiring.mul(semiring.lift(x), semiring.one(x.shape, x))
+    term = torch.zeros(1, 5, 9, dtype=torch.bool)
+    term[0, 3, 2] = term[0, 3, 7] = True
+    zero = semiring.zero(x.shape, x)
+    a = tuple(torch.where(term, c, z) for c, z in zip(a, zero))
+    got = semiring.matmul_lift(a, w)
+    expected = semiring.matmul(a, semiring.lift(w))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-300)
+    unreached = w.clone()
+    unreached[0, :2], unreached[5, 1:] = INF, NAN
+    for g, e in zip(semiring.matmul_lift(a, unreached), got):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    if isinstance(semiring, (sa.Log, sa.Entropy)):
+        reached = w.clone()
+        reached[7, 2] = NAN
+        readout = semiring.readout(semiring.matmul_lift(a, reached))
+        assert torch.isnan(readout[0, 3, 2]) and not torch.isnan(readout[0, 3, :2]).any()
