@@ -94,7 +94,12 @@ def _flat(x: Tensor, batch: tuple[int, ...]) -> Tensor:
 
 
 def _on_live_rows(
-    parts: tuple[Tensor, ...], live_of, w: Tensor, fn, empty: tuple[float, ...]
+    parts: tuple[Tensor, ...],
+    live_of,
+    w: Tensor,
+    fn,
+    empty: tuple[float, ...],
+    dtype: torch.dtype | None = None,
 ) -> Value | None:
     """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) where
     ``live_of(parts, -1)`` (…, m) holds only, the other rows' results set to ``empty``:
@@ -104,7 +109,8 @@ def _on_live_rows(
     lm_head's weight). Such a row's result is the semiring zero whatever w holds (the zero
     annihilates: 0 ⊗ x = 0), and a dropped column adds nothing, where IEEE arithmetic would
     give NaN for an inf or NaN weight; such a weight still shows in every live row it
-    reaches. None when every row is live, k is 0 or ``w`` is batched (the caller then
+    reaches. Without a live row the result's dtype is ``dtype``, by default that of
+    ``parts`` and ``w`` promoted. None when every row is live, k is 0 or ``w`` is batched (the caller then
     computes all rows)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:
         return None
@@ -124,7 +130,10 @@ def _on_live_rows(
             kept = columns.nonzero().squeeze(1)
             picked, w = tuple(p[:, kept] for p in picked), w[kept]
         results = fn(tuple(p[None] for p in picked), w)
-    dtype = results[0].dtype if results else torch.promote_types(flat[0].dtype, w.dtype)
+    if results:
+        dtype = results[0].dtype
+    elif dtype is None:
+        dtype = torch.promote_types(flat[0].dtype, w.dtype)
     outs = [flat[0].new_full((flat[0].shape[0], n), value, dtype=dtype) for value in empty]
     for out, result in zip(outs, results or ()):
         out.index_copy_(0, rows, result[0])
@@ -141,6 +150,11 @@ def _signed_live(a: Value, dim: int) -> Tensor:
     """Rows (dim -1) or columns (dim -2) with a non-empty entry (hi ≥ lo; NaN counts as
     live). A reduction: comparing every entry and reducing the bools took 4x longer."""
     return ~((a[0] - a[1]).amax(dim) < 0)
+
+
+def _boolean_live(a: Value, dim: int) -> Tensor:
+    """Rows (dim -1) or columns (dim -2) with a path: a true entry."""
+    return a[0].any(dim)
 
 
 def _log_live(a: Value, dim: int) -> Tensor:
@@ -791,7 +805,11 @@ class Boolean(Semiring):
 
     def matmul_lift(self, a, w):
         """On the GEMM operand w ≠ 0 in scratch storage, without a bool lift(w) and its
-        float copy per call."""
+        float copy per call; on the live rows and columns only (see ``_on_live_rows``)."""
+        result = _on_live_rows(a, _boolean_live, w, self._matmul_lift, (False,), torch.bool)
+        return result or self._matmul_lift(a, w)
+
+    def _matmul_lift(self, a, w):
         return ((a[0].to(torch.float32) @ _nonzero_operand(w, torch.float32)) > 0,)
 
     def index_add(self, a, index, size):

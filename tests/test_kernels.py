@@ -532,7 +532,9 @@ def test_entropy_add_kernel_equals_formula(dtype, shapes):
 
 
 @pytest.mark.parametrize(
-    "semiring", [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Counting(), sa.Entropy()], ids=repr
+    "semiring",
+    [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Counting(), sa.Entropy(), sa.Boolean()],
+    ids=repr,
 )
 def test_matmul_lift_rows_without_terms(semiring):
     """Rows of a without any term (every token but one, as in a model's last layer) are
@@ -555,7 +557,7 @@ def test_matmul_lift_rows_without_terms(semiring):
     nothing = semiring.matmul_lift(semiring.zero(x.shape, x), w)
     for g, z in zip(nothing, semiring.zero((2, 6, 5), x)):
         assert torch.equal(g, z)
-    if not isinstance(semiring, (sa.Log, sa.Entropy)):  # (these need one dtype)
+    if not isinstance(semiring, (sa.Log, sa.Entropy, sa.Boolean)):  # (one dtype; bool)
         single = tuple(c.float() for c in a)
         mixed = semiring.matmul_lift(single, w)
         for g, e in zip(mixed, semiring.matmul(single, semiring.lift(w))):
@@ -789,7 +791,7 @@ def test_entropy_add_small_terms_relative(dtype):
 
 
 @pytest.mark.parametrize(
-    "semiring", [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Entropy()], ids=repr
+    "semiring", [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Entropy(), sa.Boolean()], ids=repr
 )
 def test_matmul_lift_columns_without_terms(semiring):
     """A read-out of one logit: one live row holding terms in two of its k columns. The
