@@ -8,6 +8,8 @@ block), empty-entry markers, batches and the multi-threaded split.
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -820,3 +822,34 @@ def test_matmul_lift_columns_without_terms(semiring):
         reached[7, 2] = NAN
         readout = semiring.readout(semiring.matmul_lift(a, reached))
         assert torch.isnan(readout[0, 3, 2]) and not torch.isnan(readout[0, 3, :2]).any()
+
+
+@pytest.fixture
+def library_without_avx512(tmp_path, monkeypatch):
+    """The kernels built with AVX-512 turned off (-mno-avx512f): the per-entry series for
+    log and exp and the portable loops, as on CPUs without it."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the AVX-512 paths exist on x86-64 only")
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_FLAGS", [*kernels._FLAGS, "-mno-avx512f"])
+    kernels._library.cache_clear()
+    yield kernels._library()
+    kernels._library.cache_clear()
+
+
+def test_portable_paths_without_avx512(library_without_avx512, monkeypatch):
+    """The float kernels with their AVX-512 paths compiled out, against the same oracles as
+    above (this machine may have AVX-512; another may not)."""
+    assert library_without_avx512 is not None
+    f32 = torch.float32
+    for scenario in ("decaying", "late_winner", "specials"):
+        test_pruned_max_times_is_exact(scenario, f32)
+        test_pruned_pair_lift_matmul_is_exact(scenario, f32, True, "transposed")
+    test_entropy_weights_kernel_equals_formula(f32)
+    test_entropy_add_kernel_equals_formula(f32, ((5000,), (5000,)))
+    test_entropy_add_small_terms_relative(f32)
+    test_entropy_log_within_two_ulp_over_dense_floats()
+    test_loo_log_kernel_equals_enumeration(f32, (1, 12, 7, 128))
+    test_log_space_rows_kernel_equals_formula(f32, True)
+    test_entropy_reduce_rows_kernel_equals_oracle(f32, (1, 128, 768))
+    test_entropy_mul_lift_kernel_equals_formula(f32, ((4, 1000), (4, 1000)), monkeypatch)
