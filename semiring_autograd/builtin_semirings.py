@@ -109,7 +109,9 @@ def _on_live_rows(
     lm_head's weight). Such a row's result is the semiring zero whatever w holds (the zero
     annihilates: 0 ⊗ x = 0), and a dropped column adds nothing, where IEEE arithmetic would
     give NaN for an inf or NaN weight; such a weight still shows in every live row it
-    reaches. Without a live row the result's dtype is ``dtype``, by default that of
+    reaches (when every row is live no column is dropped, and IEEE arithmetic on such a
+    weight in a column without a term still gives NaN). Without a live row the result's
+    dtype is ``dtype``, by default that of
     ``parts`` and ``w`` promoted. None when every row is live, k is 0 or ``w`` is batched (the caller then
     computes all rows)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:

@@ -2,8 +2,8 @@
 the signed ``mul_lift`` (torch needs eight passes and its select is slow), Entropy's
 ``mul_lift`` and ⊕, and the Entropy operands of a lifted weight, |w| and -|w|·log|w| (torch
 needs five to nine passes each; the kernels take log and exp from vectorised series of
-their own, within 3 ulp of torch's, flushing results below the normal range to 0; on
-AVX-512 float, 16 lanes at a time from getexp/getmant and scalef), a ratio that is 0 at
+their own, within 3 ulp of torch's, subnormal results included; on AVX-512 float, 16
+lanes at a time from getexp/getmant and scalef), a ratio that is 0 at
 0/0 without a select; and per-row kernels in log space: the leave-one-out ⊕, Entropy's
 ⊕-reduction and the shifted message operand of a log-space GEMM.
 
@@ -442,10 +442,10 @@ def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
 def entropy_reduce_rows(la: Tensor, r: Tensor) -> tuple[Tensor, Tensor] | None:
     """Entropy's ⊕-reduction along the last dim (kept, size 1), in one C pass per row:
     log Σ e^la and the e^la-weighted mean of r (0 where no entry has weight), shifted by
-    each row's maximum. None off the CPU, without the library, or when a row holds NaN or
-    +inf (the caller's torch formula then handles every row)."""
+    each row's maximum. None off the CPU, without the library, for rows of length 0, or when
+    a row holds NaN or +inf (the caller's torch formula then handles every row)."""
     lib = _cpu_ready(la, r)
-    if lib is None or la.dim() == 0 or r.shape != la.shape:
+    if lib is None or la.dim() == 0 or la.shape[-1] == 0 or r.shape != la.shape:
         return None
     n = la.shape[-1]
     rows = la.numel() // max(1, n)
@@ -465,12 +465,14 @@ def log_space_rows(a: Tensor, r: Tensor | None, out: Tensor) -> tuple[Tensor, Te
     ``a`` (…, m, k): each row's shift (its maximum where finite, else 0) and liveness (that
     maximum is finite), both (…, m, 1), and e = exp(a - shift) written into ``out``: (…, m, k),
     or, given ``r``, [e·r | e] (…, m, 2k). None (``out`` untouched) off the CPU, without
-    the library, or unless a, r and out are contiguous."""
+    the library, for k = 0, or unless a, r and out are contiguous."""
     parts = (a, out) if r is None else (a, r, out)
     lib = _cpu_ready(*parts)
     if lib is None or not all(t.is_contiguous() for t in parts) or a.dim() < 2:
         return None
     k = a.shape[-1]
+    if k == 0:
+        return None
     if out.shape != (*a.shape[:-1], k if r is None else 2 * k):
         raise ValueError(
             f"log_space_rows: out has shape {tuple(out.shape)} for a of shape {tuple(a.shape)}"

@@ -734,15 +734,16 @@ constexpr double inverse_factorial(int i) { return i <= 1 ? 1.0 : inverse_factor
 
 // e^x for x ≤ 0, vectorisable: x = k·ln 2 + f with k an integer and |f| ≤ ln2/2, e^f by its
 // Taylor polynomial (degree 7 for float, 13 for double, cut where the next term falls below
-// the rounding) in Horner form, 2^k put into the exponent bits. Below the normal range (and
-// for -inf) the result is 0: the callers add it to a term of 1. x must not be NaN.
+// the rounding) in Horner form, 2^k put into the exponent bits. Below the normal range the
+// result is subnormal, as torch.exp's (2^k applied in two steps, the second rounding once);
+// below half the smallest subnormal, and for -inf, it is 0. x must not be NaN.
 template <typename T>
 inline T exp_nonpositive(T x) {
     typedef LogParts<T> P;
     typedef typename P::I I;
     constexpr int terms = sizeof(T) == 4 ? 7 : 13;
     const T shifter = T(1.5) * T(I(1) << P::mantissa);  // adding it rounds to an integer
-    const T lowest = -T(P::bias - 1) * T(0.6931471805599453);
+    const T lowest = -T(P::bias + P::mantissa) * T(0.6931471805599453);  // e^x < 2^-(min+1)
     const bool under = x < lowest;
     const T xs = under ? T(0) : x;
     const T kf = (xs * T(1.4426950408889634) + shifter) - shifter;
@@ -750,11 +751,12 @@ inline T exp_nonpositive(T x) {
     T series = T(inverse_factorial(terms));
 #pragma GCC unroll 16
     for (int i = terms - 1; i >= 0; --i) series = series * f + T(inverse_factorial(i));
-    const I bits = (static_cast<I>(kf) + P::bias) << P::mantissa;
+    const bool deep = kf < T(1 - P::bias);  // 2^k itself below the normal range
+    const I bits = (static_cast<I>(deep ? kf + T(64) : kf) + P::bias) << P::mantissa;
     T scale;
     std::memcpy(&scale, &bits, sizeof scale);
     const T value = series * scale;
-    return under ? T(0) : value;
+    return under ? T(0) : deep ? value * T(5.421010862427522e-20) : value;  // · 2^-64
 }
 
 #if defined(__AVX512F__)
@@ -782,9 +784,10 @@ inline __m512 log_abs16(__m512 x) {
 }
 
 // exp_nonpositive for 16 floats: the same reduction and Taylor polynomial, 2^k applied by
-// scalef; 0 below the normal range and at -inf. x must not be NaN.
+// scalef (subnormal results included, rounded once); 0 below half the smallest subnormal
+// and at -inf. x must not be NaN.
 inline __m512 exp16_nonpositive(__m512 x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126 * 0.6931471805599453f),
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-150 * 0.6931471805599453f),
                                                _CMP_LT_OQ);
     const __m512 xs = _mm512_maskz_mov_ps(~under, x);
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(xs, _mm512_set1_ps(1.4426950408889634f)),
@@ -983,6 +986,10 @@ inline T log_nonnegative(T v) {
     return v > T(0) ? l : -T(__builtin_inf());
 }
 
+// Row sums in the row kernels: vector sums over chunks of this many entries, the chunks'
+// sums added in double, so a long row (2^20 entries) keeps float32 sums within a few ulp.
+constexpr int64_t SUM_CHUNK = 1024;
+
 // The largest of n entries (-inf for none), and in *nan whether any is NaN.
 template <typename T>
 inline T row_top(const T* xs, int64_t n, bool* nan) {
@@ -1020,21 +1027,27 @@ bool loo_row(const T* xs, const T* rs, T* ls, T* qs, int64_t n) {
         second = v > second ? v : second;
     }
     const T s1 = top == -inf ? T(0) : top, s2 = second == -inf ? T(0) : second;
-    T sum = 0, sum_r = 0, sum2 = 0, sum2_r = 0;
-#pragma omp simd reduction(+ : sum, sum_r, sum2, sum2_r)
-    for (int64_t j = 0; j < n; ++j) {
-        const T v = xs[j];
-        const T e = exp_nonpositive(v - s1), e2 = exp_nonpositive(j == at ? -inf : v - s2);
-        ls[j] = e;
-        sum += e;
-        sum2 += e2;
-        if constexpr (with_r) {
-            const T er = e * rs[j];
-            qs[j] = er;
-            sum_r += er;
-            sum2_r += e2 * rs[j];
+    double total = 0, total_r = 0, total2 = 0, total2_r = 0;
+    for (int64_t c = 0; c < n; c += SUM_CHUNK) {  // chunk sums added in double: long rows
+        const int64_t end = std::min(n, c + SUM_CHUNK);
+        T part = 0, part_r = 0, part2 = 0, part2_r = 0;
+#pragma omp simd reduction(+ : part, part_r, part2, part2_r)
+        for (int64_t j = c; j < end; ++j) {
+            const T v = xs[j];
+            const T e = exp_nonpositive(v - s1), e2 = exp_nonpositive(j == at ? -inf : v - s2);
+            ls[j] = e;
+            part += e;
+            part2 += e2;
+            if constexpr (with_r) {
+                const T er = e * rs[j];
+                qs[j] = er;
+                part_r += er;
+                part2_r += e2 * rs[j];
+            }
         }
+        total += part, total_r += part_r, total2 += part2, total2_r += part2_r;
     }
+    const T sum = T(total), sum_r = T(total_r), sum2 = T(total2), sum2_r = T(total2_r);
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
         const T d = sum - ls[j], den = d > T(0) ? d : T(0);
@@ -1118,13 +1131,19 @@ void entropy_reduce_rows(const T* x, const T* r, T* out_l, T* out_r, uint8_t* ba
         bad[row] = nan || top == inf;
         if (bad[row]) continue;
         const T s = top == -inf ? T(0) : top;
-        T sum = 0, sum_r = 0;
-#pragma omp simd reduction(+ : sum, sum_r)
-        for (int64_t j = 0; j < n; ++j) {
-            const T e = exp_nonpositive(xs[j] - s);
-            sum += e;
-            sum_r += e * rs[j];
+        double total = 0, total_r = 0;
+        for (int64_t c = 0; c < n; c += SUM_CHUNK) {
+            const int64_t end = std::min(n, c + SUM_CHUNK);
+            T part = 0, part_r = 0;
+#pragma omp simd reduction(+ : part, part_r)
+            for (int64_t j = c; j < end; ++j) {
+                const T e = exp_nonpositive(xs[j] - s);
+                part += e;
+                part_r += e * rs[j];
+            }
+            total += part, total_r += part_r;
         }
+        const T sum = T(total), sum_r = T(total_r);
         out_l[row] = log_nonnegative(sum) + s;
         out_r[row] = sum > T(0) ? sum_r / sum : T(0);
     }
