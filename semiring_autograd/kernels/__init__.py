@@ -416,6 +416,20 @@ def _over_rows(lib: ctypes.CDLL, name: str, head: tuple, rows: int, work: int, d
     _run(fn, args_of, 1, rows, work * _ENTRY_COST, bool(lib.uses_openmp()))
 
 
+def _rows_with_fallback(
+    lib: ctypes.CDLL, name: str, x: Tensor, r: Tensor | None, out: Tensor, out_r: Tensor | None
+) -> bool:
+    """Run the row kernel ``name`` (log-space rows that decline NaN and +inf) over the rows
+    of the contiguous ``x`` (and ``r``) into ``out`` (and ``out_r``); False when some row
+    was declined, so that the caller's torch formula handles them all."""
+    n = x.shape[-1]
+    rows = x.numel() // n
+    bad = torch.empty(rows, dtype=torch.uint8)
+    head = (x.data_ptr(), _ptr(r), out.data_ptr(), _ptr(out_r), bad.data_ptr(), n)
+    _over_rows(lib, name, head, rows, x.numel(), x.dtype)
+    return not bool(bad.any())
+
+
 def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     """The leave-one-out ⊕ in log space along the last dim, in one C call on the CPU:
     log Σ_{j≠i} e^{x_j} and, given ``r`` (Entropy's, of x's shape), the e^x-weighted mean of
@@ -426,15 +440,10 @@ def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     lib = _cpu_ready(*parts)
     if lib is None or x.dim() == 0 or (r is not None and r.shape != x.shape):
         return None
-    n = x.shape[-1]
-    rows = x.numel() // max(1, n)
     x, r = x.contiguous(), None if r is None else r.contiguous()
     out_l = torch.empty_like(x)
     out_r = None if r is None else torch.empty_like(r)
-    bad = torch.empty(rows, dtype=torch.uint8)
-    head = (x.data_ptr(), _ptr(r), out_l.data_ptr(), _ptr(out_r), bad.data_ptr(), n)
-    _over_rows(lib, "loo_log", head, rows, x.numel(), x.dtype)
-    if bool(bad.any()):
+    if x.shape[-1] and not _rows_with_fallback(lib, "loo_log", x, r, out_l, out_r):
         return None
     return out_l, out_r
 
@@ -447,15 +456,10 @@ def entropy_reduce_rows(la: Tensor, r: Tensor) -> tuple[Tensor, Tensor] | None:
     lib = _cpu_ready(la, r)
     if lib is None or la.dim() == 0 or la.shape[-1] == 0 or r.shape != la.shape:
         return None
-    n = la.shape[-1]
-    rows = la.numel() // max(1, n)
     la, r = la.contiguous(), r.contiguous()
     out_l = la.new_empty((*la.shape[:-1], 1))
     out_r = la.new_empty(out_l.shape)
-    bad = torch.empty(rows, dtype=torch.uint8)
-    head = (la.data_ptr(), r.data_ptr(), out_l.data_ptr(), out_r.data_ptr(), bad.data_ptr(), n)
-    _over_rows(lib, "entropy_reduce_rows", head, rows, la.numel(), la.dtype)
-    if bool(bad.any()):
+    if not _rows_with_fallback(lib, "entropy_reduce_rows", la, r, out_l, out_r):
         return None
     return out_l, out_r
 

@@ -778,8 +778,10 @@ inline __m512 log_abs16(__m512 x) {
     const __m512 f = _mm512_sub_ps(m, one);
     __m512 p = _mm512_set1_ps(g[8]);
     for (int i = 7; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(g[i]));
-    const __m512 tail = _mm512_mul_ps(_mm512_mul_ps(f, f), _mm512_fmsub_ps(f, p, _mm512_set1_ps(0.5f)));
-    const __m512 low = _mm512_fmadd_ps(e, _mm512_set1_ps(LogParts<float>::ln2_lo), _mm512_add_ps(f, tail));
+    const __m512 tail =
+        _mm512_mul_ps(_mm512_mul_ps(f, f), _mm512_fmsub_ps(f, p, _mm512_set1_ps(0.5f)));
+    const __m512 low =
+        _mm512_fmadd_ps(e, _mm512_set1_ps(LogParts<float>::ln2_lo), _mm512_add_ps(f, tail));
     return _mm512_fmadd_ps(e, _mm512_set1_ps(LogParts<float>::ln2_hi), low);
 }
 
@@ -795,7 +797,8 @@ inline __m512 exp16_nonpositive(__m512 x) {
     __m512 f = _mm512_fnmadd_ps(k, _mm512_set1_ps(LogParts<float>::ln2_hi), xs);
     f = _mm512_fnmadd_ps(k, _mm512_set1_ps(LogParts<float>::ln2_lo), f);
     __m512 p = _mm512_set1_ps(float(inverse_factorial(7)));
-    for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(float(inverse_factorial(i))));
+    for (int i = 6; i >= 0; --i)
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(float(inverse_factorial(i))));
     return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, k));
 }
 #endif
@@ -848,8 +851,8 @@ void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* r
                 _mm512_mask_blend_ps(nan, _mm512_add_ps(big, log1p), _mm512_add_ps(a, b));
             const __m512 mean = _mm512_div_ps(_mm512_fmadd_ps(t, r_small, r_big), u);
             _mm512_storeu_ps(lo + i, sum);
-            _mm512_storeu_ps(ro + i,
-                             _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sum, none, _CMP_NEQ_UQ), mean));
+            const __mmask16 path = _mm512_cmp_ps_mask(sum, none, _CMP_NEQ_UQ);
+            _mm512_storeu_ps(ro + i, _mm512_maskz_mov_ps(path, mean));
         }
         for (int64_t i = 16 * vectors; i < count; ++i)
             entropy_add_entry(la[i], ra[i], lb[i], rb[i], lo + i, ro + i);
@@ -924,7 +927,8 @@ void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, 
                 _mm512_storeu_ps(weighted + i,
                                  _mm512_maskz_sub_ps(positive, _mm512_setzero_ps(), product));
             }
-            for (int64_t i = tail; i < i1; ++i) entropy_weight_entry(src[i], mag + i, weighted + i);
+            for (int64_t i = tail; i < i1; ++i)
+                entropy_weight_entry(src[i], mag + i, weighted + i);
             continue;
         }
 #endif
