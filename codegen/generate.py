@@ -54,21 +54,6 @@ def _ctx_header(name: str, args: str) -> list[str]:
     ]
 
 
-def _native_bodies(name: str, unpack: str) -> tuple[list[str], list[str]]:
-    """Forward and backward of a Real Function that runs torch's own backward of the op."""
-    forward = _ctx_header(name, unpack) + [
-        f"outputs, ctx._native = NB.native_forward(call, ({unpack}), ctx.needs_input_grad)",
-        "return outputs",
-    ]
-    backward = [
-        f"check_plain(grads[0], {name!r})",
-        "if grads[0] is None:\n    return (None,) * len(ctx.needs_input_grad)",
-        "needs = input_demand(ctx, ctx._tensor_args)",
-        "return NB.native_backward(ctx._native, grads[0], needs)",
-    ]
-    return forward, backward
-
-
 def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
     schema = entry.schema
     name = schema.full_name
@@ -224,9 +209,6 @@ def _op_context(entry: OpEntry, real: bool, generic: bool) -> dict:
         )
     back.append(f"return ({', '.join(returns)},)")
 
-    if real and entry.real_backward == "native":
-        setup, back = _native_bodies(name, unpack)
-
     # ---- dispatch function
     dispatch_params = ", ".join(prefix + ["call"] + [p.name for p in schema.params])
     dispatch_body = f"out = {schema.class_name}.apply({unpack})\n"
@@ -298,8 +280,7 @@ def _docs_context(entries: list[OpEntry]) -> list[tuple[str, list[dict]]]:
             {
                 "full_name": e.schema.full_name,
                 "functions_md": functions,
-                "granularity_md": _md_cell(e.granularity)
-                + (" (Real: torch's own backward)" if e.real_backward == "native" else ""),
+                "granularity_md": _md_cell(e.granularity),
                 "accepts_md": f"`{_md_cell(e.accepts)}`" if e.accepts else "any",
             }
         )

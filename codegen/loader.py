@@ -25,7 +25,6 @@ ENTRY_KEYS = frozenset(
         "accepts",
         "forward",
         "output_differentiability",
-        "real_backward",
     }
 )
 
@@ -55,7 +54,6 @@ class OpEntry:
     forward: str | None
     output_differentiability: list[bool]
     source_file: str
-    real_backward: str = "formulas"
 
     @property
     def has_aux(self) -> bool:
@@ -154,21 +152,6 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
             raise _fail(
                 where, f"forward helper {forward!r} not in semiring_autograd.forward_helpers"
             )
-    real_backward = raw.get("real_backward", "formulas")
-    if real_backward not in ("formulas", "native"):
-        raise _fail(
-            where,
-            f"real_backward must be 'native' (the Real semiring runs torch's own backward of "
-            f"the op) or 'formulas' (the default), not {real_backward!r}",
-        )
-    if real_backward == "native" and (
-        schema.returns != "Tensor" or forward or any(p.is_tensor_list for p in schema.params)
-    ):
-        raise _fail(
-            where,
-            "real_backward: native needs an op with one Tensor output, no forward helper and "
-            "no Tensor[] parameter",
-        )
     accepts = raw.get("accepts")
     tensor_params = {p.name for p in schema.params if p.is_tensor}
     known = set(params) | SPECIAL
@@ -217,7 +200,6 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         forward=None if forward is None else str(forward),
         output_differentiability=[bool(x) for x in out_diff],
         source_file=source_file,
-        real_backward=real_backward,
     )
 
 

@@ -26,6 +26,7 @@ from .errors import (
     SemiringMismatchError,
     UnsupportedOpError,
 )
+from .graph import NodeInfo, node_info
 from .message import Message
 from .op_table import Registry
 from .patching import PatchHandle, patch
@@ -44,6 +45,7 @@ __all__ = [
     "Log",
     "MaxProduct",
     "Message",
+    "NodeInfo",
     "PatchError",
     "PatchHandle",
     "Path",
@@ -62,6 +64,7 @@ __all__ = [
     "check_semiring",
     "grad",
     "message_value",
+    "node_info",
     "patch",
     "recorded_semiring",
     "seed_message",

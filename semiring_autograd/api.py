@@ -10,6 +10,7 @@ from torch import Tensor
 from . import demand, tracing
 from .builtin_semirings import Real
 from .errors import SemiringAutogradError, SemiringMismatchError
+from .graph import node_info
 from .message import Message, wrap
 from .semiring import Semiring
 
@@ -25,14 +26,14 @@ def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
         if node is None or node in seen:
             continue
         seen.add(node)
-        semiring = getattr(node, "semiring", None)
-        if isinstance(semiring, Semiring):
-            found.add(semiring)
+        info = node_info(node)
+        if info is not None:
+            found.add(info.semiring)
             continue
         stack.extend(n for n, _ in node.next_functions)
     if not found:
         raise SemiringAutogradError(
-            "no semiring Function found in the graph behind these outputs: compute them from "
+            "no node recorded under sa.patch found in the graph behind these outputs: compute them from "
             "a forward run inside `with sa.patch(model, semiring):` (and with inputs that "
             "require grad)"
         )

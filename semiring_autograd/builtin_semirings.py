@@ -290,9 +290,32 @@ class _LogSpaceGemm:
 
 
 class Real(Semiring):
-    """(+, ×): the ordinary gradient. lift(w) = w."""
+    """(+, ×): the ordinary gradient. lift(w) = w.
+
+    Real messages are torch's own gradients, so under ``sa.patch`` torch records its own
+    graph of each op (its backward nodes and fused kernels); every call is still bound to its
+    YAML entry and its node named. ``formulas=True`` runs the generated Real Functions
+    instead: the YAML formulas in real arithmetic, the same gradient. That is the check that
+    the formulas every semiring shares compute it.
+    """
 
     name = "real"
+
+    def __init__(self, formulas: bool = False):
+        self.formulas = bool(formulas)
+
+    def __repr__(self) -> str:
+        return "Real(formulas=True)" if self.formulas else "Real()"
+
+    def _identity(self) -> dict:
+        # `formulas` only picks how sa.patch records the graph: the semiring is the same
+        return {k: v for k, v in vars(self).items() if k != "formulas"}
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(self._identity().items()))))
 
     def zero(self, shape, like):
         return (_full(shape, 0.0, like),)

@@ -1,8 +1,46 @@
-"""Walking a recorded autograd graph."""
+"""Walking a recorded autograd graph, and what ``sa.patch`` recorded on its nodes."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from .replay import Replay
+    from .semiring import Semiring
+
+#: the key of a node's ``metadata`` dict under which sa.patch stores its NodeInfo
+_KEY = "semiring_autograd"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What ``sa.patch`` recorded about the backward node of one op call.
+
+    ``op``: the YAML entry; ``module``: the qualified name of the module whose forward ran
+    it; ``semiring``: the semiring the graph was recorded with; ``replay``: the call's
+    replay (``paths=True`` only). ``sequence_nrs``: for torch's own graph of an op
+    (``sa.Real()``), the range of autograd sequence numbers of the nodes the call recorded
+    (the named node is its output's; the others are the op's internal nodes); None for a
+    generated Function, which is the op's one node.
+    """
+
+    op: str
+    module: str
+    semiring: "Semiring"
+    replay: "Replay | None" = None
+    sequence_nrs: range | None = None
+
+
+def node_info(node: Any) -> NodeInfo | None:
+    """The :class:`NodeInfo` ``sa.patch`` recorded on a ``grad_fn`` node (None: not one)."""
+    if node is None:
+        return None
+    return node.metadata.get(_KEY)
+
+
+def set_node_info(node: Any, info: NodeInfo) -> None:
+    node.metadata[_KEY] = info
 
 
 def reachable_nodes(roots: Iterable[Any]) -> list[Any]:
@@ -19,3 +57,27 @@ def reachable_nodes(roots: Iterable[Any]) -> list[Any]:
         order.append(node)
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return order
+
+
+def internal_nodes(node: Any, info: NodeInfo) -> list[Any]:
+    """The other nodes torch recorded for the op named at ``node`` (``sa.Real()`` graphs):
+    those reachable from it through unnamed nodes whose sequence numbers fall in the op's
+    range. Empty for a generated Function."""
+    if info.sequence_nrs is None:
+        return []
+    found: list[Any] = []
+    seen = {node}
+    stack = [node]
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if (
+                child is None
+                or child in seen
+                or child._sequence_nr() not in info.sequence_nrs
+                or node_info(child) is not None
+            ):
+                continue
+            seen.add(child)
+            found.append(child)
+            stack.append(child)
+    return found

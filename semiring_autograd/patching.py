@@ -3,8 +3,10 @@
 A :class:`~torch.overrides.TorchFunctionMode` is pushed (thread-locally) while the patched
 model's forward runs in the thread that patched it. Each torch function call that touches
 a grad-requiring tensor is bound to a YAML entry and routed to its generated Function;
-its forward computes exactly what the unpatched call computes. A call with no entry that
-would produce a differentiable result raises :class:`UnsupportedOpError` at forward.
+its forward computes exactly what the unpatched call computes. For ``sa.Real()`` the call
+runs as it is and torch records its own backward nodes (Real messages are torch's
+gradients). A call with no entry that would produce a differentiable result raises
+:class:`UnsupportedOpError` at forward, in every semiring.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .builtin_semirings import Real
 from .errors import PatchError, UnsupportedOpError
+from .graph import NodeInfo, set_node_info
 from .op_table import OpSpec, Registry, default_registry
 from .replay import Replay
 from .semiring import Semiring
 
 _LOCK = threading.Lock()
+_next_sequence_nr = torch._C._autograd._get_sequence_nr
 _PATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -74,6 +79,16 @@ def _is_inplace(func: Any, kwargs: dict) -> bool:
     if name in ("__setitem__",) or (name.startswith("__i") and name.endswith("__")):
         return name not in ("__init__", "__iter__", "__index__", "__int__")
     return name.endswith("_") and not name.endswith("__")
+
+
+def _handed_back(out: torch.Tensor, first: int) -> bool:
+    """Whether a differentiable ``out`` has no backward node recorded at or after sequence
+    number ``first``: the op handed back a tensor it was given (``x.contiguous()``,
+    dropout in eval mode)."""
+    if not out.requires_grad:
+        return False
+    node = out.grad_fn
+    return node is None or node._sequence_nr() < first
 
 
 def _substitute(value: Any, replace: dict[int, torch.Tensor]) -> Any:
@@ -126,9 +141,16 @@ class _SemiringMode(TorchFunctionMode):
             if not op.accepted(bound):
                 rejected.append(op)
                 continue
+            replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
+            if handle.torch_graph:
+                first = _next_sequence_nr()
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and _handed_back(out, first):
+                    out = out.view_as(out)  # its own node, as the generated Functions make
+                handle.annotate(out, op, replay, range(first, _next_sequence_nr()))
+                return out
             fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
             call = UnpatchedCall(func, args, kwargs)
-            replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
             if takes_semiring:
                 out = fn(handle.semiring, call, **bound)
             else:
@@ -162,6 +184,8 @@ class PatchHandle:
         self.semiring = semiring
         self.registry = registry
         self.paths = paths
+        #: Real without formulas: torch records its own graph of each op (see sa.Real)
+        self.torch_graph = type(semiring) is Real and not semiring.formulas
         self.thread = threading.get_ident()
         self._mode = _SemiringMode(self)
         self._depth = 0
@@ -201,9 +225,15 @@ class PatchHandle:
                 self._mode.__exit__(None, None, None)
         return None
 
-    def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
-        """Name the backward node of ``out``: ``sa_op``, ``sa_module`` (the qualified name of
-        the module whose forward ran the op) and, when recording paths, ``sa_replay``."""
+    def annotate(
+        self,
+        out: Any,
+        op: OpSpec,
+        replay: "Replay | None",
+        sequence_nrs: range | None = None,
+    ) -> None:
+        """Record a :class:`NodeInfo` on the backward node of ``out`` (``sequence_nrs``: for
+        torch's own graph of the op, the sequence numbers of the nodes it recorded)."""
         if isinstance(out, torch.Tensor):
             node = out.grad_fn
         else:
@@ -216,12 +246,11 @@ class PatchHandle:
                 ),
                 None,
             )
-        if node is None:
-            return
-        node.sa_op = op.name
-        node.sa_module = self.current_module
-        if replay is not None:
-            node.sa_replay = replay
+        if node is None or (sequence_nrs is not None and node._sequence_nr() not in sequence_nrs):
+            return  # no node, or another op's (a tensor handed back inside a tuple)
+        set_node_info(
+            node, NodeInfo(op.name, self.current_module, self.semiring, replay, sequence_nrs)
+        )
 
     @property
     def current_module(self) -> str:
@@ -272,9 +301,10 @@ def patch(
     Use as ``with sa.patch(model, sa.MaxProduct()): y = model(x)`` or keep the handle and
     call ``handle.remove()``. The forward computes exactly what the unpatched model computes;
     the recorded graph propagates ``semiring`` messages in backward (see :func:`sa.grad`).
-    Every backward node is named (``grad_fn.sa_op``, ``grad_fn.sa_module``). With
-    ``paths=True`` each node also keeps a replay of its call (its inputs stay alive until the
-    graph is freed), which :func:`sa.top_path` needs to name a path element by element.
+    Every op's backward node is named: :func:`sa.node_info` gives its op, module and
+    semiring. With ``paths=True`` each node also keeps a replay of its call (its inputs stay
+    alive until the graph is freed), which :func:`sa.top_path` needs to name a path element
+    by element.
     """
     if not isinstance(model, nn.Module):
         raise PatchError(f"sa.patch expects an nn.Module, got {type(model).__name__}")

@@ -31,7 +31,7 @@ from .api import recorded_semiring, seed_message
 from .builtin_semirings import MaxProduct, SignedMaxProduct
 from .decompositions import DECOMPOSITIONS
 from .errors import SemiringAutogradError
-from .graph import reachable_nodes
+from .graph import node_info, reachable_nodes
 from .message import wrap
 from .semiring import Semiring
 
@@ -97,6 +97,11 @@ class _Sub(nn.Module):
         return self.replay.call(dict(enumerate(inputs)), fn=self.decomposition)
 
 
+def _replay_of(node: Any):
+    info = node_info(node)
+    return None if info is None else info.replay
+
+
 def _key_of(t: Tensor, nodes: Sequence[Any]) -> Key:
     if t.grad_fn is not None:
         return (t.grad_fn, t.output_nr)
@@ -136,7 +141,7 @@ class PathFinder:
         self.semiring, self.which, self.output = semiring, which, output
         self.signed = isinstance(semiring, SignedMaxProduct)
         nodes = reachable_nodes([output.grad_fn])
-        if not any(hasattr(n, "sa_replay") for n in nodes):
+        if not any(_replay_of(n) is not None for n in nodes):
             raise SemiringAutogradError(
                 "this graph was recorded without paths: run the forward under "
                 "`sa.patch(model, semiring, paths=True)` to recover top paths"
@@ -239,10 +244,10 @@ class PathFinder:
         steps: list[Step] = []
         while key != self.root:
             node, position = self._winning_consumer(key, element, which)
-            if not hasattr(node, "sa_replay"):
+            if _replay_of(node) is None:
                 steps.append(self._tail(node))
                 break
-            if node.sa_op in DECOMPOSITIONS:
+            if node_info(node).op in DECOMPOSITIONS:
                 inner, element, which = self._through_composition(node, position, element, which)
                 steps += inner
                 key = (node, 0)
@@ -268,7 +273,8 @@ class PathFinder:
 
     def _through_op(self, node, position: int, element: int, which: str):
         """The output element that won inside ``node``'s op, and the edge taken to it."""
-        columns = node.sa_replay.column(position, element)
+        info = node_info(node)
+        columns = info.replay.column(position, element)
         best = None
         for k, (w, message) in enumerate(zip(columns, self.incoming.get(node, ()))):
             if message is None:
@@ -291,22 +297,23 @@ class PathFinder:
             if best is None or cand[i] > best[0]:
                 best = (cand[i], k, i, float(w[i]), tuple(message.shape))
         if best is None or not torch.isfinite(best[0]):
-            raise SemiringAutogradError(f"path recovery lost the path inside {node.sa_op}")
+            raise SemiringAutogradError(f"path recovery lost the path inside {info.op}")
         _, k, i, w, shape = best
         if self.signed and w < 0:
             which = "min" if which == "max" else "max"
-        step = Step(node.sa_module, node.sa_op, shape, self._unravel(i, shape), w)
+        step = Step(info.module, info.op, shape, self._unravel(i, shape), w)
         return step, (node, k), i, which
 
     def _through_composition(self, node, position: int, element: int, which: str):
         """Re-run a composite op as its composition and backtrack through its internal nodes,
         seeded with the op's incoming message."""
-        replay = node.sa_replay
+        info = node_info(node)
+        replay = info.replay
         inputs = [
             t.detach().requires_grad_(t.is_floating_point() and p == position)
             for p, t in enumerate(replay.inputs())
         ]
-        sub = _Sub(replay, DECOMPOSITIONS[node.sa_op])
+        sub = _Sub(replay, DECOMPOSITIONS[info.op])
         from .patching import patch  # patching imports replay; avoid a cycle at import
 
         with patch(sub, self.semiring, paths=True):
@@ -322,9 +329,9 @@ class PathFinder:
             _semiring=self.semiring,
         )
         steps, element, which = inner._walk(inner.start, element, which)
-        label = f"{node.sa_op}: "
+        label = f"{info.op}: "
         steps = [
-            Step(node.sa_module, label + s.op, s.shape, s.index, s.local_derivative) for s in steps
+            Step(info.module, label + s.op, s.shape, s.index, s.local_derivative) for s in steps
         ]
         return steps, element, which
 

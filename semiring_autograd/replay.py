@@ -1,6 +1,6 @@
 """A recorded op call that can be re-run: local Jacobian columns for path recovery.
 
-Recorded by ``sa.patch(..., paths=True)`` on each backward node (``grad_fn.sa_replay``).
+Recorded by ``sa.patch(..., paths=True)`` on each backward node (``sa.node_info(grad_fn).replay``).
 Its inputs are numbered as the node's ``next_functions`` are (the op's tensor arguments in
 the order the generated Function receives them), so position ``p`` of the node is input
 ``p`` here, even when one tensor is passed twice (``x * x`` has two inputs, two edges).

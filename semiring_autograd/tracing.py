@@ -1,10 +1,12 @@
 """``sa.trace()``: see what the semiring backward does, node by node.
 
-Every backward node recorded under ``sa.patch`` is a ``grad_fn`` carrying ``sa_op`` (the YAML
-entry), ``sa_module`` (the qualified module name) and ``semiring``; its hooks receive the
-messages (``sa.Message``, components in ``.value``). ``sa.trace`` uses exactly those hooks:
-each node reports, as it runs, its op, module, and a summary of the messages it received
-(one per output) and sent (one per input).
+Every op's backward node recorded under ``sa.patch`` carries a :class:`~.graph.NodeInfo`
+(``sa.node_info(grad_fn)``: the YAML entry, the qualified module name, the semiring); its
+hooks receive the messages (``sa.Message``, components in ``.value``). ``sa.trace`` uses
+exactly those hooks: each node reports, as it runs, its op, module, and a summary of the
+messages it received (one per output) and sent (one per input). Under ``sa.Real()`` torch
+records its own nodes, several per op for some (a linear layer's view, addmm, transpose):
+each reports, named by the op that recorded it, with its own messages.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Sequence, TextIO
 import torch
 from torch import Tensor
 
-from .graph import reachable_nodes
+from .graph import NodeInfo, internal_nodes, node_info, reachable_nodes
 from .message import Message
 
 _ACTIVE = threading.local()
@@ -41,12 +43,13 @@ def summarize(message: Tensor | None, semiring) -> str:
 class TraceEvent:
     op: str
     module: str
-    received: tuple[str, ...]  # per output of the op: the merged incoming message
-    sent: tuple[str, ...]  # per input of the op: the message it passes on
+    received: tuple[str, ...]  # per output of the node: the merged incoming message
+    sent: tuple[str, ...]  # per input of the node: the message it passes on
+    node: str  # the backward node's name (a generated Function, or torch's own under Real)
 
     def __str__(self) -> str:
         return (
-            f"{self.module}  {self.op}\n"
+            f"{self.module}  {self.op}  [{self.node}]\n"
             + "".join(f"    in  {s}\n" for s in self.received)
             + "".join(f"    out {s}\n" for s in self.sent)
         ).rstrip("\n")
@@ -81,9 +84,13 @@ class trace:
         """Hook every semiring node of the graph behind ``outputs``."""
         outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
         for node in reachable_nodes(o.grad_fn for o in outs):
-            if hasattr(node, "sa_op") and node not in self._hooked:
-                self._hooked.add(node)
-                self._handles.append(node.register_hook(self._hook(node)))
+            info = node_info(node)
+            if info is None:
+                continue
+            for member in (node, *internal_nodes(node, info)):
+                if member not in self._hooked:
+                    self._hooked.add(member)
+                    self._handles.append(member.register_hook(self._hook(member, info)))
 
     def detach(self) -> None:
         for h in self._handles:
@@ -91,14 +98,15 @@ class trace:
         self._handles.clear()
         self._hooked.clear()
 
-    def _hook(self, node):
+    def _hook(self, node, info: NodeInfo):
         def hook(grad_inputs, grad_outputs):
-            semiring = node.semiring
+            semiring = info.semiring
             event = TraceEvent(
-                node.sa_op,
-                node.sa_module,
+                info.op,
+                info.module,
                 tuple(summarize(g, semiring) for g in grad_outputs),
                 tuple(summarize(g, semiring) for g in grad_inputs),
+                node.name(),
             )
             self.events.append(event)
             if self.file is not None:

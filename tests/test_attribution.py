@@ -172,9 +172,10 @@ def test_trace_reports_every_semiring_node_and_hooks_see_messages():
     with sa.patch(model, sa.Log()):
         logits = model(inputs_embeds=x, attention_mask=mask).logits
     seen = []
-    node = logits.grad_fn.next_functions[0][0] if not hasattr(logits.grad_fn, "sa_op") else None
-    node = node or logits.grad_fn
-    node.register_prehook(lambda grads: seen.append((node.sa_module, type(grads[0]))))
+    node = logits.grad_fn
+    if sa.node_info(node) is None:
+        node = node.next_functions[0][0]
+    node.register_prehook(lambda grads: seen.append((sa.node_info(node).module, type(grads[0]))))
     with sa.trace(file=None) as t:
         sa.grad(logits[1, -3, 1], x, retain_graph=True)
     names = dict(model.named_modules())

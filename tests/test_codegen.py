@@ -128,26 +128,6 @@ def _entry(text: str):
             """,
             "unknown type 'Blob'",
         ),
-        (
-            """
-            name: exp(Tensor input) -> Tensor
-            torch: [torch.exp]
-            granularity: op
-            real_backward: torch
-            input: grad
-            """,
-            "real_backward must be 'native'",
-        ),
-        (
-            """
-            name: cat(Tensor[] tensors, int dim=0) -> Tensor
-            torch: [torch.cat]
-            granularity: op
-            real_backward: native
-            tensors: grad
-            """,
-            "real_backward: native needs an op with one Tensor output",
-        ),
     ],
 )
 def test_loader_errors(text, message):

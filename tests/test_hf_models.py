@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import semiring_autograd as sa
 
-SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
+SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.Real(formulas=True)]
 
 
 def _logits(model: nn.Module, emb: Tensor, mask: Tensor) -> Tensor:
@@ -48,7 +48,9 @@ def readouts_of_every_semiring(
         with sa.patch(model, S):
             out = _logits(model, x, mask)
         assert torch.equal(out, reference), f"{S!r}: patched forward differs"
-        results[type(S).__name__] = sa.grad(target(out), x)
+        results[repr(S).replace("(formulas=True)", "-formulas").strip("()")] = sa.grad(
+            target(out), x
+        )
     return results
 
 
@@ -88,15 +90,16 @@ def assert_invariants(r: dict[str, Tensor], rtol: float, log_atol: float) -> Non
 
 
 # ----------------------------------------------------------------------------- tiny models
+@pytest.mark.parametrize("formulas", [False, True], ids=["torch-graph", "formulas"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", list(TINY))
-def test_real_equals_autograd_and_forward_unchanged(name: str, attn: str):
+def test_real_equals_autograd_and_forward_unchanged(name: str, attn: str, formulas: bool):
     model = tiny_model(name, attn)
     emb, mask = tiny_inputs(model)
     x_ref = emb.clone().requires_grad_()
     ref = _logits(model, x_ref, mask)
     x = emb.clone().requires_grad_()
-    with sa.patch(model, sa.Real()):
+    with sa.patch(model, sa.Real(formulas=formulas)):
         out = _logits(model, x, mask)
     assert torch.equal(out, ref)
     seed = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2), dtype=ref.dtype)
@@ -208,6 +211,7 @@ def _pretrained_checks(model: nn.Module, tokenizer, texts: list[str], target) ->
     scale = want.abs().max()
     assert scale > 0
     torch.testing.assert_close(r["Real"], want, rtol=1e-4, atol=1e-5 * scale)
+    torch.testing.assert_close(r["Real-formulas"], want, rtol=1e-4, atol=1e-5 * scale)
     assert_invariants(r, rtol=1e-4, log_atol=1e-3)
 
 

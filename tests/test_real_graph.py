@@ -1,0 +1,184 @@
+"""``sa.Real()`` records torch's own graph; ``sa.Real(formulas=True)`` the generated Functions.
+
+Both are checked against ``torch.autograd.grad`` in float64, with a user semiring of Real's
+definition (the generic module's formulas) beside them: composite ops, repeated arguments,
+``retain_graph``, ops that hand back their input, unsupported ops, node naming and tracing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import semiring_autograd as sa
+
+RTOL, ATOL = 1e-10, 1e-12
+F64 = torch.float64
+
+
+class RealArithmetic(sa.Real):
+    """Real's definition under another type: runs through the generic module's formulas."""
+
+    name = "real_arithmetic"
+
+
+MODES = [sa.Real(), sa.Real(formulas=True), RealArithmetic()]
+MODE_IDS = ["torch-graph", "formulas", "generic"]
+
+
+class Call(nn.Module):
+    def __init__(self, fn: Callable[..., Tensor]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        return self.fn(*xs)
+
+
+def _t(*shape: int, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=F64).requires_grad_()
+
+
+def _cases() -> list[tuple[str, Callable[..., Tensor], list[Tensor]]]:
+    x = _t(2, 3, 5, seed=1)
+    mask = torch.rand(2, 3, 3, generator=torch.Generator().manual_seed(9)) > 0.3
+    mask[..., 0] = True
+    return [
+        ("linear_3d", lambda a, w, b: F.linear(a, w, b), [x, _t(4, 5, seed=2), _t(4, seed=3)]),
+        (
+            "layer_norm",
+            lambda a, w, b: F.layer_norm(a, (5,), w, b),
+            [x, _t(5, seed=2), _t(5, seed=3)],
+        ),
+        (
+            "sdpa_qkv",
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+            [_t(2, 3, 4, seed=5), _t(2, 3, 4, seed=6), _t(2, 3, 4, seed=7)],
+        ),
+        ("sdpa_self", lambda h: F.scaled_dot_product_attention(h, h, h, is_causal=True), [x]),
+        (
+            "sdpa_mask",
+            lambda q, k: F.scaled_dot_product_attention(q, k, k, attn_mask=mask),
+            [_t(2, 3, 5, seed=8), x],
+        ),
+        ("gelu_tanh_softmax", lambda a: torch.softmax(F.gelu(a, approximate="tanh"), -1), [x]),
+        ("contiguous_after_op", lambda a: (a * 2).contiguous().sum(-1), [x]),
+        ("dropout_eval_only", lambda a: F.dropout(a, 0.5, training=False), [x]),
+        ("split_and_cat", lambda a: torch.cat(a.split([2, 3], -1)[::-1], -1) * a, [x]),
+    ]
+
+
+CASES = _cases()
+
+
+def _seed_like(out: Tensor) -> Tensor:
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=F64)
+
+
+@pytest.mark.parametrize("name, fn, inputs", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("S", MODES, ids=MODE_IDS)
+def test_matches_autograd(name, fn, inputs, S):
+    seed = _seed_like(fn(*inputs))
+    expected = torch.autograd.grad(fn(*inputs), inputs, seed)
+    module = Call(fn)
+    with sa.patch(module, S):
+        out = module(*inputs)
+    assert torch.equal(out, fn(*inputs))
+    node, info = out.grad_fn, sa.node_info(out.grad_fn)
+    assert info is not None and info.semiring == S
+    if type(S) is sa.Real and not S.formulas:
+        assert not hasattr(type(node), "_forward_cls")  # one of torch's own nodes
+        assert node._sequence_nr() in info.sequence_nrs
+    else:
+        assert info.sequence_nrs is None
+        module_name = type(node)._forward_cls.__module__
+        assert module_name.endswith("real" if type(S) is sa.Real else "generic")
+    got = sa.grad(out, inputs, seed)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("S", MODES, ids=MODE_IDS)
+def test_repeated_argument_counted_once_per_edge(S):
+    """sdpa(h, h, h): three edges from h, summed once each."""
+    h = _t(1, 4, 3, seed=11)
+    module = Call(lambda a: F.scaled_dot_product_attention(a, a, a))
+    with sa.patch(module, S):
+        out = module(h)
+    (expected,) = torch.autograd.grad(F.scaled_dot_product_attention(h, h, h).sum(), h)
+    torch.testing.assert_close(sa.grad(out, h), expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("S", MODES, ids=MODE_IDS)
+def test_retain_graph_and_second_backward(S):
+    x, w = _t(3, 5, seed=12), _t(5, seed=13)
+    module = Call(lambda a, b: F.layer_norm(a, (5,), b))
+    with sa.patch(module, S):
+        out = module(x, w)
+    first = sa.grad(out, [x, w], retain_graph=True)
+    second = sa.grad(out, [x, w])
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="second time"):
+        sa.grad(out, x)
+
+
+def test_op_handing_back_its_input_gets_its_own_node():
+    """``x.contiguous()`` returns x itself: under Real() the op still gets a node of its own
+    (a view), and the node of the op that made x keeps its name."""
+    x = _t(3, 4, seed=14)
+    module = Call(lambda a: (a * 3).contiguous())
+    with sa.patch(module, sa.Real()):
+        out = module(x)
+    assert sa.node_info(out.grad_fn).op == "contiguous"
+    producer = out.grad_fn.next_functions[0][0]
+    assert sa.node_info(producer).op == "mul.Scalar"
+    torch.testing.assert_close(sa.grad(out, x), torch.full_like(x, 3.0), rtol=0, atol=0)
+
+
+def test_graph_recorded_in_both_modes_is_one_semiring():
+    x = _t(3, 5, seed=15)
+    first, second = Call(torch.tanh), Call(lambda a: F.layer_norm(a, (5,)))
+    with sa.patch(first, sa.Real()):
+        h = first(x)
+    with sa.patch(second, sa.Real(formulas=True)):
+        out = second(h)
+    assert sa.recorded_semiring(out) == sa.Real()
+    expected = torch.autograd.grad(F.layer_norm(torch.tanh(x), (5,)).sum(), x)[0]
+    torch.testing.assert_close(sa.grad(out.sum(), x), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_unsupported_op_raises_under_torch_graph_too():
+    """Every semiring binds each call to its YAML entry, Real's torch graph included: a
+    model that runs under Real() runs under every semiring."""
+    model = Call(torch.sin)
+    x = _t(3, seed=16)
+    with pytest.raises(sa.UnsupportedOpError, match="torch.sin"):
+        with sa.patch(model, sa.Real()):
+            model(x)
+    assert type(model(x).grad_fn).__name__ == "SinBackward0"
+    assert sa.node_info(model(x).grad_fn) is None
+
+
+def test_trace_names_torch_nodes_by_their_op():
+    """A 3-d linear records view, addmm and transpose nodes; each reports as 'linear'."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh()).double()
+    x = _t(2, 3, 5, seed=17)
+    with sa.patch(model, sa.Real()):
+        out = model(x)
+    with sa.trace(file=None) as t:
+        got = sa.grad(out, [x, model[0].weight])
+    expected = torch.autograd.grad(model(x).sum(), [x, model[0].weight])
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
+    ops = [(e.op, e.node) for e in t.events]
+    assert ops[0] == ("tanh", "TanhBackward0") and t.events[0].module == "1"
+    assert ("linear", "AddmmBackward0") in ops
+    assert {op for op, _ in ops} == {"tanh", "linear"}
+    assert len(ops) >= 3
+    assert t.events[0].received == ("(2, 3, 4): readout in [1, 1]",)
