@@ -141,14 +141,14 @@ class _SemiringMode(TorchFunctionMode):
             if not op.accepted(bound):
                 rejected.append(op)
                 continue
-            replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
-            if handle.torch_graph:
+            if handle.torch_graph:  # no replay: top paths need MaxProduct or SignedMaxProduct
                 first = _next_sequence_nr()
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and _handed_back(out, first):
                     out = out.view_as(out)  # its own node, as the generated Functions make
-                handle.annotate(out, op, replay, range(first, _next_sequence_nr()))
+                handle.annotate(out, op, None, range(first, _next_sequence_nr()))
                 return out
+            replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
             fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
             call = UnpatchedCall(func, args, kwargs)
             if takes_semiring:

@@ -182,3 +182,13 @@ def test_trace_names_torch_nodes_by_their_op():
     assert {op for op, _ in ops} == {"tanh", "linear"}
     assert len(ops) >= 3
     assert t.events[0].received == ("(2, 3, 4): readout in [1, 1]",)
+
+
+def test_top_paths_are_refused_on_a_real_graph():
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh()).double()
+    x = _t(3, 5, seed=18)
+    with sa.patch(model, sa.Real(), paths=True):
+        out = model(x)
+    assert sa.node_info(out.grad_fn).replay is None
+    with pytest.raises(sa.SemiringAutogradError, match="MaxProduct"):
+        sa.top_path(out[0, 1], x)
