@@ -300,12 +300,13 @@ class Real(Semiring):
     """
 
     name = "real"
+    formulas = False  # (a subclass is a user semiring: it always runs the formulas)
 
     def __init__(self, formulas: bool = False):
         self.formulas = bool(formulas)
 
     def __repr__(self) -> str:
-        return "Real(formulas=True)" if self.formulas else "Real()"
+        return f"{type(self).__name__}({'formulas=True' if self.formulas else ''})"
 
     def _identity(self) -> dict:
         # `formulas` only picks how sa.patch records the graph: the semiring is the same

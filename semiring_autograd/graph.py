@@ -19,10 +19,11 @@ class NodeInfo:
 
     ``op``: the YAML entry; ``module``: the qualified name of the module whose forward ran
     it; ``semiring``: the semiring the graph was recorded with; ``replay``: the call's
-    replay (``paths=True`` only). ``sequence_nrs``: for torch's own graph of an op
-    (``sa.Real()``), the range of autograd sequence numbers of the nodes the call recorded
-    (the named node is its output's; the others are the op's internal nodes); None for a
-    generated Function, which is the op's one node.
+    replay (``paths=True`` only). For torch's own graph of an op (``sa.Real()``), whose
+    named node is its output's and whose other nodes are internal: ``sequence_nrs``, the
+    range of autograd sequence numbers the call recorded, and ``input_nodes``, the nodes of
+    its tensor inputs, where the internal ones end. Both are empty for a generated
+    Function, which is the op's one node.
     """
 
     op: str
@@ -30,6 +31,7 @@ class NodeInfo:
     semiring: "Semiring"
     replay: "Replay | None" = None
     sequence_nrs: range | None = None
+    input_nodes: tuple = ()
 
 
 def node_info(node: Any) -> NodeInfo | None:
@@ -61,12 +63,12 @@ def reachable_nodes(roots: Iterable[Any]) -> list[Any]:
 
 def internal_nodes(node: Any, info: NodeInfo) -> list[Any]:
     """The other nodes torch recorded for the op named at ``node`` (``sa.Real()`` graphs):
-    those reachable from it through unnamed nodes whose sequence numbers fall in the op's
+    those reachable from it before its inputs' nodes, with sequence numbers in the op's
     range. Empty for a generated Function."""
     if info.sequence_nrs is None:
         return []
     found: list[Any] = []
-    seen = {node}
+    seen = {node, *info.input_nodes}
     stack = [node]
     while stack:
         for child, _ in stack.pop().next_functions:

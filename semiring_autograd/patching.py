@@ -1,4 +1,4 @@
-"""``sa.patch(model, semiring)``: record semiring backward Functions during a model's forward.
+"""``sa.patch(model, semiring)``: record a model's forward for a semiring backward.
 
 A :class:`~torch.overrides.TorchFunctionMode` is pushed (thread-locally) while the patched
 model's forward runs in the thread that patched it. Each torch function call that touches
@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .builtin_semirings import Real
-from .errors import PatchError, UnsupportedOpError
-from .graph import NodeInfo, set_node_info
+from .errors import PatchError, SemiringMismatchError, UnsupportedOpError
+from .graph import NodeInfo, node_info, set_node_info
 from .op_table import OpSpec, Registry, default_registry
 from .replay import Replay
 from .semiring import Semiring
@@ -81,14 +81,26 @@ def _is_inplace(func: Any, kwargs: dict) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def _handed_back(out: torch.Tensor, first: int) -> bool:
-    """Whether a differentiable ``out`` has no backward node recorded at or after sequence
-    number ``first``: the op handed back a tensor it was given (``x.contiguous()``,
-    dropout in eval mode)."""
-    if not out.requires_grad:
-        return False
-    node = out.grad_fn
-    return node is None or node._sequence_nr() < first
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors among bound argument values (a ``Tensor[]`` argument's too)."""
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif type(v) in (tuple, list):
+            found += [t for t in v if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _output_node(out: Any) -> Any:
+    """The backward node of an op's output (its first differentiable tensor's)."""
+    if isinstance(out, torch.Tensor):
+        return out.grad_fn
+    leaves, _ = tree_flatten(out)
+    return next(
+        (t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None),
+        None,
+    )
 
 
 def _substitute(value: Any, replace: dict[int, torch.Tensor]) -> Any:
@@ -141,13 +153,8 @@ class _SemiringMode(TorchFunctionMode):
             if not op.accepted(bound):
                 rejected.append(op)
                 continue
-            if handle.torch_graph:  # no replay: top paths need MaxProduct or SignedMaxProduct
-                first = _next_sequence_nr()
-                out = func(*args, **kwargs)
-                if isinstance(out, torch.Tensor) and _handed_back(out, first):
-                    out = out.view_as(out)  # its own node, as the generated Functions make
-                handle.annotate(out, op, None, range(first, _next_sequence_nr()))
-                return out
+            if handle.torch_graph:
+                return handle.record_torch_graph(func, args, kwargs, op, bound)
             replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
             fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
             call = UnpatchedCall(func, args, kwargs)
@@ -225,32 +232,41 @@ class PatchHandle:
                 self._mode.__exit__(None, None, None)
         return None
 
-    def annotate(
-        self,
-        out: Any,
-        op: OpSpec,
-        replay: "Replay | None",
-        sequence_nrs: range | None = None,
-    ) -> None:
-        """Record a :class:`NodeInfo` on the backward node of ``out`` (``sequence_nrs``: for
-        torch's own graph of the op, the sequence numbers of the nodes it recorded)."""
-        if isinstance(out, torch.Tensor):
-            node = out.grad_fn
-        else:
-            leaves, _ = tree_flatten(out)
-            node = next(
-                (
-                    t.grad_fn
-                    for t in leaves
-                    if isinstance(t, torch.Tensor) and t.grad_fn is not None
-                ),
-                None,
+    def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
+        """Record a :class:`NodeInfo` on the backward node of ``out``."""
+        node = _output_node(out)
+        if node is not None:
+            set_node_info(node, NodeInfo(op.name, self.current_module, self.semiring, replay))
+
+    def record_torch_graph(
+        self, func: Any, args: tuple, kwargs: dict, op: OpSpec, bound: dict[str, Any]
+    ) -> Any:
+        """Run the call as it is, with grad on (``sa.Real()``): torch records its own nodes,
+        and the output's is named. No replay: top paths need (Signed)MaxProduct."""
+        inputs = _tensors(bound.values())
+        # read before the call: a view's node is (re)built on first read
+        input_nodes = tuple(t.grad_fn for t in inputs if t.grad_fn is not None)
+        first = _next_sequence_nr()
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.requires_grad and any(out is t for t in inputs):
+            out = out.view_as(out)  # handed back its input: its own node, as Functions make
+        node = _output_node(out)
+        if node is None or node._sequence_nr() < first:
+            return out  # nothing recorded (a tensor handed back inside a tuple)
+        existing = node_info(node)
+        if existing is not None and existing.semiring != self.semiring:
+            raise SemiringMismatchError(
+                f"{op.name} (in module '{self.current_module}'), under sa.patch(..., "
+                f"{self.semiring!r}), ran inside a model patched with {existing.semiring!r} "
+                "that recorded it: one graph takes one semiring. Patch the outer model only, "
+                "or both with the same semiring."
             )
-        if node is None or (sequence_nrs is not None and node._sequence_nr() not in sequence_nrs):
-            return  # no node, or another op's (a tensor handed back inside a tuple)
-        set_node_info(
-            node, NodeInfo(op.name, self.current_module, self.semiring, replay, sequence_nrs)
+        sequence_nrs = range(first, _next_sequence_nr())
+        info = NodeInfo(
+            op.name, self.current_module, self.semiring, None, sequence_nrs, input_nodes
         )
+        set_node_info(node, info)
+        return out
 
     @property
     def current_module(self) -> str:
@@ -296,7 +312,8 @@ def patch(
     paths: bool = False,
     registry: Registry | None = None,
 ) -> PatchHandle:
-    """Swap the generated semiring Functions in during ``model``'s forward (this thread only).
+    """Record ``model``'s forward for a ``semiring`` backward (this thread only): each
+    call runs as its generated Function, or under ``sa.Real()`` as it is (torch's graph).
 
     Use as ``with sa.patch(model, sa.MaxProduct()): y = model(x)`` or keep the handle and
     call ``handle.remove()``. The forward computes exactly what the unpatched model computes;

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,7 +68,11 @@ def _cases() -> list[tuple[str, Callable[..., Tensor], list[Tensor]]]:
             lambda q, k: F.scaled_dot_product_attention(q, k, k, attn_mask=mask),
             [_t(2, 3, 5, seed=8), x],
         ),
+        ("layer_norm_no_affine", lambda a: F.layer_norm(a, (3, 5)), [_t(2, 3, 5, seed=4)]),
         ("gelu_tanh_softmax", lambda a: torch.softmax(F.gelu(a, approximate="tanh"), -1), [x]),
+        ("silu", F.silu, [x]),
+        ("softmax", lambda a: torch.softmax(a, 1), [x]),
+        ("log_softmax", lambda a: F.log_softmax(a, dim=1), [x]),
         ("contiguous_after_op", lambda a: (a * 2).contiguous().sum(-1), [x]),
         ("dropout_eval_only", lambda a: F.dropout(a, 0.5, training=False), [x]),
         ("split_and_cat", lambda a: torch.cat(a.split([2, 3], -1)[::-1], -1) * a, [x]),
@@ -192,3 +198,71 @@ def test_top_paths_are_refused_on_a_real_graph():
     assert sa.node_info(out.grad_fn).replay is None
     with pytest.raises(sa.SemiringAutogradError, match="MaxProduct"):
         sa.top_path(out[0, 1], x)
+
+
+def test_subclass_is_a_user_semiring():
+    class MyReal(sa.Real):
+        def __init__(self):  # does not call Real's
+            pass
+
+    assert repr(MyReal()) == "MyReal()" and repr(RealArithmetic()) == "RealArithmetic()"
+    assert repr(sa.Real(formulas=True)) == "Real(formulas=True)"
+    assert sa.Real() == sa.Real(formulas=True) and RealArithmetic() != sa.Real()
+
+
+class _Outer(nn.Module):
+    """Calls a model that is not its submodule: each can be patched on its own."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.lin = nn.Linear(5, 5).double()
+        self.inner = [inner]  # not registered
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner[0](torch.tanh(self.lin(x))).sum(-1)
+
+
+def test_nested_patch_with_another_semiring_is_refused_at_forward():
+    inner = nn.Sequential(nn.Linear(5, 3), nn.Sigmoid()).double()
+    outer = _Outer(inner)
+    x = _t(2, 5, seed=19)
+    with pytest.raises(sa.SemiringMismatchError, match=r"Real\(\).*MaxProduct\(\)"):
+        with sa.patch(outer, sa.MaxProduct()), sa.patch(inner, sa.Real()):
+            outer(x)
+    assert sa.node_info(outer(x).grad_fn) is None  # both restored
+    with sa.patch(outer, sa.Real(formulas=True)), sa.patch(inner, sa.Real()):
+        out = outer(x)  # one semiring: fine
+    (expected,) = torch.autograd.grad(outer(x).sum(), x)
+    torch.testing.assert_close(sa.grad(out.sum(), x), expected, rtol=RTOL, atol=ATOL)
+
+
+def _in_new_thread(fn: Callable[[], Tensor]) -> Tensor:
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_input_made_in_another_thread():
+    """Sequence numbers count per thread, from 0. An input recorded in one thread whose node
+    has the number the op's node gets in another: the op handing it back still gets its own
+    node, and the trace stops at the input's node instead of taking it in as the op's."""
+    leaf = _t(3, 4, seed=20)
+    x = _in_new_thread(lambda: leaf * 1.0)
+    model = nn.Sequential(Call(lambda a: a.contiguous()), nn.Linear(4, 2).double())
+
+    def patched_forward() -> Tensor:
+        with sa.patch(model, sa.Real()):
+            return model(x)
+
+    out = _in_new_thread(patched_forward)
+    hand_back = out.grad_fn.next_functions[1][0]  # addmm's input: contiguous's own view
+    assert x.grad_fn._sequence_nr() in sa.node_info(hand_back).sequence_nrs
+    (expected,) = torch.autograd.grad(model(x).sum(), leaf, retain_graph=True)
+    with sa.trace(file=None) as t:
+        got = sa.grad(out, leaf)  # through the other thread's node
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert [e.op for e in t.events if e.node == "ViewBackward0"][-1:] == ["contiguous"]
+    assert {e.op for e in t.events} == {"linear", "contiguous"}
+    assert all(e.node != "MulBackward0" for e in t.events)
