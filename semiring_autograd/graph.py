@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 if TYPE_CHECKING:
     from .replay import Replay
@@ -13,8 +12,7 @@ if TYPE_CHECKING:
 _KEY = "semiring_autograd"
 
 
-@dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(NamedTuple):
     """What ``sa.patch`` recorded about the backward node of one op call.
 
     ``op``: the YAML entry; ``module``: the qualified name of the module whose forward ran
@@ -41,8 +39,12 @@ def node_info(node: Any) -> NodeInfo | None:
     return node.metadata.get(_KEY)
 
 
-def set_node_info(node: Any, info: NodeInfo) -> None:
-    node.metadata[_KEY] = info
+def set_node_info(node: Any, info: NodeInfo) -> NodeInfo | None:
+    """Record ``info`` on ``node``; returns what was recorded there before (None: nothing)."""
+    metadata = node.metadata
+    before = metadata.get(_KEY)
+    metadata[_KEY] = info
+    return before
 
 
 def reachable_nodes(roots: Iterable[Any]) -> list[Any]:

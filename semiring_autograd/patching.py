@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from .builtin_semirings import Real
 from .errors import PatchError, SemiringMismatchError, UnsupportedOpError
-from .graph import NodeInfo, node_info, set_node_info
+from .graph import NodeInfo, set_node_info
 from .op_table import OpSpec, Registry, default_registry
 from .replay import Replay
 from .semiring import Semiring
@@ -245,7 +245,7 @@ class PatchHandle:
         and the output's is named. No replay: top paths need (Signed)MaxProduct."""
         inputs = _tensors(bound.values())
         # read before the call: a view's node is (re)built on first read
-        input_nodes = tuple(t.grad_fn for t in inputs if t.grad_fn is not None)
+        input_nodes = tuple(n for n in [t.grad_fn for t in inputs] if n is not None)
         first = _next_sequence_nr()
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.requires_grad and any(out is t for t in inputs):
@@ -253,19 +253,18 @@ class PatchHandle:
         node = _output_node(out)
         if node is None or node._sequence_nr() < first:
             return out  # nothing recorded (a tensor handed back inside a tuple)
-        existing = node_info(node)
-        if existing is not None and existing.semiring != self.semiring:
-            raise SemiringMismatchError(
-                f"{op.name} (in module '{self.current_module}'), under sa.patch(..., "
-                f"{self.semiring!r}), ran inside a model patched with {existing.semiring!r} "
-                "that recorded it: one graph takes one semiring. Patch the outer model only, "
-                "or both with the same semiring."
-            )
         sequence_nrs = range(first, _next_sequence_nr())
         info = NodeInfo(
             op.name, self.current_module, self.semiring, None, sequence_nrs, input_nodes
         )
-        set_node_info(node, info)
+        before = set_node_info(node, info)
+        if before is not None and before.semiring != self.semiring:
+            raise SemiringMismatchError(
+                f"{op.name} (in module '{self.current_module}'), under sa.patch(..., "
+                f"{self.semiring!r}), ran inside a model patched with {before.semiring!r} "
+                "that recorded it: one graph takes one semiring. Patch the outer model only, "
+                "or both with the same semiring."
+            )
         return out
 
     @property
