@@ -20,8 +20,8 @@ class NodeInfo(NamedTuple):
     replay (``paths=True`` only). For torch's own graph of an op (``sa.Real()``), whose
     named node is its output's and whose other nodes are internal: ``sequence_nrs``, the
     range of autograd sequence numbers the call recorded, and ``input_nodes``, the nodes of
-    its tensor inputs, where the internal ones end. Both are empty for a generated
-    Function, which is the op's one node.
+    its tensor inputs, where the internal ones end. Neither is set (None, ()) for a
+    generated Function, which is the op's one node.
     """
 
     op: str
