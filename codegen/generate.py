@@ -264,6 +264,7 @@ def _table_context(entry: OpEntry) -> dict:
         "source_file": entry.source_file,
         "multi_output": schema.returns == "Tensor[]",
         "forward_helper": entry.forward,
+        "differentiable": [p.name for p in schema.params if p.name in entry.formulas],
     }
 
 

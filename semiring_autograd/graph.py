@@ -39,12 +39,8 @@ def node_info(node: Any) -> NodeInfo | None:
     return node.metadata.get(_KEY)
 
 
-def set_node_info(node: Any, info: NodeInfo) -> NodeInfo | None:
-    """Record ``info`` on ``node``; returns what was recorded there before (None: nothing)."""
-    metadata = node.metadata
-    before = metadata.get(_KEY)
-    metadata[_KEY] = info
-    return before
+def set_node_info(node: Any, info: NodeInfo) -> None:
+    node.metadata[_KEY] = info
 
 
 def reachable_nodes(roots: Iterable[Any]) -> list[Any]:

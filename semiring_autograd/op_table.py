@@ -40,6 +40,7 @@ class OpSpec:
     source_file: str
     multi_output: bool
     forward_helper: str | None = None  # a forward_helpers function computing (output, aux)
+    differentiable: tuple[str, ...] = ()  # the parameters with a formula
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """Match a torch call to this signature; None when it does not fit. Runs on every

@@ -32,6 +32,7 @@ from .replay import Replay
 from .semiring import Semiring
 
 _LOCK = threading.Lock()
+_THREAD = threading.local()
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _PATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -79,6 +80,14 @@ def _is_inplace(func: Any, kwargs: dict) -> bool:
     if name in ("__setitem__",) or (name.startswith("__i") and name.endswith("__")):
         return name not in ("__init__", "__iter__", "__index__", "__int__")
     return name.endswith("_") and not name.endswith("__")
+
+
+def _running() -> list["PatchHandle"]:
+    """This thread's patches whose model's forward is running."""
+    running = getattr(_THREAD, "running", None)
+    if running is None:
+        running = _THREAD.running = []
+    return running
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
@@ -144,6 +153,8 @@ class _SemiringMode(TorchFunctionMode):
         if not torch.is_grad_enabled() or not (_requires_grad(args) or _requires_grad(kwargs)):
             return func(*args, **kwargs)
         handle = self.handle
+        if "out" in kwargs and kwargs["out"] is None:  # the default, spelled out
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         candidates = handle.registry.candidates(func)
         rejected = []
         for op in candidates:
@@ -218,8 +229,24 @@ class PatchHandle:
         if module is self.model:
             if self._depth == 0:
                 self._mode.__enter__()
+                _running().append(self)
             self._depth += 1
+            if self._depth == 1:
+                self._check_outer_patches()
         return None
+
+    def _check_outer_patches(self) -> None:
+        """One graph takes one semiring: refuse to run inside the forward of a model patched
+        with another (a model that is not its submodule, so the two patches coexist). Raised
+        from the entry hook, whose always-called exit hook then undoes the entry."""
+        for other in _running():
+            if other is not self and other.semiring != self.semiring:
+                raise SemiringMismatchError(
+                    f"{type(self.model).__name__}, patched with {self.semiring!r}, runs inside "
+                    f"the forward of {type(other.model).__name__}, patched with "
+                    f"{other.semiring!r}: one graph takes one semiring. Patch the outer model "
+                    "only, or both with the same semiring."
+                )
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if module not in self._names or threading.get_ident() != self.thread:
@@ -230,6 +257,7 @@ class PatchHandle:
             self._depth -= 1
             if self._depth == 0:
                 self._mode.__exit__(None, None, None)
+                _running().remove(self)
         return None
 
     def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
@@ -244,8 +272,10 @@ class PatchHandle:
         """Run the call as it is, with grad on (``sa.Real()``): torch records its own nodes,
         and the output's is named. No replay: top paths need (Signed)MaxProduct."""
         inputs = _tensors(bound.values())
-        # read before the call: a view's node is (re)built on first read
-        input_nodes = tuple(n for n in [t.grad_fn for t in inputs] if n is not None)
+        # the nodes the op's edges lead to (only its differentiable inputs have edges), read
+        # before the call: a view's node is (re)built on first read
+        edges = _tensors(bound[p] for p in op.differentiable)
+        input_nodes = tuple(n for n in [t.grad_fn for t in edges] if n is not None)
         first = _next_sequence_nr()
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.requires_grad and any(out is t for t in inputs):
@@ -257,14 +287,7 @@ class PatchHandle:
         info = NodeInfo(
             op.name, self.current_module, self.semiring, None, sequence_nrs, input_nodes
         )
-        before = set_node_info(node, info)
-        if before is not None and before.semiring != self.semiring:
-            raise SemiringMismatchError(
-                f"{op.name} (in module '{self.current_module}'), under sa.patch(..., "
-                f"{self.semiring!r}), ran inside a model patched with {before.semiring!r} "
-                "that recorded it: one graph takes one semiring. Patch the outer model only, "
-                "or both with the same semiring."
-            )
+        set_node_info(node, info)
         return out
 
     @property
@@ -294,6 +317,7 @@ class PatchHandle:
             self._depth -= 1
             if self._depth == 0:
                 self._mode.__exit__(None, None, None)
+                _running().remove(self)
         with _LOCK:
             _PATCHED.discard(self.model)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import semiring_autograd as sa
 
@@ -222,18 +223,60 @@ class _Outer(nn.Module):
         return self.inner[0](torch.tanh(self.lin(x))).sum(-1)
 
 
-def test_nested_patch_with_another_semiring_is_refused_at_forward():
+NESTINGS = [
+    (sa.MaxProduct(), sa.Real()),
+    (sa.Real(), sa.MaxProduct()),
+    (sa.Real(formulas=True), sa.Log()),
+    (sa.Log(), sa.MaxProduct()),
+]
+
+
+@pytest.mark.parametrize("outer_S, inner_S", NESTINGS, ids=repr)
+def test_nested_patch_with_another_semiring_is_refused_at_forward(outer_S, inner_S):
     inner = nn.Sequential(nn.Linear(5, 3), nn.Sigmoid()).double()
     outer = _Outer(inner)
     x = _t(2, 5, seed=19)
-    with pytest.raises(sa.SemiringMismatchError, match=r"Real\(\).*MaxProduct\(\)"):
-        with sa.patch(outer, sa.MaxProduct()), sa.patch(inner, sa.Real()):
+    with pytest.raises(sa.SemiringMismatchError, match="one graph takes one semiring"):
+        with sa.patch(outer, outer_S), sa.patch(inner, inner_S):
             outer(x)
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in outer.modules())
     assert sa.node_info(outer(x).grad_fn) is None  # both restored
+    with sa.patch(outer, outer_S):  # and each can be patched again
+        outer(x)
+
+
+def test_nested_patch_with_the_same_semiring():
+    inner = nn.Sequential(nn.Linear(5, 3), nn.Sigmoid()).double()
+    outer = _Outer(inner)
+    x = _t(2, 5, seed=19)
     with sa.patch(outer, sa.Real(formulas=True)), sa.patch(inner, sa.Real()):
-        out = outer(x)  # one semiring: fine
+        out = outer(x)
     (expected,) = torch.autograd.grad(outer(x).sum(), x)
     torch.testing.assert_close(sa.grad(out.sum(), x), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_out_none_is_the_default():
+    model = Call(lambda a, b: torch.cat([torch.add(a, b, out=None), a], -1, out=None))
+    a, b = _t(2, 3, seed=21), _t(2, 3, seed=22)
+    for S in (sa.Real(), sa.MaxProduct()):
+        with sa.patch(model, S):
+            out = model(a, b)
+        assert torch.equal(out, torch.cat([a + b, a], -1))
+
+
+def test_input_nodes_are_the_edges_only():
+    """``x.expand_as(other)`` has no edge to ``other``: the name recorded keeps no
+    reference to other's graph, which torch frees as it would unpatched."""
+    x = _t(1, 3, seed=23)
+    model = Call(lambda a, o: a.expand_as(o))
+    other = torch.tanh(_t(4, 3, seed=24))
+    with sa.patch(model, sa.Real()):
+        out = model(x, other)
+    assert sa.node_info(out.grad_fn).input_nodes == ()  # x is a leaf; other has no edge
+    saved = StorageWeakRef(other.untyped_storage())  # tanh's node saves its result
+    del other
+    assert saved.expired()
 
 
 def _in_new_thread(fn: Callable[[], Tensor]) -> Tensor:
