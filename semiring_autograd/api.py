@@ -33,9 +33,9 @@ def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
         stack.extend(n for n, _ in node.next_functions)
     if not found:
         raise SemiringAutogradError(
-            "no node recorded under sa.patch found in the graph behind these outputs: compute them from "
-            "a forward run inside `with sa.patch(model, semiring):` (and with inputs that "
-            "require grad)"
+            "no node recorded under sa.patch found in the graph behind these outputs: compute "
+            "them from a forward run inside `with sa.patch(model, semiring):` (and with inputs "
+            "that require grad)"
         )
     if len(found) > 1:
         raise SemiringMismatchError(

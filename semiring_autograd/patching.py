@@ -227,11 +227,10 @@ class PatchHandle:
             return None
         self._stack.append(name)
         if module is self.model:
-            if self._depth == 0:
-                self._mode.__enter__()
-                _running().append(self)
             self._depth += 1
             if self._depth == 1:
+                self._mode.__enter__()
+                _running().append(self)
                 self._check_outer_patches()
         return None
 

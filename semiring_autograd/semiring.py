@@ -91,11 +91,15 @@ class Semiring:
         raise NotImplementedError(f"{type(self).__name__} must define readout()")
 
     # ----- identity and display ---------------------------------------------------------
+    def _identity(self) -> dict:
+        """The attributes that make two instances of one class the same semiring."""
+        return vars(self)
+
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and vars(self) == vars(other)
+        return type(self) is type(other) and self._identity() == other._identity()
 
     def __hash__(self) -> int:
-        return hash((type(self), tuple(sorted(vars(self).items()))))
+        return hash((type(self), tuple(sorted(self._identity().items()))))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -12,10 +12,8 @@ import semiring_autograd as sa
 
 #: Real twice: torch's own graph (the default) and the generated formulas
 ALL = [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.Real(formulas=True)]
-IDS = [repr(s).replace("(formulas=True)", "-formulas").strip("()") for s in ALL]
 #: the semirings recorded as generated Functions (all but Real's torch graph)
 FUNCTIONS = [s for s in ALL if repr(s) != "Real()"]
-FUNCTION_IDS = [i for s, i in zip(ALL, IDS) if repr(s) != "Real()"]
 
 
 def _mlp() -> nn.Module:
@@ -28,7 +26,7 @@ def _x() -> torch.Tensor:
     return torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
 
 
-@pytest.mark.parametrize("S", ALL, ids=IDS)
+@pytest.mark.parametrize("S", ALL, ids=repr)
 def test_forward_identical_and_restored(S):
     model, x = _mlp(), _x()
     expected = model(x)
@@ -205,7 +203,7 @@ def test_no_graph_error():
         sa.grad((x * 2).sum(), x)
 
 
-@pytest.mark.parametrize("S", ALL, ids=IDS)
+@pytest.mark.parametrize("S", ALL, ids=repr)
 def test_retain_graph_twice_same_result(S):
     model, x = _mlp(), _x()
     with sa.patch(model, S):
@@ -231,7 +229,7 @@ def test_inplace_change_of_saved_tensor_raises_version_error():
         sa.grad(y.sum(), x)
 
 
-@pytest.mark.parametrize("S", ALL, ids=IDS)
+@pytest.mark.parametrize("S", ALL, ids=repr)
 def test_backward_and_autograd_grad_with_seed_message(S):
     model, x = _mlp(), _x()
     with sa.patch(model, S):
@@ -270,7 +268,7 @@ def test_plain_grad_then_semiring_backward_is_explained():
         y.backward(sa.seed_message(S, y))
 
 
-@pytest.mark.parametrize("S", ALL, ids=IDS)
+@pytest.mark.parametrize("S", ALL, ids=repr)
 def test_hooks_see_messages(S):
     model, x = _mlp(), _x()
     with sa.patch(model, S):
@@ -333,7 +331,7 @@ def test_zero_derivatives_give_no_nan(S):
     assert not torch.isnan(S.readout(value)).any()
 
 
-@pytest.mark.parametrize("S", FUNCTIONS, ids=FUNCTION_IDS)
+@pytest.mark.parametrize("S", FUNCTIONS, ids=repr)
 def test_unrequested_weights_get_no_message(S):
     """Weights require grad but only the input is asked for: the engine would drop their
     messages, so none is computed; asking for a weight still gets its message, and
