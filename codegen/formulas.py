@@ -14,8 +14,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from semiring_autograd.primitives import PRIMITIVES
-from semiring_autograd import shape_helpers, tensor_helpers
+from semiring_autograd.ops import shape_helpers, tensor_helpers
+from semiring_autograd.ops.primitives import PRIMITIVES
 
 #: helper name -> the alias generated code imports its module as
 HELPERS = {

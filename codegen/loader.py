@@ -146,7 +146,7 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
     if out_diff != [True] and not forward:
         raise _fail(where, "non-differentiable extra outputs need a 'forward:' helper")
     if forward is not None:
-        import semiring_autograd.forward_helpers as fh
+        import semiring_autograd.ops.forward_helpers as fh
 
         if not hasattr(fh, str(forward)):
             raise _fail(

@@ -4,20 +4,19 @@
 >>> with sa.patch(model, sa.MaxProduct()):
 ...     y = model(x)
 >>> score = sa.grad(y[0, 3], x)   # weight of the strongest path to every element of x
+
+The package, one layer on the next (docs/architecture.md): ``semirings`` (the algebra) and
+``kernels``; ``ops`` (what a generated Function computes with); ``generated`` (one
+Function per op, emitted from derivatives/*.yaml by ``codegen``); ``engine`` (the patch,
+``sa.grad``, node records, tracing); ``explain`` (top paths, attribution); ``integrations``
+(Hugging Face loading, the CLI).
 """
 
-from .attribution import Attribution, attribute
-from .api import grad, message_value, recorded_semiring, seed_message
-from .builtin_semirings import (
-    BUILTIN_SEMIRINGS,
-    Boolean,
-    Counting,
-    Entropy,
-    Log,
-    MaxProduct,
-    Real,
-    SignedMaxProduct,
-)
+from .engine.dispatch import Registry
+from .engine.grad import grad, message_value, recorded_semiring, seed_message
+from .engine.graph import NodeInfo, node_info
+from .engine.patch import PatchHandle, patch
+from .engine.trace import TraceEvent, trace
 from .errors import (
     ForeignOpError,
     PatchError,
@@ -26,13 +25,22 @@ from .errors import (
     SemiringMismatchError,
     UnsupportedOpError,
 )
-from .graph import NodeInfo, node_info
-from .message import Message
-from .op_table import Registry
-from .patching import PatchHandle, patch
-from .paths import Path, PathFinder, Step, top_path
-from .semiring import Semiring, Value
-from .tracing import TraceEvent, trace
+from .explain.attribution import Attribution, attribute
+from .explain.paths import Path, PathFinder, Step, top_path
+from .ops.message import Message
+from .semirings import (
+    BUILTIN_SEMIRINGS,
+    Boolean,
+    Counting,
+    Entropy,
+    Log,
+    MaxProduct,
+    Real,
+    Semiring,
+    SignedMaxProduct,
+    Value,
+    check_semiring,
+)
 
 __all__ = [
     "Attribution",
@@ -71,11 +79,3 @@ __all__ = [
     "top_path",
     "trace",
 ]
-
-
-def __getattr__(name: str):
-    if name == "check_semiring":
-        from .checks import check_semiring
-
-        return check_semiring
-    raise AttributeError(f"module 'semiring_autograd' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from semiring_autograd.models import load_causal_lm  # noqa: E402
+from semiring_autograd.integrations.huggingface import load_causal_lm  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 

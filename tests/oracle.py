@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.autograd.functional import jacobian
 
-from semiring_autograd.semiring import Semiring, Value
+from semiring_autograd.semirings import Semiring, Value
 
 Node = tuple[str, int]
 """A scalar node of the gradient graph: (tensor name, flat element index)."""

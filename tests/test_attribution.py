@@ -11,7 +11,7 @@ import transformers
 from hf_models import minilm, tiny_inputs, tiny_model
 
 import semiring_autograd as sa
-from semiring_autograd import cli
+from semiring_autograd.integrations import cli
 
 SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
 

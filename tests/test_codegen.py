@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import semiring_autograd as sa
-from codegen import generate
-from codegen.loader import DerivativesError, load_entries, load_entry
+from semiring_autograd.codegen import generate
+from semiring_autograd.codegen.loader import DerivativesError, load_entries, load_entry
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ from oracle import Program
 from torch import Tensor, nn
 
 import semiring_autograd as sa
-from semiring_autograd.semiring import Semiring, Value
+from semiring_autograd.semirings import Semiring, Value
 
 RTOL, ATOL = 1e-7, 1e-9
 SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]

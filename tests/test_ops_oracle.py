@@ -20,7 +20,7 @@ from oracle import Program, merge_positions, op_oracle
 from torch import Tensor, nn
 
 import semiring_autograd as sa
-from semiring_autograd.semiring import Semiring, Value
+from semiring_autograd.semirings import Semiring, Value
 
 RTOL, ATOL = 1e-7, 1e-9
 REAL_RTOL, REAL_ATOL = 1e-10, 1e-12

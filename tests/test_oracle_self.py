@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from oracle import Program, merge_positions, op_oracle
 from torch import Tensor
 
-from semiring_autograd.builtin_semirings import (
+from semiring_autograd.semirings import (
     BUILTIN_SEMIRINGS,
     Counting,
     Entropy,
@@ -21,7 +21,7 @@ from semiring_autograd.builtin_semirings import (
     MaxProduct,
     Real,
 )
-from semiring_autograd.semiring import Semiring
+from semiring_autograd.semirings import Semiring
 
 ALL = [cls() for cls in BUILTIN_SEMIRINGS]
 IDS = [type(s).__name__ for s in ALL]

@@ -9,8 +9,8 @@ from oracle import best_paths
 from test_compositions import MODELS, _setup
 
 import semiring_autograd as sa
-from semiring_autograd.decompositions import DECOMPOSITIONS
-from semiring_autograd.graph import reachable_nodes
+from semiring_autograd.ops.decompositions import DECOMPOSITIONS
+from semiring_autograd.engine.graph import reachable_nodes
 
 
 def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import semiring_autograd as sa
-from semiring_autograd.builtin_semirings import (
+from semiring_autograd.semirings import (
     BUILTIN_SEMIRINGS,
     Boolean,
     Counting,
@@ -25,7 +25,7 @@ from semiring_autograd.builtin_semirings import (
     SignedMaxProduct,
 )
 from semiring_autograd.errors import SemiringLawError
-from semiring_autograd.semiring import Semiring, Value
+from semiring_autograd.semirings import Semiring, Value
 
 F64 = torch.float64
 IDS = [cls.__name__ for cls in BUILTIN_SEMIRINGS]
@@ -176,7 +176,7 @@ def test_check_semiring_rejects_non_semirings():
 
 
 def test_check_semiring_reports_commutativity_as_info(caplog):
-    with caplog.at_level("INFO", logger="semiring_autograd.checks"):
+    with caplog.at_level("INFO", logger="semiring_autograd.semirings.laws"):
         sa.check_semiring(Real, samples=16)
     assert "commutative" in caplog.text
 

@@ -19,51 +19,11 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from .api import grad, message_value
-from .builtin_semirings import (
-    Boolean,
-    Counting,
-    Entropy,
-    Log,
-    MaxProduct,
-    Real,
-    SignedMaxProduct,
-)
-from .patching import patch
+from ..engine.grad import grad, message_value
+from ..engine.patch import patch
 from .paths import Path, PathFinder
-from .semiring import Semiring
-
-#: command-line names of the built-in semirings
-SEMIRING_NAMES: dict[str, type[Semiring]] = {
-    "real": Real,
-    "max-product": MaxProduct,
-    "signed-max-product": SignedMaxProduct,
-    "log": Log,
-    "entropy": Entropy,
-    "boolean": Boolean,
-    "counting": Counting,
-}
-
-#: what a token's score means, per semiring
-MEANING: dict[type[Semiring], str] = {
-    Real: "summed gradient",
-    MaxProduct: "weight of the strongest path",
-    SignedMaxProduct: "largest signed path product",
-    Log: "log of the total path weight",
-    Entropy: "entropy of the path distribution (nats)",
-    Boolean: "whether any path exists",
-    Counting: "log of the number of paths",
-}
-
-
-def semiring_named(name: str | Semiring) -> Semiring:
-    """A semiring instance from a name such as ``"max-product"`` (or the instance itself)."""
-    if isinstance(name, Semiring):
-        return name
-    key = str(name).lower().replace("_", "-")
-    if key not in SEMIRING_NAMES:
-        raise ValueError(f"unknown semiring {name!r}; choose one of {', '.join(SEMIRING_NAMES)}")
-    return SEMIRING_NAMES[key]()
+from ..semirings.base import Semiring
+from ..semirings.registry import inherited_spec, semiring_named
 
 
 @dataclass
@@ -78,7 +38,8 @@ class Attribution:
 
     @property
     def meaning(self) -> str:
-        return MEANING.get(type(self.semiring), "semiring readout")
+        spec = inherited_spec(self.semiring)
+        return spec.meaning if spec is not None else "semiring readout"
 
     def _display_scores(self) -> Tensor:
         s = self.scores.double()
@@ -204,7 +165,8 @@ def _attribute_one(
     with torch.no_grad():
         emb = model.get_input_embeddings()(ids)
     x = emb.detach().requires_grad_()
-    want_paths = paths and isinstance(semiring, (MaxProduct, SignedMaxProduct))
+    spec = inherited_spec(semiring)
+    want_paths = paths and spec is not None and spec.top_paths is not None
     with patch(model, semiring, paths=want_paths):
         out = model(inputs_embeds=x, attention_mask=mask)
     logits = out.logits if hasattr(out, "logits") else out[0]

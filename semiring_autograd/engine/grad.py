@@ -7,12 +7,13 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import demand, tracing
-from .builtin_semirings import Real
-from .errors import SemiringAutogradError, SemiringMismatchError
+from ..ops import demand
+from . import trace as tracing
+from ..errors import SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
-from .message import Message, wrap
-from .semiring import Semiring
+from ..ops.message import Message, wrap
+from ..semirings.base import Semiring
+from ..semirings.registry import plain_messages
 
 
 def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
@@ -55,7 +56,7 @@ def seed_message(semiring: Semiring, output: Tensor, weights: Tensor | None = No
                 f"seed has shape {tuple(weights.shape)} but the output has shape "
                 f"{tuple(output.shape)}"
             )
-    if type(semiring) is Real:
+    if plain_messages(semiring):
         return torch.ones_like(output) if weights is None else weights
     if weights is None:
         value = semiring.one(output.shape, output)
@@ -104,14 +105,14 @@ def grad(
     finally:
         if own is not None:
             own.detach()
-    real = type(semiring) is Real
+    plain = plain_messages(semiring)
     final = []
     for x, r in zip(ins, results):
         if raw:
             final.append(r)
         elif r is None:
             final.append(semiring.readout(semiring.zero(x.shape, x)))
-        elif real:
+        elif plain:
             final.append(r)
         else:
             final.append(semiring.readout(r.value))

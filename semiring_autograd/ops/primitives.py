@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .semiring import Semiring, Value, message_dtype
+from ..semirings.base import Semiring, Value, message_dtype
 
 Ref = tuple[torch.dtype, torch.device]
 

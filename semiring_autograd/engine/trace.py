@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .graph import NodeInfo, internal_nodes, node_info, reachable_nodes
-from .message import Message
+from ..ops.message import Message
 
 _ACTIVE = threading.local()
 

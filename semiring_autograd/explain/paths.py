@@ -26,14 +26,16 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import demand, tracing
-from .api import recorded_semiring, seed_message
-from .builtin_semirings import MaxProduct, SignedMaxProduct
-from .decompositions import DECOMPOSITIONS
-from .errors import SemiringAutogradError
-from .graph import node_info, reachable_nodes
-from .message import wrap
-from .semiring import Semiring
+from ..engine import trace as tracing
+from ..ops import demand
+from ..engine.grad import recorded_semiring, seed_message
+from ..engine.graph import node_info, reachable_nodes
+from ..engine.patch import patch
+from ..ops.decompositions import DECOMPOSITIONS
+from ..errors import SemiringAutogradError
+from ..ops.message import wrap
+from ..semirings.base import Semiring
+from ..semirings.registry import inherited_spec
 
 Key = tuple[Any, int]  # a tensor of the graph: (producing node, output number)
 
@@ -126,12 +128,14 @@ class PathFinder:
         _semiring: Semiring | None = None,
     ):
         semiring = _semiring or recorded_semiring(output)
-        if not isinstance(semiring, (MaxProduct, SignedMaxProduct)):
+        spec = inherited_spec(semiring)
+        kind = None if spec is None else spec.top_paths
+        if kind is None:
             raise SemiringAutogradError(
                 f"top paths need a graph recorded with sa.MaxProduct() or sa.SignedMaxProduct(), "
                 f"not {semiring!r}"
             )
-        if which not in ("max", "min") or (which == "min" and isinstance(semiring, MaxProduct)):
+        if which not in ("max", "min") or (which == "min" and kind != "signed"):
             raise ValueError("which is 'max', or 'min' for SignedMaxProduct")
         if seed is None and output.numel() != 1 and _semiring is None:
             raise ValueError(
@@ -139,7 +143,7 @@ class PathFinder:
                 "element, e.g. logits[0, -1, token_id]"
             )
         self.semiring, self.which, self.output = semiring, which, output
-        self.signed = isinstance(semiring, SignedMaxProduct)
+        self.signed = kind == "signed"
         nodes = reachable_nodes([output.grad_fn])
         if not any(_replay_of(n) is not None for n in nodes):
             raise SemiringAutogradError(
@@ -314,8 +318,6 @@ class PathFinder:
             for p, t in enumerate(replay.inputs())
         ]
         sub = _Sub(replay, DECOMPOSITIONS[info.op])
-        from .patching import patch  # patching imports replay; avoid a cycle at import
-
         with patch(sub, self.semiring, paths=True):
             out = sub(*inputs)
         (seed,) = self.incoming[node][:1]

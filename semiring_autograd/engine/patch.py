@@ -24,12 +24,13 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .builtin_semirings import Real
-from .errors import PatchError, SemiringMismatchError, UnsupportedOpError
+from ..errors import PatchError, SemiringMismatchError, UnsupportedOpError
 from .graph import NodeInfo, set_node_info
-from .op_table import OpSpec, Registry, default_registry
+from ..ops.spec import OpSpec
+from .dispatch import Registry, default_registry
 from .replay import Replay
-from .semiring import Semiring
+from ..semirings.base import Semiring
+from ..semirings.registry import records_torch_graph
 
 _LOCK = threading.Lock()
 _THREAD = threading.local()
@@ -202,8 +203,8 @@ class PatchHandle:
         self.semiring = semiring
         self.registry = registry
         self.paths = paths
-        #: Real without formulas: torch records its own graph of each op (see sa.Real)
-        self.torch_graph = type(semiring) is Real and not semiring.formulas
+        #: torch records its own graph of each op (sa.Real(); see the semiring registry)
+        self.torch_graph = records_torch_graph(semiring)
         self.thread = threading.get_ident()
         self._mode = _SemiringMode(self)
         self._depth = 0

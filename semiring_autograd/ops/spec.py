@@ -1,22 +1,14 @@
-"""Op specifications (from generated/ops_table.py) and binding of torch calls to them."""
+"""Op specifications (the entries of generated/ops_table.py) and binding a torch call to one."""
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
-import sys
 from dataclasses import dataclass
 from numbers import Number
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
-
-from .builtin_semirings import BUILTIN_SEMIRINGS
-from .semiring import Semiring
 
 
 @dataclass(frozen=True)
@@ -113,77 +105,3 @@ def _checker(t: str) -> Callable[[object], bool]:
     if t not in _CHECKS:
         raise AssertionError(f"unknown parameter type {t}")
     return _CHECKS[t]
-
-
-def _resolve(path: str) -> Any:
-    parts = path.split(".")
-    obj: Any = importlib.import_module(parts[0])
-    for i, part in enumerate(parts[1:], start=1):
-        if hasattr(obj, part):
-            obj = getattr(obj, part)
-        else:
-            obj = importlib.import_module(".".join(parts[: i + 1]))
-    return obj
-
-
-class Registry:
-    """Torch function → candidate ops, and op name → generated dispatch per semiring."""
-
-    def __init__(self, table: ModuleType, modules: dict[str, ModuleType], origin: str):
-        self.origin = origin
-        self.ops: tuple[OpSpec, ...] = table.OPS
-        self.by_function: dict[Any, list[OpSpec]] = {}
-        for op in self.ops:
-            for path in op.torch_functions:
-                self.by_function.setdefault(_resolve(path), []).append(op)
-        self.modules = modules
-
-    def candidates(self, func: Any) -> list[OpSpec]:
-        try:
-            return self.by_function.get(func, [])
-        except TypeError:  # unhashable callables are never registered
-            return []
-
-    def dispatcher(self, semiring: Semiring, op: OpSpec) -> tuple[Callable[..., Any], bool]:
-        """(generated function, whether it takes the semiring as first argument)."""
-        if type(semiring) in BUILTIN_SEMIRINGS:
-            module = self.modules[type(semiring).name]
-            return module.FUNCTIONS[op.name], False
-        return self.modules["generic"].FUNCTIONS[op.name], True
-
-    @classmethod
-    def load(cls, directory: str | Path | None = None) -> "Registry":
-        """The registry of the installed generated package, or of a directory of generated
-        files (as written by ``generate --out-dir``)."""
-        names = [c.name for c in BUILTIN_SEMIRINGS] + ["generic"]
-        if directory is None:
-            package = "semiring_autograd.generated"
-            table = importlib.import_module(f"{package}.ops_table")
-            modules = {n: importlib.import_module(f"{package}.{n}") for n in names}
-            return cls(table, modules, "generated/")
-        directory = Path(directory)
-        prefix = f"_semiring_autograd_extra_{abs(hash(str(directory.resolve())))}"
-        loaded = {}
-        for n in ["ops_table", *names]:
-            path = directory / f"{n}.py"
-            if not path.exists():
-                raise FileNotFoundError(
-                    f"{path}: not a generated directory (run `generate --out-dir`)"
-                )
-            spec = importlib.util.spec_from_file_location(f"{prefix}.{n}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-            loaded[n] = module
-        table = loaded.pop("ops_table")
-        return cls(table, loaded, str(directory))
-
-
-_DEFAULT: Registry | None = None
-
-
-def default_registry() -> Registry:
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = Registry.load()
-    return _DEFAULT

@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .errors import SemiringLawError
-from .semiring import Semiring, Value
+from ..errors import SemiringLawError
+from .base import Semiring, Value
 
 _log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 if TYPE_CHECKING:
     from .replay import Replay
-    from .semiring import Semiring
+    from ..semirings.base import Semiring
 
 #: the key of a node's ``metadata`` dict under which sa.patch stores its NodeInfo
 _KEY = "semiring_autograd"

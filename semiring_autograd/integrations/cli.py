@@ -13,8 +13,9 @@ import argparse
 import sys
 import time
 
-from .attribution import SEMIRING_NAMES, attribute
-from .models import DEFAULT_MODEL, load_causal_lm
+from ..explain.attribution import attribute
+from ..semirings.registry import cli_names
+from .huggingface import DEFAULT_MODEL, load_causal_lm
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--semiring",
         default="max-product",
-        choices=list(SEMIRING_NAMES),
+        choices=list(cli_names()),
         help="default: max-product",
     )
     explain.add_argument(

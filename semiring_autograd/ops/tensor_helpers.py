@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from .semiring import message_dtype
+from ..semirings.base import message_dtype
 from .shape_helpers import attention_scale
 
 

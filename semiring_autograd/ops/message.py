@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .errors import ForeignOpError, SemiringMismatchError
-from .semiring import Semiring, Value, message_dtype
+from ..errors import ForeignOpError, SemiringMismatchError
+from ..semirings.base import Semiring, Value, message_dtype
 
 aten = torch.ops.aten
 

@@ -1,0 +1,98 @@
+"""The op table at run time: which YAML entries serve a torch function, and which generated
+Function records an op under a semiring (the registry of semirings names the module)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from .. import generated
+from ..ops.spec import OpSpec
+from ..semirings.base import Semiring
+from ..semirings.registry import SEMIRINGS, spec_of
+
+
+def _resolve(path: str) -> Any:
+    parts = path.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+class Registry:
+    """Torch function → candidate ops, and op name → generated dispatch per semiring."""
+
+    def __init__(self, table: ModuleType, modules: dict[str, ModuleType], origin: str):
+        self.origin = origin
+        self.ops: tuple[OpSpec, ...] = table.OPS
+        self.by_function: dict[Any, list[OpSpec]] = {}
+        for op in self.ops:
+            for path in op.torch_functions:
+                self.by_function.setdefault(_resolve(path), []).append(op)
+        self.modules = modules
+
+    def candidates(self, func: Any) -> list[OpSpec]:
+        try:
+            return self.by_function.get(func, [])
+        except TypeError:  # unhashable callables are never registered
+            return []
+
+    def dispatcher(self, semiring: Semiring, op: OpSpec) -> tuple[Callable[..., Any], bool]:
+        """(generated function, whether it takes the semiring as first argument): a built-in
+        semiring's own module, else the generic one (user semirings, and built-ins whose
+        registry entry says ``module="generic"``)."""
+        spec = spec_of(semiring)
+        if spec is not None and spec.module == "own":
+            return self.modules[spec.name].FUNCTIONS[op.name], False
+        return self.modules["generic"].FUNCTIONS[op.name], True
+
+    @classmethod
+    def from_package(cls, package: ModuleType, origin: str) -> "Registry":
+        """The registry of a generated package (its ``ops_table`` and ``MODULES``)."""
+        expected = {s.generated_module for s in SEMIRINGS}
+        missing = sorted(expected - set(package.MODULES))
+        if missing:
+            raise ImportError(
+                f"{origin}: no generated module for {', '.join(missing)}; run `generate`"
+            )
+        return cls(package.ops_table, package.MODULES, origin)
+
+    @classmethod
+    def load(cls, directory: str | Path | None = None) -> "Registry":
+        """The registry of the installed generated package, or of a directory of generated
+        files (as written by ``generate --out-dir``), imported as a package of its own."""
+        if directory is None:
+            return cls.from_package(generated, "generated/")
+        directory = Path(directory)
+        init = directory / "__init__.py"
+        if not init.exists():
+            raise FileNotFoundError(
+                f"{init}: not a generated directory (run `generate --out-dir {directory}`)"
+            )
+        name = f"_semiring_autograd_extra_{abs(hash(str(directory.resolve())))}"
+        spec = importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[str(directory)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        spec.loader.exec_module(package)
+        return cls.from_package(package, str(directory))
+
+
+_DEFAULT: Registry | None = None
+
+
+def default_registry() -> Registry:
+    """The registry of the installed generated package (loaded once)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Registry.load()
+    return _DEFAULT

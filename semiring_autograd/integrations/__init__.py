@@ -1,0 +1,1 @@
+"""Hugging Face models loaded offline, and the ``semiring-autograd`` command line."""

@@ -1,0 +1,25 @@
+"""The Counting semiring: the number of non-zero paths, kept in log space."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import message_dtype
+from .log import Log
+from .tensor_ops import NEG_INF, nonzero_operand
+
+
+class Counting(Log):
+    """(+, ×) on path counts, kept in log space: lift(w) = 1 if w ≠ 0 else 0; the readout
+    is the natural log of the number of non-zero paths (-inf where none)."""
+
+    name = "counting"
+
+    def lift(self, w):
+        return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)
+
+    def linear_lift(self, w):
+        return nonzero_operand(w, message_dtype(w.dtype))
+
+    def mul_lift(self, a, w):
+        return (torch.where(w == 0, NEG_INF, a[0]),)

@@ -1,0 +1,141 @@
+"""The Entropy semiring: the entropy of the distribution over paths, in log space."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..kernels.workspace import scratch
+from .base import Semiring, Value
+from .log_space import LogSpaceGemm, log_live, top_two_shifts
+from .tensor_ops import (
+    NEG_INF,
+    POS_INF,
+    filled,
+    on_live_rows,
+    ratio_or_zero,
+    safe_weight,
+    scatter_extreme,
+)
+
+
+def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
+    """Leave-one-out ⊕ of Entropy values (log Z, r) along ``dim``, with the shifts of
+    :func:`log_loo`: r of the rest is Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j (0 where no j has
+    weight). Fresh tensors are updated in place (fewer passes)."""
+    n = la.shape[dim]
+    if n <= 1:
+        return torch.full_like(la, NEG_INF), torch.zeros_like(r)
+    if dim in (-1, la.dim() - 1):
+        fused = kernels.loo_log(la, r)
+        if fused is not None:
+            return fused
+    first, s1, s2 = top_two_shifts(la, dim)
+    e = torch.sub(la, s1).exp_()
+    er = e * r
+    den = e.sum(dim, keepdim=True).sub(e).clamp_min_(0.0)
+    # den ≥ 1 but at the argmax (its sum is replaced below) and in all -inf rows (0/0)
+    rest_r = ratio_or_zero(torch.sub(er.sum(dim, keepdim=True), er, out=er), den)
+    rest_l = den.log_().add_(s1)
+    e2 = torch.sub(la, s2).exp_().scatter_(dim, first, 0.0)
+    den2 = e2.sum(dim, keepdim=True)
+    at_r = ratio_or_zero(e2.mul_(r).sum(dim, keepdim=True), den2)
+    at_l = den2.log_().add_(s2)
+    return rest_l.scatter_(dim, first, at_l), rest_r.scatter_(dim, first, at_r)
+
+
+def _entropy_weights(w: Tensor) -> Tensor:
+    """The Entropy GEMM operand of lift(w) (…, k, n): [|w|; |w|·(-log|w|)] stacked along the
+    rows (…, 2k, n), in scratch storage (valid for the calling matmul only). -|w|log|w| is
+    0 at w = 0 (where it is 0·inf = NaN) and at NaN, whose Z sums are NaN anyway."""
+    k, n = w.shape[-2:]
+    out = scratch("entropy_weights", (*w.shape[:-2], 2 * k, n), w.dtype, w.device)
+    if kernels.entropy_weights(w, out):
+        return out
+    magnitude = torch.abs(w, out=out[..., :k, :])
+    # in place, several times faster than xlogy, and nan_to_num_ than a masked fill, on CPU
+    weighted = torch.log(magnitude, out=out[..., k:, :]).mul_(magnitude).neg_()
+    weighted.nan_to_num_(nan=0.0, posinf=POS_INF, neginf=NEG_INF)
+    return out
+
+
+class Entropy(Semiring):
+    """The expectation semiring ⟨|w|, −|w| log|w|⟩ kept in log space as (log Z, r), with
+    r = (Σ_paths p̃·(−log p̃)) / Z. ⊕: (logaddexp, Z-weighted mean of r); ⊗: (+, +).
+    The readout log Z + r is the entropy (nats) of paths with p ∝ Π|w| (0 for ≤ 1 path)."""
+
+    name = "entropy"
+    n_components = 2
+
+    def zero(self, shape, like):
+        return (filled(shape, NEG_INF, like), filled(shape, 0.0, like))
+
+    def one(self, shape, like):
+        return (filled(shape, 0.0, like), filled(shape, 0.0, like))
+
+    def lift(self, w):
+        la = torch.log(w.abs())
+        return (la, (-la).masked_fill(w == 0, 0.0))
+
+    def add(self, a, b):
+        fused = kernels.entropy_add(a[0], a[1], b[0], b[1])
+        if fused is not None:
+            return fused
+        la = torch.logaddexp(a[0], b[0])
+        r = safe_weight(a[0], la) * a[1] + safe_weight(b[0], la) * b[1]
+        return (la, r)
+
+    def mul(self, a, b):
+        la = a[0] + b[0]
+        return (la, (a[1] + b[1]).masked_fill(torch.isneginf(la), 0.0))
+
+    def readout(self, a):
+        la, r = torch.broadcast_tensors(*a)
+        h = (la + r).clamp_min(0.0)
+        return torch.where(torch.isneginf(la), torch.zeros_like(h), h)
+
+    def _reduce(self, a, dims, keepdim):
+        la, r = a
+        if dims == (la.dim() - 1,) and la.shape[-1] > 0:
+            fused = kernels.entropy_reduce_rows(la, r)
+            if fused is not None:
+                return fused if keepdim else tuple(c.squeeze(-1) for c in fused)
+        total = torch.logsumexp(la, dim=dims, keepdim=True)
+        rs = (safe_weight(la, total) * r).sum(dim=dims, keepdim=keepdim)
+        return (total if keepdim else total.squeeze(dims), rs)
+
+    def matmul(self, a, b):
+        la, ra = torch.broadcast_tensors(*a)
+        lb, rb = torch.broadcast_tensors(*b)
+        return LogSpaceGemm.run(la, lb, ra, rb)
+
+    def matmul_lift(self, a, w):
+        result = on_live_rows(a, log_live, w, self._matmul_lift, (NEG_INF, 0.0))
+        return result or self._matmul_lift(a, w)
+
+    def _matmul_lift(self, a, w):
+        la, ra = torch.broadcast_tensors(*a)
+        return LogSpaceGemm.run(la, None, ra, None, b_linear=_entropy_weights(w))
+
+    def mul_lift(self, a, w):
+        fused = kernels.entropy_mul_lift(a[0], a[1], w)
+        if fused is not None:
+            return fused
+        log_w = torch.log(w.abs())  # -inf at 0: no edge
+        la = a[0] + log_w
+        return (la, (a[1] - log_w).masked_fill(torch.isneginf(la), 0.0))
+
+    def loo(self, a, dim):
+        return _entropy_loo(*torch.broadcast_tensors(*a), dim)
+
+    def index_add(self, a, index, size):
+        la, r = torch.broadcast_tensors(*a)
+        top = scatter_extreme(la, index, size, "amax", NEG_INF)
+        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        idx = index.reshape(-1)
+        w = torch.exp(la - shift[idx])
+        z = torch.zeros_like(top).index_add(0, idx, w)
+        num = torch.zeros_like(top).index_add(0, idx, w * r)
+        out_r = torch.where(z > 0, num / torch.where(z > 0, z, torch.ones_like(z)), 0.0)
+        return (torch.log(z) + shift, out_r)

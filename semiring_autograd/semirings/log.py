@@ -1,0 +1,64 @@
+"""The Log semiring (logaddexp, +) over log|w|: the log of the total path weight."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels.workspace import scratch
+from .base import Semiring
+from .log_space import LogSpaceGemm, log_live, log_loo
+from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
+
+
+class Log(Semiring):
+    """(logaddexp, +) over log|w|: log of the total |path| weight, -inf where no path."""
+
+    name = "log"
+
+    def zero(self, shape, like):
+        return (filled(shape, NEG_INF, like),)
+
+    def one(self, shape, like):
+        return (filled(shape, 0.0, like),)
+
+    def lift(self, w):
+        return (torch.log(w.abs()),)
+
+    def add(self, a, b):
+        return (torch.logaddexp(a[0], b[0]),)
+
+    def mul(self, a, b):
+        return (a[0] + b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+    def _reduce(self, a, dims, keepdim):
+        return (torch.logsumexp(a[0], dim=dims, keepdim=keepdim),)
+
+    def loo(self, a, dim):
+        return (log_loo(a[0], dim),)
+
+    def matmul(self, a, b):
+        return (LogSpaceGemm.run(a[0], b[0], None, None)[0],)
+
+    def linear_lift(self, w: Tensor) -> Tensor:
+        """exp(lift(w)), computed without exp or log, in scratch storage (valid for the
+        calling matmul only)."""
+        return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
+
+    def matmul_lift(self, a, w):
+        result = on_live_rows(a, log_live, w, self._matmul_lift, (NEG_INF,))
+        return result or self._matmul_lift(a, w)
+
+    def _matmul_lift(self, a, w):
+        return (LogSpaceGemm.run(a[0], None, None, None, b_linear=self.linear_lift(w))[0],)
+
+    def index_add(self, a, index, size):
+        x = a[0]
+        top = scatter_extreme(x, index, size, "amax", NEG_INF)
+        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        idx = index.reshape(-1)
+        z = torch.zeros_like(top).index_add(0, idx, torch.exp(x - shift[idx]))
+        return (torch.log(z) + shift,)

@@ -1,0 +1,191 @@
+"""Log-space building blocks shared by Log, Counting and Entropy: the shift-and-GEMM
+semiring matmul with its exact fallback, and the leave-one-out logsumexp."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..kernels.workspace import scratch
+from .base import Value
+from .tensor_ops import (
+    CHUNK_ELEMENTS,
+    NEG_INF,
+    POS_INF,
+    batch_flatten,
+    flat_batch,
+    ratio_or_zero,
+    safe_weight,
+    top_two,
+)
+
+# The largest shifted message operand of a log-space GEMM kept in scratch storage.
+_MESSAGE_SCRATCH_BYTES = 16 << 20
+
+
+def finite_max(x: Tensor, dim: int) -> Tensor:
+    """amax with keepdim, replacing an all -inf slice's max by 0 (a harmless shift)."""
+    m = x.amax(dim=dim, keepdim=True)
+    return m.masked_fill(~torch.isfinite(m), 0.0)
+
+
+def log_live(a: Value, dim: int) -> Tensor:
+    """Rows (dim -1) or columns (dim -2) with a term (a log value above -inf; NaN counts as
+    live)."""
+    return a[0].amax(dim) != NEG_INF
+
+
+def _gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
+    """Whether every shifted GEMM sum in ``z`` (count, m, n) is trustworthy: none below
+    ``tiny`` (where the products may have underflowed) in the rows whose maximum is finite
+    (``live``, (count, m, 1): a row of -inf has no term and its sums are rightly 0) and, when
+    ``may_overflow``, none infinite. Reductions instead of elementwise masks, over the
+    whole tensor when every row is live (several times faster than per row); a NaN answers
+    False (then the caller checks element by element)."""
+    if z.numel() == 0:
+        return True
+    if bool(live.all()):
+        low, high = torch.aminmax(z)
+    else:
+        low, high = torch.aminmax(z, dim=-1, keepdim=True)
+        low, high = low.masked_fill(~live, POS_INF).min(), high.max()
+    return bool(low >= tiny) and not (may_overflow and bool(high == POS_INF))
+
+
+def _exact_terms(
+    a3: Tensor,
+    b3: Tensor,
+    ra3: Tensor | None,
+    rb3: Tensor | None,
+    bad: Tensor,
+    out: Tensor,
+    r: Tensor | None,
+) -> None:
+    """Recompute the ``bad`` entries of ``out`` (and ``r``) that have a term, each by an
+    exact logsumexp over its k terms (log-space a3 (count, m, k), b3 (count, k, n))."""
+    dtype = a3.dtype
+    reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
+    where = (bad & reach).nonzero()
+    step = max(1, CHUNK_ELEMENTS // max(1, a3.shape[-1]))
+    for s in range(0, where.shape[0], step):
+        bt, i, j = where[s : s + step].unbind(1)
+        terms = a3[bt, i, :] + b3[bt, :, j]
+        total = torch.logsumexp(terms, dim=-1)
+        out[bt, i, j] = total
+        if r is not None:
+            w = safe_weight(terms, total[:, None])
+            r[bt, i, j] = (w * (ra3[bt, i, :] + rb3[bt, :, j])).sum(-1)
+
+
+class LogSpaceGemm:
+    """(logsumexp, weighted mean) matmul via shift-and-GEMM, exact blocked fallback where
+    the shifted products underflow.
+
+    The r component costs one more GEMM: with A = [ea·ra | ea] (m × 2k) and
+    B = [eb; eb·rb] (2k × n), Σ_k ea·eb·(ra + rb) = A @ B."""
+
+    @staticmethod
+    def run(
+        la: Tensor,
+        lb: Tensor | None,
+        ra: Tensor | None,
+        rb: Tensor | None,
+        b_linear: Tensor | None = None,
+    ):
+        """``lb`` (and ``rb``) is b in log space; or pass ``lb=None`` and ``b_linear``, b as
+        linear GEMM operands needing no shift (a lifted weight): exp(lb) = |w| (…, k, n)
+        without r, or [exp(lb); exp(lb)·rb] stacked (…, 2k, n) with r (``rb=None``)."""
+        with_r = ra is not None
+        if b_linear is not None:
+            k = b_linear.shape[-2] // (2 if with_r else 1)
+            batch = torch.broadcast_shapes(la.shape[:-2], b_linear.shape[:-2])
+            a3, b_lin, b3 = flat_batch(la, batch), flat_batch(b_linear, batch), None
+        else:
+            a3, b3, batch = batch_flatten(la, lb)
+            k = a3.shape[-1]
+        count, m, n = a3.shape[0], a3.shape[-2], (b_lin if b3 is None else b3).shape[-1]
+        if k == 0:
+            out = a3.new_full((*batch, m, n), NEG_INF)
+            return out, (None if ra is None else torch.zeros_like(out))
+        mb = None
+        if b3 is not None:
+            mb = finite_max(b3, -2)
+            b_lin = b3.new_empty(count, (2 if with_r else 1) * k, n)
+            torch.sub(b3, mb, out=b_lin[:, :k]).exp_()
+            if with_r:
+                torch.mul(b_lin[:, :k], flat_batch(rb, batch), out=b_lin[:, k:])
+        # the shifted a (and its r product) are GEMM operands only: scratch storage, up to
+        # a bound (a message grows with batch and sequence, and scratch stays resident)
+        shape = (count, m, (2 if with_r else 1) * k)
+        if math.prod(shape) * a3.element_size() <= _MESSAGE_SCRATCH_BYTES:
+            stacked = scratch("log_space_a", shape, a3.dtype, a3.device)
+        else:
+            stacked = a3.new_empty(shape)
+        ra3 = flat_batch(ra, batch).contiguous() if with_r else None
+        fused = kernels.log_space_rows(a3.contiguous(), ra3, stacked)
+        if fused is not None:
+            ma, live = fused
+            ea = stacked[..., -k:]
+        else:
+            row_max = a3.amax(dim=-1, keepdim=True)
+            live = torch.isfinite(row_max)
+            ma = row_max.masked_fill(~live, 0.0)
+            ea = torch.sub(a3, ma, out=stacked[..., -k:]).exp_()
+            if with_r:
+                torch.mul(ea, ra3, out=stacked[..., :k])
+        z = torch.bmm(ea, b_lin[:, :k])
+        # r's numerators: Σ ea·eb·(ra + rb), then divided by z
+        r = torch.bmm(stacked, b_lin) if with_r else None
+        tiny = torch.finfo(z.dtype).tiny / torch.finfo(z.dtype).eps
+        bad = None
+        if not _gemm_exact(z, live, tiny, b3 is None):
+            bad = (z < tiny) & live
+            if b3 is None:
+                bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
+        if with_r:  # 0 where no term (z = 0)
+            r = ratio_or_zero(r, z)
+        out = z.log_().add_(ma)
+        if mb is not None:
+            out.add_(mb)
+        if bad is not None and bad.any():
+            if b3 is None:  # back to log space from the linear operands
+                eb = b_lin[:, :k]
+                b3 = torch.log(eb)
+                rb3 = torch.where(eb > 0, b_lin[:, k:] / eb, 0.0) if with_r else None
+            else:
+                rb3 = flat_batch(rb, batch) if with_r else None
+            _exact_terms(a3, b3, ra3, rb3, bad, out, r)
+        out = out.reshape(*batch, m, n)
+        return out, (None if r is None else r.reshape(*batch, m, n))
+
+
+def top_two_shifts(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Along ``dim`` (n ≥ 2): the argmax position and the largest and second largest
+    entries as shifts (0 where not finite), each with ``dim`` kept as size 1."""
+    first, second, at = top_two(x, dim)
+    shifts = [t.masked_fill(~torch.isfinite(t), 0.0) for t in (first, second)]
+    return at, shifts[0], shifts[1]
+
+
+def log_loo(x: Tensor, dim: int) -> Tensor:
+    """log Σ_{j≠i} exp(x_j) along ``dim`` from the top two entries (no scan).
+
+    Shifted by the maximum, every position but the argmax keeps the argmax's term 1 in its
+    sum, so total - e_i loses no precision. The argmax position sums the others afresh,
+    shifted by the second largest, so a gap between the two never underflows."""
+    n = x.shape[dim]
+    if n <= 1:
+        return torch.full_like(x, NEG_INF)
+    if dim in (-1, x.dim() - 1):
+        fused = kernels.loo_log(x, None)
+        if fused is not None:
+            return fused[0]
+    first, s1, s2 = top_two_shifts(x, dim)
+    e = torch.exp(x - s1)
+    rest = torch.log((e.sum(dim, keepdim=True) - e).clamp_min(0.0)) + s1
+    others = torch.exp(x - s2).scatter(dim, first, 0.0).sum(dim, keepdim=True)
+    at_max = torch.log(others) + s2
+    return rest.scatter(dim, first, at_max)

@@ -1,0 +1,94 @@
+"""The MaxProduct semiring (max, ×) over |w|: the weight of the strongest path."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from .base import Semiring, Value
+from .tensor_ops import (
+    CHUNK_ELEMENTS,
+    batch_flatten,
+    filled,
+    loo_max,
+    on_live_rows,
+    scatter_extreme,
+)
+
+
+def _max_product_live(a: Value, dim: int) -> Tensor:
+    """Rows (dim -1) or columns (dim -2) with a path: a non-zero entry (NaN counts as
+    live)."""
+    return a[0].amax(dim) != 0
+
+
+class MaxProduct(Semiring):
+    """(max, ×) over |w|: the weight of the strongest path. Zero is 0, one is 1."""
+
+    name = "max_product"
+
+    def zero(self, shape, like):
+        return (filled(shape, 0.0, like),)
+
+    def one(self, shape, like):
+        return (filled(shape, 1.0, like),)
+
+    def lift(self, w):
+        return (w.abs(),)
+
+    def add(self, a, b):
+        return (torch.maximum(a[0], b[0]),)
+
+    def mul(self, a, b):
+        return (a[0] * b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+    def _reduce(self, a, dims, keepdim):
+        return (a[0].amax(dim=dims, keepdim=keepdim),)
+
+    def loo(self, a, dim):
+        return (loo_max(a[0], dim, 0.0),)
+
+    def matmul(self, a, b):
+        return (max_times(a[0], b[0]),)
+
+    def matmul_lift(self, a, w):
+        result = on_live_rows(a, _max_product_live, w, self._matmul_lift, (0.0,))
+        return result or self._matmul_lift(a, w)
+
+    def _matmul_lift(self, a, w):
+        return (max_times(a[0], w, abs_b=True),)
+
+    def index_add(self, a, index, size):
+        return (scatter_extreme(a[0], index, size, "amax", 0.0),)
+
+
+def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
+    """max_k a[..., i, k] · b[..., k, j] for non-negative a, b (0 where k is empty), or
+    with |b| when ``abs_b`` (b a real derivative): the fused kernel, else in row blocks so
+    m×k×n is never held at once."""
+    a3, b3, batch = batch_flatten(a, b)
+    m, k, n = a3.shape[-2], a3.shape[-1], b3.shape[-1]
+    if k == 0:
+        return a.new_zeros((*batch, m, n))
+    fused = kernels.max_times(a3, b3, abs_b=abs_b)
+    if fused is not None:
+        return fused.reshape(*batch, m, n)
+    if abs_b:
+        b3 = b3.abs()
+    rows = max(1, CHUNK_ELEMENTS // max(1, k * n * a3.shape[0]))
+    out = (
+        torch.cat(
+            [
+                (a3[:, s : s + rows, :, None] * b3[:, None, :, :]).amax(dim=-2)
+                for s in range(0, m, rows)
+            ],
+            dim=-2,
+        )
+        if m
+        else a3.new_zeros((a3.shape[0], 0, n))
+    )
+    return out.reshape(*batch, m, n)

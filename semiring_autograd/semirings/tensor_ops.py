@@ -1,0 +1,130 @@
+"""Tensor building blocks the built-in semirings share: extremes and leave-one-out maxima,
+⊕-scatters by amax/amin, batch flattening for matmuls, and matmuls on the live rows only."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..kernels import ratio_where_positive
+from ..kernels.workspace import scratch
+from .base import Value, message_dtype
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+
+# Elements of a broadcast product (rows × k × n) an eager max-times matmul holds at once.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def filled(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
+    return torch.full(tuple(shape), value, dtype=message_dtype(like.dtype), device=like.device)
+
+
+def loo_max(x: Tensor, dim: int, empty: float) -> Tensor:
+    """max over all j ≠ i along ``dim`` (``empty`` where there is no other element)."""
+    if x.shape[dim] <= 1:
+        return torch.full_like(x, empty)
+    first, second, at = top_two(x, dim)
+    return first.expand_as(x).contiguous().scatter_(dim, at, second)
+
+
+def top_two(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The largest and second largest entries along ``dim`` (size ≥ 2) and the position of
+    the largest, each with ``dim`` kept as size 1. A max and a max of the rest: half the
+    time of ``topk(2)``."""
+    first, at = x.max(dim=dim, keepdim=True)
+    second = x.scatter(dim, at, NEG_INF).amax(dim=dim, keepdim=True)
+    return first, second, at
+
+
+def scatter_extreme(x: Tensor, index: Tensor, size: int, reduce: str, empty: float) -> Tensor:
+    """Rows of ``x`` reduced (amax/amin) into ``size`` rows by ``index`` (empty rows = empty)."""
+    out = x.new_full((size, *x.shape[1:]), empty)
+    idx = index.reshape(-1, *([1] * (x.dim() - 1))).expand_as(x)
+    return out.scatter_reduce(0, idx, x, reduce=reduce, include_self=True)
+
+
+def batch_flatten(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    count = math.prod(batch)
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(count, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(count, *b.shape[-2:])
+    return a3, b3, tuple(batch)
+
+
+def safe_weight(x: Tensor, total: Tensor) -> Tensor:
+    """exp(x - total), 0 where total is -inf (then x is -inf too): the -inf - -inf = NaN
+    there becomes 0 (arithmetic only; a masked fill is several times slower on CPU)."""
+    return torch.sub(x, total).exp_().nan_to_num_(nan=0.0, posinf=POS_INF)
+
+
+def ratio_or_zero(num: Tensor, den: Tensor) -> Tensor:
+    """num / den where den > 0, else 0 (a sum without terms), in place on a fresh ``num``
+    where the kernel runs; a NaN in num stays where den > 0."""
+    if ratio_where_positive(num, den):
+        return num
+    return torch.where(den > 0, num / den.masked_fill(den <= 0, 1.0), 0.0)
+
+
+def nonzero_operand(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """w ≠ 0 as 0/1 in ``dtype``, a GEMM operand (Counting, Boolean), in scratch storage
+    (valid for the calling matmul only)."""
+    nonzero = torch.ne(w, 0, out=scratch("nonzero", w.shape, torch.bool, w.device))
+    return scratch("linear_lift", w.shape, dtype, w.device).copy_(nonzero)
+
+
+def flat_batch(x: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """``x`` broadcast to ``batch`` and flattened to (count, rows, cols)."""
+    return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
+
+
+def on_live_rows(
+    parts: tuple[Tensor, ...],
+    live_of,
+    w: Tensor,
+    fn,
+    empty: tuple[float, ...],
+    dtype: torch.dtype | None = None,
+) -> Value | None:
+    """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) where
+    ``live_of(parts, -1)`` (…, m) holds only, the other rows' results set to ``empty``:
+    rows without a term (where no path reaches, e.g. every token but the read-out one in a
+    last layer) cost nothing. Among those rows, the k columns without a term in any of them
+    are dropped too, with their rows of ``w`` (a read-out of one logit reaches one row of an
+    lm_head's weight). Such a row's result is the semiring zero whatever w holds (the zero
+    annihilates: 0 ⊗ x = 0), and a dropped column adds nothing, where IEEE arithmetic would
+    give NaN for an inf or NaN weight; such a weight still shows in every live row it
+    reaches (when every row is live no column is dropped, and IEEE arithmetic on such a
+    weight in a column without a term still gives NaN). Without a live row the result's
+    dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
+    row is live, k is 0 or ``w`` is batched (the caller then computes all rows)."""
+    if w.dim() != 2 or parts[0].shape[-1] == 0:
+        return None
+    live = live_of(parts, -1)
+    if bool(live.all()):
+        return None
+    parts = torch.broadcast_tensors(*parts)
+    live = live.expand(parts[0].shape[:-1])
+    k, n = parts[0].shape[-1], w.shape[-1]
+    flat = [p.reshape(-1, k) for p in parts]
+    rows = live.reshape(-1).nonzero().squeeze(1)
+    results = None
+    if rows.numel():
+        picked = tuple(p[rows] for p in flat)
+        columns = live_of(picked, -2)
+        if not bool(columns.all()):
+            kept = columns.nonzero().squeeze(1)
+            picked, w = tuple(p[:, kept] for p in picked), w[kept]
+        results = fn(tuple(p[None] for p in picked), w)
+    if results:
+        dtype = results[0].dtype
+    elif dtype is None:
+        dtype = torch.promote_types(flat[0].dtype, w.dtype)
+    outs = [flat[0].new_full((flat[0].shape[0], n), value, dtype=dtype) for value in empty]
+    for out, result in zip(outs, results or ()):
+        out.index_copy_(0, rows, result[0])
+    return tuple(out.reshape(*live.shape, n) for out in outs)
