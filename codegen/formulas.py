@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from typing import Any
 
 from semiring_autograd.ops import shape_helpers, tensor_helpers
 from semiring_autograd.ops.primitives import PRIMITIVES
@@ -137,9 +138,34 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
     return out
 
 
+#: structural primitives, the same in every semiring: a tensor method on a one-component value
+STRUCTURAL = {
+    "reshape": "{0}.reshape({1})",
+    "permute": "{0}.permute({1})",
+    "transpose": "{0}.transpose({1}, {2})",
+    "expand": "{0}.expand({1})",
+    "narrow": "{0}.narrow({1}, {2}, {3})",
+}
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """How formulas are spelled in one generated module.
+
+    ``generic``: values are tuples of components, every primitive a call
+    ``P.<name>(S, ...)``; ``single``: a one-component semiring's values are its component
+    tensor, ⊕/⊗/lift are the semiring's ``inline`` forms, structural primitives tensor
+    methods, the rest ``C.<name>(S, ...)``; ``plain`` (Real): the same on gradients in the
+    primal's dtype (no message precision, no fused ``*_lift``), the rest ``RP.<name>(...)``.
+    """
+
+    kind: str  # "generic" | "single" | "plain"
+    inline: Any = None  # the semiring's InlineForms (single, plain)
+
+
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, real: bool, tensor_params: set[str]):
-        self.real = real
+    def __init__(self, flavour: Flavour, tensor_params: set[str]):
+        self.flavour = flavour
         self.tensor_params = tensor_params
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
@@ -166,66 +192,89 @@ class _Rewriter(ast.NodeTransformer):
             return ast.Call(
                 ast.Name("len", ast.Load()), [ast.Name(f"{f.value.id}__shape", ast.Load())], []
             )
+        lifted = _lift_argument(node)
+        if lifted is not None and self.flavour.kind != "plain":
+            return self._fused(node.func.id, self.visit(node.args[0]), self.visit(lifted))
         node = self.generic_visit(node)
         if not isinstance(node.func, ast.Name):
             return node
         fname = node.func.id
-        if (
-            not self.real
-            and fname in ("matmul", "mul")
-            and _is_primitive_call(node.args[1], "P", "lift")
-        ):
-            # matmul(x, lift(w)) -> matmul_lift, mul(x, lift(w)) -> mul_lift: semirings skip
-            # work lift would do (log|w| only to exp it, a signed point's four corners)
-            lifted = node.args[1].args
-            return ast.Call(
-                ast.Attribute(ast.Name("P", ast.Load()), f"{fname}_lift", ast.Load()),
-                [ast.Name("S", ast.Load()), node.args[0], lifted[1], lifted[2]],
-                [],
-            )
         if fname == "shapes":
             return ast.Name(f"{node.args[0].id}__shapes", ast.Load())
         if fname in HELPERS:
-            return ast.Call(
-                ast.Attribute(ast.Name(HELPERS[fname], ast.Load()), fname, ast.Load()),
-                node.args,
-                node.keywords,
-            )
+            return _call(HELPERS[fname], fname, node.args, node.keywords)
         if fname not in PRIMITIVES:
             return node
+        if self.flavour.kind == "generic":
+            args = [_S, *node.args] + ([_REF] if fname in NEEDS_REF else [])
+            return _call("P", fname, args, node.keywords)
+        return self._one_component(node, fname)
+
+    def _fused(self, fname: str, x: ast.AST, w: ast.AST) -> ast.AST:
+        """``mul(x, lift(w))`` and ``matmul(x, lift(w))`` as one primitive: semirings skip
+        work lift would do (log|w| only to exp it, a signed point's four corners)."""
+        if self.flavour.kind == "generic":
+            return _call("P", f"{fname}_lift", [_S, x, w, _REF])
+        mul_lift = self.flavour.inline.mul_lift
+        if fname == "matmul" or mul_lift is None:
+            return _call("C", f"{fname}_lift", [_S, x, w, _REF])
+        message = _call("C", "as_message", [w, _REF])
+        return _expression(mul_lift.format(a=_source(x), w=_source(message)))
+
+    def _one_component(self, node: ast.Call, fname: str) -> ast.AST:
+        plain = self.flavour.kind == "plain"
+        inline = self.flavour.inline
         args = list(node.args)
-        if fname in NEEDS_REF:
-            args.append(ast.Name("_ref", ast.Load()))
-        if self.real:
-            if fname == "lift":
-                return node.args[0]
-            if fname == "mul":
-                return ast.BinOp(args[0], ast.Mult(), args[1])
-            if fname == "add":
-                return ast.BinOp(args[0], ast.Add(), args[1])
-            return ast.Call(
-                ast.Attribute(ast.Name("RP", ast.Load()), fname, ast.Load()), args, node.keywords
-            )
-        return ast.Call(
-            ast.Attribute(ast.Name("P", ast.Load()), fname, ast.Load()),
-            [ast.Name("S", ast.Load()), *args],
-            node.keywords,
-        )
+        if fname in STRUCTURAL and not node.keywords:
+            return _expression(STRUCTURAL[fname].format(*map(_source, args)))
+        if fname in ("mul", "add"):
+            form = inline.mul if fname == "mul" else inline.add
+            return _expression(form.format(a=_source(args[0]), b=_source(args[1])))
+        if fname == "lift" and inline.lift is not None:
+            w = args[0] if plain else _call("C", "as_message", [args[0], _REF])
+            return _expression(inline.lift.format(w=_source(w)))
+        ref = [_REF] if fname in NEEDS_REF else []
+        if plain:
+            return _call("RP", fname, args + ref, node.keywords)
+        return _call("C", fname, [_S, *args] + ref, node.keywords)
 
 
-def _is_primitive_call(node: ast.AST, module: str, name: str) -> bool:
-    """Is ``node`` an already rewritten call ``module.name(...)``?"""
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == name
-        and isinstance(node.func.value, ast.Name)
-        and node.func.value.id == module
+_REF = ast.Name("_ref", ast.Load())
+_S = ast.Name("S", ast.Load())
+
+
+def _call(module: str, name: str, args: list, keywords: list | None = None) -> ast.Call:
+    return ast.Call(
+        ast.Attribute(ast.Name(module, ast.Load()), name, ast.Load()), args, keywords or []
     )
 
 
-def rewrite(tree: ast.Expression, real: bool, tensor_params: set[str]) -> str:
-    """Python source of the formula for a semiring (Real inlines lift/mul/add)."""
-    new = _Rewriter(real, tensor_params).visit(ast.parse(ast.unparse(tree), mode="eval"))
+def _source(node: ast.AST) -> str:
+    """An argument's source in parentheses, safe to paste into any expression."""
+    return f"({ast.unparse(node)})"
+
+
+def _expression(source: str) -> ast.AST:
+    return ast.parse(source, mode="eval").body
+
+
+def _lift_argument(node: ast.Call) -> ast.AST | None:
+    """For ``mul(x, lift(w))`` or ``matmul(x, lift(w))``: the node ``w``; else None."""
+    if (
+        isinstance(node.func, ast.Name)
+        and node.func.id in ("mul", "matmul")
+        and len(node.args) == 2
+        and isinstance(node.args[1], ast.Call)
+        and isinstance(node.args[1].func, ast.Name)
+        and node.args[1].func.id == "lift"
+        and len(node.args[1].args) == 1
+    ):
+        return node.args[1].args[0]
+    return None
+
+
+def rewrite(tree: ast.Expression, flavour: Flavour, tensor_params: set[str]) -> str:
+    """Python source of the formula in a generated module of ``flavour``."""
+    new = _Rewriter(flavour, tensor_params).visit(ast.parse(ast.unparse(tree), mode="eval"))
     ast.fix_missing_locations(new)
     return ast.unparse(new)

@@ -1,4 +1,4 @@
-"""Load and validate ``derivatives/*.yaml`` into :class:`OpEntry` objects.
+"""Load and validate ``derivatives/*.yaml`` into the typed model of :mod:`.model`.
 
 Every problem is reported with the file, the op and what to change.
 """
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import ast
 import importlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from .formulas import SPECIAL, Analysis, FormulaError, analyse, parse
+from .formulas import SPECIAL, FormulaError, analyse, parse
+from .model import Formula, Intermediate, OpEntry, SavedMeta, SavedValue
 from .schema import Schema, SchemaError, parse_schema
 
 ENTRY_KEYS = frozenset(
@@ -31,33 +31,6 @@ ENTRY_KEYS = frozenset(
 
 class DerivativesError(ValueError):
     """A derivatives YAML file that does not validate."""
-
-
-@dataclass
-class Formula:
-    target: str  # a differentiable parameter, or an intermediate's name
-    source: str
-    tree: ast.Expression
-    reads: Analysis
-    needs: set[str] = field(default_factory=set)  # intermediates needed, transitively
-
-
-@dataclass
-class OpEntry:
-    schema: Schema
-    torch_functions: list[str]
-    granularity: str
-    formulas: dict[str, Formula]
-    intermediates: list[Formula]
-    non_differentiable: list[str]
-    accepts: str | None
-    forward: str | None
-    output_differentiability: list[bool]
-    source_file: str
-
-    @property
-    def has_aux(self) -> bool:
-        return len(self.output_differentiability) > 1
 
 
 def _fail(where: str, message: str) -> DerivativesError:
@@ -164,7 +137,7 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
     if accepts is not None:
         tree = parse(str(accepts), f"{where} accepts")
         analyse(tree, f"{where} accepts", set(), set(params))
-    intermediates: list[Formula] = []
+    intermediates: list[Intermediate] = []
     inter_raw = raw.get("intermediates") or {}
     if not isinstance(inter_raw, dict):
         raise _fail(where, "'intermediates:' must be a mapping of name: expression")
@@ -172,7 +145,14 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         for iname, expr in inter_raw.items():
             if iname in known:
                 raise _fail(where, f"intermediate {iname!r} shadows a parameter or special name")
-            f = _formula(iname, str(expr), f"{where} intermediate {iname!r}", tensor_params, known)
+            f = _formula(
+                iname,
+                str(expr),
+                f"{where} intermediate {iname!r}",
+                tensor_params,
+                known,
+                Intermediate,
+            )
             intermediates.append(f)
             known.add(iname)
         formulas = {
@@ -186,10 +166,14 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
             raise _fail(where, f"a Tensor[] parameter may only be read through shapes({key})")
     by_name = {f.target: f for f in intermediates}
     for f in [*intermediates, *formulas.values()]:
-        for name in f.reads.full | {n for n, _ in f.reads.meta} | f.reads.shapes:
+        for name in f.names_read:
             if name in by_name:
                 f.needs |= {name} | by_name[name].needs
-    return OpEntry(
+    for i in intermediates:
+        i.users = tuple(t for t, f in formulas.items() if i.target in f.needs)
+        if not i.users:
+            raise _fail(where, f"intermediate {i.target!r} is not used by any formula")
+    entry = OpEntry(
         schema=schema,
         torch_functions=[str(t) for t in torch_functions],
         granularity=granularity.strip(),
@@ -201,13 +185,52 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         output_differentiability=[bool(x) for x in out_diff],
         source_file=source_file,
     )
+    _plan_saves(entry, where)
+    return entry
+
+
+def _plan_saves(entry: OpEntry, where: str) -> None:
+    """What the forward keeps for backward: each tensor a formula reads as a value (saved
+    only when one of its readers will run), the metadata read instead of tensors, the
+    shapes read through ``shapes(...)`` and the non-tensor parameters formulas read."""
+    readers: dict[str, list[str]] = {}
+    metas: set[tuple[str, str]] = set()
+    shapes: set[str] = set()
+    inter = {i.target: i for i in entry.intermediates}
+    for target, f in entry.formulas.items():
+        for source in [f, *(inter[i] for i in sorted(f.needs))]:
+            for n in source.reads.full:
+                if target not in readers.setdefault(n, []):
+                    readers[n].append(target)
+            metas |= source.reads.meta
+            shapes |= source.reads.shapes
+    tensors = entry.tensor_params
+    order = [p.name for p in entry.schema.params] + ["result", "aux"]
+    saved = [n for n in order if n in readers and (n in tensors or n in ("result", "aux"))]
+    if entry.multi_output and "result" in saved:
+        raise _fail(where, "a multi-output op may read its result only through shapes(result)")
+    entry.saved = [
+        SavedValue(n, "output" if n == "result" else n, tuple(sorted(readers[n]))) for n in saved
+    ]
+    entry.metas = [SavedMeta(n, attr) for n, attr in sorted(metas)]
+    entry.shapes = sorted(shapes)
+    entry.ctx_params = [
+        p.name
+        for p in entry.schema.params
+        if p.name in readers and p.name not in tensors and not p.is_tensor_list
+    ]
 
 
 def _formula(
-    target: str, source: str, where: str, tensor_params: set[str], known: set[str]
+    target: str,
+    source: str,
+    where: str,
+    tensor_params: set[str],
+    known: set[str],
+    kind: type[Formula] = Formula,
 ) -> Formula:
     tree = parse(source, where)
-    return Formula(target, source, tree, analyse(tree, where, tensor_params, known))
+    return kind(target, source, tree, analyse(tree, where, tensor_params, known))
 
 
 def _check_torch_path(where: str, path: object) -> None:

@@ -100,6 +100,20 @@ def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
     return grad.value
 
 
+def wrap_one(semiring: Semiring, component: Tensor | None, meta) -> Message | None:
+    """A message of a one-component semiring from its component tensor, with metadata
+    ``meta = (shape, dtype, device)`` (None stays the symbolic zero)."""
+    if component is None:
+        return None
+    return wrap_meta(semiring, (component,), meta)
+
+
+def unwrap_one(semiring: Semiring, grad: Tensor | None, op: str) -> Tensor | None:
+    """The component tensor inside an incoming message of a one-component semiring."""
+    value = unwrap(semiring, grad, op)
+    return None if value is None else value[0]
+
+
 # ----- structural aten ops on messages -------------------------------------------------
 def _msg_args(args) -> tuple[Message, Semiring]:
     for a in args:

@@ -1,8 +1,9 @@
 """The primitives YAML formulas are written in, for semiring values (tuples of tensors).
 
-Generated code calls ``P.<name>(S, ...)`` for a semiring ``S``; the Real semiring's
-generated code uses :mod:`semiring_autograd.real_primitives`, the same set on plain
-tensors. ``PRIMITIVES`` is the list the codegen validates formulas against.
+The generic generated module calls ``P.<name>(S, ...)`` for a semiring ``S``; modules
+specialised to a one-component semiring call :mod:`.component_primitives` (Real:
+:mod:`.real_primitives`), the same set on the component tensor. ``PRIMITIVES`` is the list
+the codegen validates formulas against.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ PRIMITIVES = (
 )
 
 
-def _as_tensor(x: Tensor | Number, ref: Ref) -> Tensor:
+def as_message(x: Tensor | Number, ref: Ref) -> Tensor:
     """``x`` as a floating tensor in message precision (half and bfloat16 are computed in
     float32; bool and integer tensors take the output's message precision)."""
     if isinstance(x, Tensor):
@@ -52,7 +53,7 @@ def _as_tensor(x: Tensor | Number, ref: Ref) -> Tensor:
 
 def lift(S: Semiring, w: Tensor | Number, ref: Ref) -> Value:
     """lift(w): real local derivatives into the semiring (in message precision)."""
-    return S.lift(_as_tensor(w, ref))
+    return S.lift(as_message(w, ref))
 
 
 def mul(S: Semiring, a: Value, b: Value) -> Value:
@@ -88,13 +89,13 @@ def matmul(S: Semiring, a: Value, b: Value) -> Value:
 def matmul_lift(S: Semiring, a: Value, w: Tensor, ref: Ref) -> Value:
     """matmul(a, lift(w)), which the generator emits for that pattern: a semiring may skip
     materialising lift(w) (the log-space semirings never take log|w| only to exp it)."""
-    return S.matmul_lift(a, _as_tensor(w, ref))
+    return S.matmul_lift(a, as_message(w, ref))
 
 
 def mul_lift(S: Semiring, a: Value, w: Tensor | Number, ref: Ref) -> Value:
     """mul(a, lift(w)), which the generator emits for that pattern (the signed semiring
     multiplies by a point without building lift(w) and its four corner products)."""
-    return S.mul_lift(a, _as_tensor(w, ref))
+    return S.mul_lift(a, as_message(w, ref))
 
 
 def loo(S: Semiring, a: Value, dim: int) -> Value:

@@ -1,7 +1,8 @@
 """The formula primitives for the Real semiring, on plain tensors (messages are gradients).
 
-The generated Real module inlines ``lift`` (identity), ``mul`` (×) and ``add`` (+) and
-calls the rest from here; each mirrors its namesake in :mod:`semiring_autograd.primitives`.
+The generated Real module spells ``lift`` (identity), ``mul`` (×), ``add`` (+) and the
+structural primitives as tensor expressions and calls the rest from here; each mirrors its
+namesake in :mod:`.primitives`, in the primal's dtype (as torch.autograd computes).
 """
 
 from __future__ import annotations
@@ -43,26 +44,6 @@ def loo(a: Tensor, dim: int) -> Tensor:
 
 def index_add(a: Tensor, index: Tensor, size: int) -> Tensor:
     return a.new_zeros((size, *a.shape[1:])).index_add(0, index.reshape(-1), a)
-
-
-def reshape(a: Tensor, shape: Sequence[int]) -> Tensor:
-    return a.reshape(shape)
-
-
-def permute(a: Tensor, dims: Sequence[int]) -> Tensor:
-    return a.permute(*dims)
-
-
-def transpose(a: Tensor, d0: int, d1: int) -> Tensor:
-    return a.transpose(d0, d1)
-
-
-def expand(a: Tensor, shape: Sequence[int]) -> Tensor:
-    return a.expand(*shape)
-
-
-def narrow(a: Tensor, dim: int, start: int, length: int) -> Tensor:
-    return a.narrow(dim, start, length)
 
 
 def getitem_backward(a: Tensor, shape: Sequence[int], index: Any) -> Tensor:

@@ -10,7 +10,8 @@ override with faster equivalents.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -53,6 +54,23 @@ def _strided(c: Tensor, dim: int, start: int) -> Tensor:
     return c[(slice(None),) * dim + (slice(start, None, 2),)]
 
 
+@dataclass(frozen=True)
+class InlineForms:
+    """How generated code spells a one-component semiring's elementwise primitives: Python
+    expressions over the component tensors ``{a}`` and ``{b}`` and real local derivatives
+    ``{w}`` (already in message precision), each placeholder used once. They must equal the
+    methods they stand for (``tests/test_codegen.py`` checks): ``lift`` is ``lift(w)[0]``,
+    ``mul`` and ``add`` are ``mul``/``add`` of one-component values, ``mul_lift`` is
+    ``mul_lift((a,), w)[0]``; None leaves a primitive to the semiring's method. Code
+    generation emits a module specialised to a built-in semiring from these (see the
+    semiring registry)."""
+
+    lift: str | None
+    mul: str
+    add: str
+    mul_lift: str | None
+
+
 class Semiring:
     """Base class: (K, ⊕, ⊗, zero, one) plus ``lift`` from real local derivatives into K.
 
@@ -64,6 +82,8 @@ class Semiring:
     n_components: int = 1
     #: short name used in error messages and generated module names
     name: str = "semiring"
+    #: a one-component semiring's primitives as tensor expressions, for generated code
+    inline: ClassVar[InlineForms | None] = None
 
     # ----- the definition: subclasses implement these -------------------------------
     def zero(self, shape: Sequence[int], like: Tensor) -> Value:

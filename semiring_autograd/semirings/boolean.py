@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Semiring, Value
+from .base import InlineForms, Semiring, Value
 from .tensor_ops import nonzero_operand, on_live_rows
 
 
@@ -18,6 +18,9 @@ class Boolean(Semiring):
     """(or, and): whether any path with all local derivatives non-zero exists."""
 
     name = "boolean"
+    inline = InlineForms(
+        lift="{w} != 0", mul="{a} & {b}", add="{a} | {b}", mul_lift="{a} & ({w} != 0)"
+    )
 
     def zero(self, shape, like):
         return (torch.zeros(tuple(shape), dtype=torch.bool, device=like.device),)

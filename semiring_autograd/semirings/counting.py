@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import message_dtype
+from .base import InlineForms, message_dtype
 from .log import Log
 from .tensor_ops import NEG_INF, nonzero_operand
 
@@ -14,6 +14,12 @@ class Counting(Log):
     is the natural log of the number of non-zero paths (-inf where none)."""
 
     name = "counting"
+    inline = InlineForms(
+        lift=None,  # where(w != 0, 0, -inf) needs w twice: the method's one call
+        mul="{a} + {b}",
+        add="torch.logaddexp({a}, {b})",
+        mul_lift="torch.where({w} == 0, -math.inf, {a})",
+    )
 
     def lift(self, w):
         return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)

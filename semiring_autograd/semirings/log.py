@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.workspace import scratch
-from .base import Semiring
+from .base import InlineForms, Semiring
 from .log_space import LogSpaceGemm, log_live, log_loo
 from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
 
@@ -15,6 +15,12 @@ class Log(Semiring):
     """(logaddexp, +) over log|w|: log of the total |path| weight, -inf where no path."""
 
     name = "log"
+    inline = InlineForms(
+        lift="torch.log({w}.abs())",
+        mul="{a} + {b}",
+        add="torch.logaddexp({a}, {b})",
+        mul_lift="{a} + torch.log({w}.abs())",
+    )
 
     def zero(self, shape, like):
         return (filled(shape, NEG_INF, like),)

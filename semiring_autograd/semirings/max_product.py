@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from .base import Semiring, Value
+from .base import InlineForms, Semiring, Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     batch_flatten,
@@ -27,6 +27,9 @@ class MaxProduct(Semiring):
     """(max, ×) over |w|: the weight of the strongest path. Zero is 0, one is 1."""
 
     name = "max_product"
+    inline = InlineForms(
+        lift="{w}.abs()", mul="{a} * {b}", add="torch.maximum({a}, {b})", mul_lift="{a} * {w}.abs()"
+    )
 
     def zero(self, shape, like):
         return (filled(shape, 0.0, like),)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Semiring
+from .base import InlineForms, Semiring
 from .tensor_ops import filled
 
 
@@ -17,6 +17,7 @@ class Real(Semiring):
     """
 
     name = "real"
+    inline = InlineForms(lift="{w}", mul="{a} * {b}", add="{a} + {b}", mul_lift="{a} * {w}")
     formulas = False  # (a subclass is a user semiring: it always runs the formulas)
 
     def __init__(self, formulas: bool = False):
