@@ -34,7 +34,7 @@ from .targets import CodegenError, targets
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
 #: the source checkout this file sits in, when it does (codegen/ beside derivatives/)
-CHECKOUT = HERE.parent if (HERE.parent / "derivatives").is_dir() else None
+CHECKOUT = HERE.parent if (HERE.parent / "pyproject.toml").is_file() else None
 _CONDITION = Flavour("generic")
 
 
@@ -77,13 +77,15 @@ def _environment() -> jinja2.Environment:
 
 
 def source_hash(yaml_dir: Path) -> str:
-    """sha256 over the YAML, the templates and the generator's own code."""
+    """sha256 over the YAML, the templates, the generator's own code and the targets the
+    semiring registry asks for (their inline forms included)."""
     h = hashlib.sha256()
     files = sorted(Path(yaml_dir).glob("*.yaml"))
     files += sorted(TEMPLATES.glob("*.j2")) + sorted(HERE.glob("*.py"))
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())
+    h.update(repr(targets()).encode())
     return h.hexdigest()[:16]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from .. import generated
+from ..generated import MODULES, ops_table
 from ..ops.spec import OpSpec
 from ..semirings.base import Semiring
 from ..semirings.registry import SEMIRINGS, spec_of
@@ -55,22 +55,23 @@ class Registry:
         return self.modules["generic"].FUNCTIONS[op.name], True
 
     @classmethod
-    def from_package(cls, package: ModuleType, origin: str) -> "Registry":
-        """The registry of a generated package (its ``ops_table`` and ``MODULES``)."""
+    def checked(cls, table: ModuleType, modules: dict[str, ModuleType], origin: str) -> "Registry":
+        """The registry of a generated op table and modules, which must hold a module for
+        every semiring the registry of semirings names."""
         expected = {s.generated_module for s in SEMIRINGS}
-        missing = sorted(expected - set(package.MODULES))
+        missing = sorted(expected - set(modules))
         if missing:
             raise ImportError(
                 f"{origin}: no generated module for {', '.join(missing)}; run `generate`"
             )
-        return cls(package.ops_table, package.MODULES, origin)
+        return cls(table, modules, origin)
 
     @classmethod
     def load(cls, directory: str | Path | None = None) -> "Registry":
         """The registry of the installed generated package, or of a directory of generated
         files (as written by ``generate --out-dir``), imported as a package of its own."""
         if directory is None:
-            return cls.from_package(generated, "generated/")
+            return cls.checked(ops_table, MODULES, "generated/")
         directory = Path(directory)
         init = directory / "__init__.py"
         if not init.exists():
@@ -84,7 +85,7 @@ class Registry:
         package = importlib.util.module_from_spec(spec)
         sys.modules[name] = package
         spec.loader.exec_module(package)
-        return cls.from_package(package, str(directory))
+        return cls.checked(package.ops_table, package.MODULES, str(directory))
 
 
 _DEFAULT: Registry | None = None
