@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_models import tiny_inputs, tiny_model
 from oracle import best_paths
-from test_compositions import MODELS, _setup
+from small_models import MODELS, setup_model
 
 import semiring_autograd as sa
 from semiring_autograd.ops.decompositions import DECOMPOSITIONS
@@ -21,7 +21,7 @@ def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
 
 
 def _record(name: str, semiring: sa.Semiring):
-    model, x, program = _setup(name)
+    model, x, program = setup_model(name)
     x = x.clone().requires_grad_()
     with sa.patch(model, semiring, paths=True):
         out = model(x)
@@ -113,7 +113,7 @@ def test_tiny_bert_path_names_modules_indices_and_edges():
 
 
 def test_paths_need_recording_and_a_max_semiring():
-    model, x, _ = _setup("mlp")
+    model, x, _ = setup_model("mlp")
     x = x.clone().requires_grad_()
     with sa.patch(model, sa.MaxProduct()):
         out = model(x)

@@ -1,4 +1,4 @@
-"""``sa.grad`` and ``sa.seed``: run a semiring backward through PyTorch's engine."""
+"""``sa.grad``: run a semiring backward through PyTorch's engine, seeded by ``sa.seed_message``."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ SignedMaxProduct) every token also gets its top path, element by element.
 
 from __future__ import annotations
 
-import html
 import os
 from dataclasses import dataclass, field
 from pathlib import Path as FilePath
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 
 from ..engine.grad import grad, message_value
 from ..engine.patch import patch
+from . import report
 from .paths import Path, PathFinder
 from ..semirings.base import Semiring
 from ..semirings.registry import inherited_spec, semiring_named
@@ -41,16 +41,17 @@ class Attribution:
         spec = inherited_spec(self.semiring)
         return spec.meaning if spec is not None else "semiring readout"
 
-    def _display_scores(self) -> Tensor:
+    def display_scores(self) -> Tensor:
+        """The scores shown, in float64 (SignedMaxProduct: the largest products)."""
         s = self.scores.double()
         return s[0] if s.dim() == 2 else s
 
     def best_token(self) -> int:
-        return int(self._display_scores().argmax())
+        return int(self.display_scores().argmax())
 
     def __str__(self) -> str:
         lines = [f"{type(self.semiring).__name__}: {self.meaning}, target {self.target}"]
-        scores = self._display_scores()
+        scores = self.display_scores()
         width = max(len(repr(t)) for t in self.tokens)
         for i, (tok, score) in enumerate(zip(self.tokens, scores.tolist())):
             lines.append(f"  {i:3d}  {repr(tok):<{width}}  {score: .6g}")
@@ -63,73 +64,11 @@ class Attribution:
         """A self-contained HTML page: the tokens as a heat map of their scores, and the top
         path of the best token (each token's path in a collapsible section). Written to
         ``path`` when given; returned either way."""
-        scores = self._display_scores()
-        finite = scores[torch.isfinite(scores)]
-        lo = float(finite.min()) if finite.numel() else 0.0
-        hi = float(finite.max()) if finite.numel() else 1.0
-        spans = []
-        for i, (tok, score) in enumerate(zip(self.tokens, scores.tolist())):
-            level = (
-                0.0
-                if not torch.isfinite(torch.tensor(score)) or hi == lo
-                else (score - lo) / (hi - lo)
-            )
-            spans.append(
-                f'<span class="tok" style="background: rgba(220, 60, 30, {level:.3f})" '
-                f'title="token {i}: {score:.6g}">{html.escape(tok)}</span>'
-            )
-        sections = []
-        for i, p in enumerate(self.paths):
-            if p is None:
-                continue
-            opened = " open" if i == self.best_token() else ""
-            sections.append(
-                f"<details{opened}><summary>token {i} {html.escape(repr(self.tokens[i]))}: "
-                f"weight {p.weight:.6g}</summary><pre>{html.escape(str(p))}</pre></details>"
-            )
-        title = f"{type(self.semiring).__name__} attribution — target {self.target}"
-        page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; }}
-.tok {{ padding: 2px 3px; margin: 1px; border-radius: 3px; white-space: pre; }}
-table {{ border-collapse: collapse; }} td, th {{ padding: 2px 8px; text-align: left; }}
-pre {{ background: #f6f6f6; padding: 1em; overflow-x: auto; }}
-</style></head><body>
-<h1>{html.escape(title)}</h1>
-<p>Score per token: {html.escape(self.meaning)} (the semiring's ⊕ over the token's
-embedding elements). Darker is higher; range {lo:.6g} to {hi:.6g}.</p>
-<p class="tokens">{"".join(spans)}</p>
-<table><tr><th>#</th><th>token</th><th>score</th></tr>
-{"".join(f"<tr><td>{i}</td><td>{html.escape(repr(t))}</td><td>{s:.6g}</td></tr>" for i, (t, s) in enumerate(zip(self.tokens, scores.tolist())))}
-</table>
-{"<h2>Top paths</h2>" + "".join(sections) if sections else ""}
-</body></html>
-"""
-        if path is not None:
-            FilePath(path).write_text(page, encoding="utf-8")
-        return page
+        return report.html_page(self, path)
 
     def plot(self, path: str | os.PathLike) -> None:
         """A PNG bar chart of the token scores (needs matplotlib: the ``plot`` extra)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as exc:
-            raise ImportError(
-                "Attribution.plot needs matplotlib: pip install 'semiring-autograd[plot]'"
-            ) from exc
-        scores = self._display_scores().numpy()
-        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(self.tokens)), 3.5))
-        ax.bar(range(len(self.tokens)), scores, color="#dc3c1e")
-        ax.set_xticks(range(len(self.tokens)), [repr(t) for t in self.tokens], rotation=60)
-        ax.set_ylabel(self.meaning)
-        ax.set_title(f"{type(self.semiring).__name__}, target {self.target}", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, format="png")
-        plt.close(fig)
+        report.plot_scores(self, path)
 
 
 def _target_id(target: int | str, tokenizer) -> tuple[int, str]:

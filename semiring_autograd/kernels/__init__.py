@@ -15,8 +15,7 @@ There is no BLAS for max-times. Two fused paths compute it exactly:
   cache and called through ctypes (which releases the GIL) on ``torch.get_num_threads()``
   threads. With OpenMP the library shares the libgomp torch loaded, so its team is torch's
   intra-op threads; a pool of other threads would compete with them, as torch's idle
-  OpenMP workers spin for milliseconds after each op (measured: a kernel after any torch op
-  ran 1.9x slower). Without OpenMP it falls back to a thread pool of its own.
+  OpenMP workers spin for milliseconds after each op. Without OpenMP it falls back to a thread pool of its own.
 - CUDA: ``torch.compile`` of broadcast-multiply + reduction, which Inductor turns into one
   Triton kernel (dynamic shapes, so one compilation serves every shape).
 
@@ -86,7 +85,6 @@ _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-shared", "-fPIC", "-st
 if platform.machine().lower() in ("x86_64", "amd64"):
     # the auto-vectorised loops are 256 bits wide by default even where the CPU has
     # AVX-512 (the matmul kernels use its registers explicitly); 512 runs them faster
-    # (measured alone: the series-based Entropy ⊕ 20%, the leave-one-out 25%)
     _FLAGS.append("-mprefer-vector-width=512")
 #: tried first: the kernels then run on torch's own OpenMP threads (see the .cpp)
 _OPENMP_FLAGS = ["-fopenmp"]

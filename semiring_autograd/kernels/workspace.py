@@ -1,9 +1,8 @@
 """Reused scratch tensors for weight-sized temporaries on the CPU.
 
 A fresh CPU allocation of a few MB is mapped from the OS and faults in page by page on its
-first write: |w| of a 3072×768 weight took 1.8 ms into a new tensor and 0.33 ms into a
-reused one (torch 2.13, 2-core Xeon), and under a whole backward pass such calls took far
-longer. Semiring matmuls over lifted weights (Log, Counting, Entropy, Boolean) need |w|,
+first write, so a weight-sized temporary costs several times more in fresh storage than
+in reused storage (docs/performance.md has the figures). Semiring matmuls over lifted weights (Log, Counting, Entropy, Boolean) need |w|,
 w ≠ 0 or a function of them as a GEMM operand for every linear layer, and the log-space
 GEMM a shifted copy of the message, so they take these from here.
 

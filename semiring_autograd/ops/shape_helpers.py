@@ -1,18 +1,12 @@
-"""Pure shape arithmetic that YAML formulas may call (no tensors, no semiring)."""
+"""Pure shape arithmetic that YAML formulas may call (no tensors, no semiring);
+``normalize_dims`` is the semirings' own, so a formula and a reduction read dims alike."""
 
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-
-def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
-    """Dims as sorted non-negative ints; None means every dim."""
-    if dims is None:
-        return tuple(range(ndim))
-    if isinstance(dims, int):
-        dims = (dims,)
-    return tuple(sorted({d % ndim for d in dims})) if ndim else ()
+from ..semirings.base import normalize_dims
 
 
 def keepdim_shape(shape: Sequence[int], dims: int | Sequence[int] | None) -> tuple[int, ...]:

@@ -22,12 +22,13 @@ Value = tuple[Tensor, ...]
 _MATMUL_CHUNK_ELEMENTS = 1 << 22
 
 
-def _normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    """Dims as sorted non-negative ints; None means every dim (a 0-d tensor has none)."""
     if dims is None:
         return tuple(range(ndim))
     if isinstance(dims, int):
         dims = (dims,)
-    return tuple(sorted({d % ndim if ndim else 0 for d in dims}))
+    return tuple(sorted({d % ndim for d in dims})) if ndim else ()
 
 
 #: primal dtypes whose messages are kept in float32 (too coarse for products of many factors)
@@ -131,7 +132,7 @@ class Semiring:
         """⊕-reduction over ``dims`` (all dims when None)."""
         a = broadcast_value(a)
         shape = a[0].shape
-        d = _normalize_dims(dims, len(shape))
+        d = normalize_dims(dims, len(shape))
         if not d:
             return a
         if any(shape[i] == 0 for i in d):

@@ -34,8 +34,8 @@ def loo_max(x: Tensor, dim: int, empty: float) -> Tensor:
 
 def top_two(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
     """The largest and second largest entries along ``dim`` (size ≥ 2) and the position of
-    the largest, each with ``dim`` kept as size 1. A max and a max of the rest: half the
-    time of ``topk(2)``."""
+    the largest, each with ``dim`` kept as size 1: a max and a max of the rest, cheaper
+    than ``topk(2)``."""
     first, at = x.max(dim=dim, keepdim=True)
     second = x.scatter(dim, at, NEG_INF).amax(dim=dim, keepdim=True)
     return first, second, at
