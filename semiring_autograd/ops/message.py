@@ -32,7 +32,10 @@ class Message(Tensor):
         shape = torch.Size(shape)
         r = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
         r.semiring = semiring
-        r.value = tuple(c if c.shape == shape else c.expand(shape) for c in value)
+        fitted = []  # a loop, not a generator: this runs for every message
+        for c in value:
+            fitted.append(c if c.shape == shape else c.expand(shape))
+        r.value = tuple(fitted)
         return r
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -64,7 +67,10 @@ def _in_precision(value: Value, dtype: torch.dtype) -> Value:
     dtype differs from its input's, such as ``softmax(dtype=...)``, hands back components of
     the output's precision)."""
     target = message_dtype(dtype)
-    return tuple(c.to(target) if c.is_floating_point() and c.dtype != target else c for c in value)
+    converted = []  # a loop, not a generator: this runs for every message
+    for c in value:
+        converted.append(c.to(target) if c.is_floating_point() and c.dtype != target else c)
+    return tuple(converted)
 
 
 def wrap(semiring: Semiring, value: Value | None, like: Tensor) -> Message | None:
@@ -92,7 +98,7 @@ def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
             "expected. Seed the backward with `sa.grad(...)` (or a message from "
             "`sa.seed_message(...)`), not with a real tensor."
         )
-    if grad.semiring != semiring:
+    if grad.semiring is not semiring and grad.semiring != semiring:
         raise SemiringMismatchError(
             f"{op}: a {grad.semiring!r} message reached a node recorded under {semiring!r}. "
             "One backward pass must use one semiring."
@@ -105,7 +111,11 @@ def wrap_one(semiring: Semiring, component: Tensor | None, meta) -> Message | No
     ``meta = (shape, dtype, device)`` (None stays the symbolic zero)."""
     if component is None:
         return None
-    return wrap_meta(semiring, (component,), meta)
+    shape, dtype, device = meta
+    target = message_dtype(dtype)
+    if component.dtype != target and component.is_floating_point():
+        component = component.to(target)
+    return Message(semiring, (component,), shape, dtype, device)
 
 
 def unwrap_one(semiring: Semiring, grad: Tensor | None, op: str) -> Tensor | None:
@@ -140,12 +150,12 @@ def _add(func, a, b, *, alpha=1):
             + ". This happens when a leaf's `.grad` still holds an ordinary gradient: set "
             "`x.grad = None` before a semiring backward."
         )
-    if a.semiring != b.semiring:
+    if a.semiring is not b.semiring and a.semiring != b.semiring:
         raise SemiringMismatchError(
             f"cannot merge a {a.semiring!r} message with a {b.semiring!r} message"
         )
     value = a.semiring.add(a.value, b.value)
-    shape = torch.broadcast_shapes(a.shape, b.shape)
+    shape = a.shape if a.shape == b.shape else torch.broadcast_shapes(a.shape, b.shape)
     return Message(a.semiring, value, shape, a.dtype, a.device)
 
 

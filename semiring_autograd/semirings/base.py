@@ -46,6 +46,8 @@ def message_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def broadcast_value(a: Value) -> Value:
     """The components of ``a`` expanded to their common shape."""
+    if len(a) == 1:
+        return a
     shape = torch.broadcast_shapes(*(c.shape for c in a))
     return tuple(c.expand(shape) for c in a)
 
@@ -236,7 +238,7 @@ class Semiring:
     def sum_to(self, a: Value, shape: Sequence[int]) -> Value:
         """⊕ over the dims along which ``shape`` was broadcast to ``a``'s shape."""
         shape = tuple(shape)
-        full = torch.broadcast_shapes(*(c.shape for c in a))
+        full = a[0].shape if len(a) == 1 else torch.broadcast_shapes(*(c.shape for c in a))
         if tuple(full) == shape:
             return a
         lead = len(full) - len(shape)
