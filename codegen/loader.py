@@ -5,7 +5,6 @@ Every problem is reported with the file, the op and what to change.
 
 from __future__ import annotations
 
-import ast
 import importlib
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import yaml
 
 from .formulas import SPECIAL, FormulaError, analyse, parse
 from .model import Formula, Intermediate, OpEntry, SavedMeta, SavedValue
-from .schema import Schema, SchemaError, parse_schema
+from .schema import SchemaError, parse_schema
 
 ENTRY_KEYS = frozenset(
     {

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from small_models import MODELS, setup_model
-from torch import Tensor, nn
+from torch import Tensor
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import Semiring, Value
