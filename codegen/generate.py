@@ -33,7 +33,7 @@ from .targets import CodegenError, targets
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
-#: the source checkout this file sits in, when it does (codegen/ beside derivatives/)
+#: the source checkout this file sits in, when it does (codegen/ beside pyproject.toml)
 CHECKOUT = HERE.parent if (HERE.parent / "pyproject.toml").is_file() else None
 _CONDITION = Flavour("generic")
 
