@@ -1,0 +1,219 @@
+"""The primitives with generic defaults against their definitions, evaluated here with
+explicit folds of ⊕ and ⊗: sum, exclusive_scan and loo, matmul, index_add, sum_to."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..base import Value
+from .checker import Checker
+from .values import at, at_row, expand, stack, take
+
+
+def check_sum(ck: Checker) -> None:
+    S = ck.S
+    law = "sum == fold of ⊕"
+    cases: list[tuple[tuple[int, ...], int | tuple[int, ...] | None, bool]] = [
+        ((2, 3, 4), 0, False),
+        ((2, 3, 4), 1, True),
+        ((2, 3, 4), -1, False),
+        ((2, 3, 4), (0, 2), False),
+        ((2, 3, 4), (-1, 0), True),
+        ((2, 3, 4), None, False),
+        ((2, 3, 4), None, True),
+        ((5,), 0, False),
+        ((3, 1), 1, False),
+        ((3, 0, 2), 1, False),
+        ((3, 0, 2), (0, 1), True),
+    ]
+    for shape, dims, keepdim in cases:
+        a = ck.pick(shape, zero_rows=True)
+        nd = len(shape)
+        d = tuple(range(nd)) if dims is None else (dims,) if isinstance(dims, int) else dims
+        d = tuple(sorted({x % nd for x in d}))
+        kept = [i for i in range(nd) if i not in d]
+        perm = kept + list(d)
+        kept_shape = [shape[i] for i in kept]
+        flat = tuple(c.expand(shape).permute(perm).reshape(*kept_shape, -1) for c in a)
+        length = flat[0].shape[-1]
+        expected = ck.fold([at(flat, i) for i in range(length)], kept_shape)
+        if keepdim:
+            out_shape = [1 if i in d else s for i, s in enumerate(shape)]
+            expected = tuple(c.reshape(out_shape) for c in expand(expected, kept_shape))
+        got = S.sum(a, dims, keepdim)
+        ck.compare(
+            law,
+            {"a": a},
+            f"sum(a, dims={dims}, keepdim={keepdim})",
+            got,
+            "fold of ⊕",
+            expected,
+            elementwise=False,
+        )
+    # an input whose components are a non-contiguous (transposed, expanded) view
+    a = ck.pick((4, 1, 3))
+    a = tuple(c.expand(4, 2, 3).transpose(0, 2) for c in a)
+    flat = tuple(c.reshape(3, 8) for c in a)
+    expected = ck.fold([at(flat, i) for i in range(8)], (3,))
+    ck.compare(
+        law,
+        {"a": a},
+        "sum(a, dims=(1, 2)) of a strided view",
+        S.sum(a, (1, 2)),
+        "fold of ⊕",
+        expected,
+        elementwise=False,
+    )
+
+
+def check_scan_and_loo(ck: Checker) -> None:
+    S = ck.S
+    for shape, dim in (
+        ((3, 5), 1),
+        ((4, 3), 0),
+        ((2, 7, 2), 1),
+        ((3, 2), -1),
+        ((3, 1), 1),
+        ((2, 0), 1),
+    ):
+        a = ck.pick(shape, zero_rows=True)
+        nd = len(shape)
+        dd = dim % nd
+        n = shape[dd]
+        rest = [s for i, s in enumerate(shape) if i != dd]
+        moved = tuple(c.expand(shape).movedim(dd, -1) for c in a)
+        items = [at(moved, i) for i in range(n)]
+
+        def assemble(values: list[Value]) -> Value:
+            if not values:
+                return S.zero(tuple(shape), ck.like)
+            return tuple(c.movedim(-1, dd) for c in stack([expand(v, rest) for v in values], -1))
+
+        scan = assemble([ck.fold(items[:i], rest) for i in range(n)])
+        loo = assemble([ck.fold(items[:i] + items[i + 1 :], rest) for i in range(n)])
+
+        def scan_law() -> None:
+            ck.compare(
+                "exclusive_scan == prefix fold of ⊕",
+                {"a": a},
+                f"exclusive_scan(a, dim={dim})",
+                S.exclusive_scan(a, dim),
+                "⊕ of the elements before",
+                scan,
+                elementwise=False,
+            )
+
+        def loo_law() -> None:
+            ck.compare(
+                "loo == ⊕ of the others",
+                {"a": a},
+                f"loo(a, dim={dim})",
+                S.loo(a, dim),
+                "⊕ of the other elements",
+                loo,
+                elementwise=False,
+            )
+
+        ck.run_law("exclusive_scan == prefix fold of ⊕", scan_law)
+        ck.run_law("loo == ⊕ of the others", loo_law)
+
+
+def check_matmul(ck: Checker) -> None:
+    S = ck.S
+    law = "matmul == ⊕ of ⊗ products"
+    for sa, sb in (
+        ((3, 4), (4, 2)),
+        ((1, 3), (3, 1)),
+        ((2, 1, 2, 3), (3, 3, 2)),
+        ((2, 2, 2), (1, 2, 3)),
+        ((2, 0), (0, 3)),
+        ((0, 3), (3, 2)),
+        ((2, 3), (3, 0)),
+    ):
+        a, b = ck.pick(sa, zero_rows=True), ck.pick(sb, zero_rows=True)
+        m, k, n = sa[-2], sa[-1], sb[-1]
+        batch = tuple(torch.broadcast_shapes(sa[:-2], sb[:-2]))
+        if m == 0 or n == 0:
+            expected = S.zero((*batch, m, n), ck.like)
+        else:
+            rows = []
+            for i in range(m):
+                row = []
+                for j in range(n):
+                    terms = [S.mul(at(a, i, kk), at(b, kk, j)) for kk in range(k)]
+                    row.append(ck.fold(terms, batch))
+                rows.append(stack(row, -1))
+            expected = stack(rows, -2)
+        ck.compare(
+            law,
+            {"a": a, "b": b},
+            "matmul(a, b)",
+            S.matmul(a, b),
+            "explicit ⊕_k a[..., i, k] ⊗ b[..., k, j]",
+            expected,
+            elementwise=False,
+        )
+
+
+def check_index_add(ck: Checker) -> None:
+    S = ck.S
+    law = "index_add == ⊕-scatter"
+    for index, size, trail in (
+        ([0, 2, 2, 1, 2, 0], 4, (3,)),
+        ([1, 1, 1], 2, ()),
+        ([3, 0, 3, 3, 1], 5, (2, 2)),
+        ([], 3, (2,)),
+    ):
+        idx = torch.tensor(index, dtype=torch.int64)
+        a = ck.pick((len(index), *trail))
+        rows = []
+        for r in range(size):
+            members = [at_row(a, i) for i in range(len(index)) if index[i] == r]
+            rows.append(ck.fold(members, trail))
+        expected = stack(rows, 0)
+        ck.compare(
+            law,
+            {"a": a, "index": idx},
+            f"index_add(a, index, size={size})",
+            S.index_add(a, idx, size),
+            "explicit ⊕ of the rows with that index",
+            expected,
+            elementwise=False,
+        )
+
+
+def check_sum_to(ck: Checker) -> None:
+    S = ck.S
+    law = "sum_to == ⊕ over broadcast dims"
+    for full, shape in (
+        ((2, 3, 4), (3, 1)),
+        ((2, 3, 4), (1, 3, 1)),
+        ((2, 3, 4), (4,)),
+        ((2, 3, 4), ()),
+        ((2, 3, 4), (2, 3, 4)),
+        ((3, 1, 2), (1, 1, 2)),
+    ):
+        a = ck.pick(full, zero_rows=True)
+        lead = len(full) - len(shape)
+        groups: dict[tuple[int, ...], list[Value]] = {}
+        for idx in itertools.product(*(range(s) for s in full)):
+            out = tuple(0 if shape[d] == 1 else idx[lead + d] for d in range(len(shape)))
+            groups.setdefault(out, []).append(take(a, idx))
+        flat = [
+            ck.fold(groups.get(o, []), ()) for o in itertools.product(*(range(s) for s in shape))
+        ]
+        expected = tuple(c.reshape(shape) for c in stack(flat, 0))
+        ck.compare(
+            law,
+            {"a": a},
+            f"sum_to(a, {shape})",
+            S.sum_to(a, shape),
+            "explicit ⊕ over the broadcast dims",
+            expected,
+            elementwise=False,
+        )
+
+
+# -- driver --
