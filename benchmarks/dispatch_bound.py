@@ -26,16 +26,13 @@ import torch
 import transformers
 
 import semiring_autograd as sa
+from semiring_autograd.semirings.registry import SEMIRINGS as REGISTRY
 
-SEMIRINGS = (
-    "Real",
-    "Real-formulas",
-    "MaxProduct",
-    "SignedMaxProduct",
-    "Log",
-    "Entropy",
-    "Boolean",
-    "Counting",
+#: every built-in semiring (the registry's order), Real also with its formulas
+SEMIRINGS = tuple(
+    name
+    for spec in REGISTRY
+    for name in ((spec.cls.__name__, "Real-formulas") if spec.torch_graph else (spec.cls.__name__,))
 )
 
 
