@@ -6,15 +6,29 @@ from __future__ import annotations
 import html
 import os
 from pathlib import Path as FilePath
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .attribution import Attribution
+from torch import Tensor
 
 
-def html_page(result: Attribution, path: str | os.PathLike | None = None) -> str:
+class Scores(Protocol):
+    """What a report reads of an attribution (:class:`sa.Attribution` is one)."""
+
+    tokens: list[str]
+    semiring: Any
+    target: str
+    paths: list[Any]
+
+    @property
+    def meaning(self) -> str: ...
+
+    def display_scores(self) -> Tensor: ...
+
+    def best_token(self) -> int: ...
+
+
+def html_page(result: Scores, path: str | os.PathLike | None = None) -> str:
     """A self-contained HTML page: the tokens as a heat map of their scores, and the top
     path of the best token (each token's path in a collapsible section). Written to
     ``path`` when given; returned either way."""
@@ -64,7 +78,7 @@ embedding elements). Darker is higher; range {lo:.6g} to {hi:.6g}.</p>
     return page
 
 
-def plot_scores(result: Attribution, path: str | os.PathLike) -> None:
+def plot_scores(result: Scores, path: str | os.PathLike) -> None:
     """A PNG bar chart of the token scores (needs matplotlib: the ``plot`` extra)."""
     try:
         import matplotlib
