@@ -74,6 +74,9 @@ def test_wheel_holds_codegen_and_the_yaml(installed):
     assert (package / "codegen" / "templates" / "functions.py.j2").is_file()
     assert (package / "generated" / "ops_table.py").is_file()
     assert not (installed / "codegen").exists(), "codegen must not install as a top-level package"
+    for init in (ROOT / "semiring_autograd").rglob("__init__.py"):
+        module = init.parent.relative_to(ROOT)
+        assert (installed / module / "__init__.py").is_file(), f"{module} is not in the wheel"
 
 
 def test_generate_runs_from_the_installed_copy(installed, tmp_path):
