@@ -12,10 +12,11 @@ read saved metadata instead of keeping the tensor alive.
 from __future__ import annotations
 
 import ast
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from semiring_autograd.ops import shape_helpers, tensor_helpers
+from semiring_autograd.ops import primitives, shape_helpers, tensor_helpers
 from semiring_autograd.ops.primitives import PRIMITIVES
 
 #: helper name -> the alias generated code imports its module as
@@ -138,13 +139,18 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
     return out
 
 
-#: structural primitives, the same in every semiring: a tensor method on a one-component value
+#: structural primitives, the same in every semiring: tensor expressions on a one-component
+#: value, over the parameter names of their namesakes in semiring_autograd.ops.primitives
 STRUCTURAL = {
-    "reshape": "{0}.reshape({1})",
-    "permute": "{0}.permute({1})",
-    "transpose": "{0}.transpose({1}, {2})",
-    "expand": "{0}.expand({1})",
-    "narrow": "{0}.narrow({1}, {2}, {3})",
+    "reshape": "{a}.reshape({shape})",
+    "permute": "{a}.permute({dims})",
+    "transpose": "{a}.transpose({d0}, {d1})",
+    "expand": "{a}.expand({shape})",
+    "narrow": "{a}.narrow({dim}, {start}, {length})",
+    "cat": "torch.cat(list({parts}), {dim})",
+    "split": "list({a}.split(list({sizes}), {dim}))",
+    "unbind": "list({a}.unbind({dim}))",
+    "stack": "torch.stack(list({parts}), {dim})",
 }
 
 
@@ -225,13 +231,14 @@ class _Rewriter(ast.NodeTransformer):
         plain = self.flavour.kind == "plain"
         inline = self.flavour.inline
         args = list(node.args)
-        if fname in STRUCTURAL and not node.keywords:
-            return _expression(STRUCTURAL[fname].format(*map(_source, args)))
+        if fname in STRUCTURAL:
+            return _expression(STRUCTURAL[fname].format(**_bound_sources(node)))
         if fname in ("mul", "add"):
             form = inline.mul if fname == "mul" else inline.add
-            return _expression(form.format(a=_source(args[0]), b=_source(args[1])))
+            return _expression(form.format(**_bound_sources(node)))
         if fname == "lift" and inline.lift is not None:
-            w = args[0] if plain else _call("C", "as_message", [args[0], _REF])
+            w = _bound(node)["w"]
+            w = w if plain else _call("C", "as_message", [w, _REF])
             return _expression(inline.lift.format(w=_source(w)))
         ref = [_REF] if fname in NEEDS_REF else []
         if plain:
@@ -252,6 +259,19 @@ def _call(module: str, name: str, args: list, keywords: list | None = None) -> a
 def _source(node: ast.AST) -> str:
     """An argument's source in parentheses, safe to paste into any expression."""
     return f"({ast.unparse(node)})"
+
+
+def _bound(node: ast.Call) -> dict[str, ast.AST]:
+    """A primitive call's argument nodes by the parameter names of its namesake in
+    :mod:`semiring_autograd.ops.primitives` (positional and keyword arguments alike)."""
+    signature = inspect.signature(getattr(primitives, node.func.id))
+    keywords = {k.arg: k.value for k in node.keywords}
+    bound = signature.bind_partial(None, *node.args, **keywords).arguments
+    return {name: value for name, value in bound.items() if name != "S"}
+
+
+def _bound_sources(node: ast.Call) -> dict[str, str]:
+    return {name: _source(value) for name, value in _bound(node).items()}
 
 
 def _expression(source: str) -> ast.AST:

@@ -340,3 +340,24 @@ def test_generated_modules_follow_the_registry_and_are_not_copies():
     for i, first in enumerate(names):
         for second in names[i + 1 :]:
             assert bodies[first] != bodies[second], f"{first}.py and {second}.py are copies"
+
+
+def test_one_component_primitives_bind_keywords_by_the_primitive_signature():
+    """A structural primitive or ⊗ written with keyword arguments is spelled as the
+    positional call would be (the names are those of ``semiring_autograd.ops.primitives``)."""
+    import ast
+
+    from semiring_autograd.codegen.formulas import Flavour, rewrite
+
+    flavour = Flavour("single", sa.Log.inline)
+    for positional, keyword in (
+        ("reshape(grad, (2, 3))", "reshape(grad, shape=(2, 3))"),
+        ("transpose(grad, 0, 1)", "transpose(a=grad, d1=1, d0=0)"),
+        ("mul(grad, grad)", "mul(grad, b=grad)"),
+        ("cat([grad, grad], 0)", "cat(dim=0, parts=[grad, grad])"),
+    ):
+        expected = rewrite(ast.parse(positional, mode="eval"), flavour, {"x"})
+        assert rewrite(ast.parse(keyword, mode="eval"), flavour, {"x"}) == expected
+    assert rewrite(ast.parse("transpose(grad, 0, 1)", mode="eval"), flavour, set()) == (
+        "grad.transpose(0, 1)"
+    )

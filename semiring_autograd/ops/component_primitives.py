@@ -1,9 +1,9 @@
 """The formula primitives on the one component of a one-component semiring's values.
 
 A module generated for a one-component built-in semiring (MaxProduct, Log, Counting,
-Boolean) holds each value as its single component tensor. It spells ⊕, ⊗, lift and the
-structural primitives as tensor expressions (the semiring's :class:`InlineForms`) and
-calls the rest here: each is its namesake in :mod:`.primitives` on a one-tuple.
+Boolean) holds each value as its single component tensor. It spells ⊕, ⊗ and lift as
+the semiring's :class:`InlineForms`, the structural primitives as tensor expressions
+(``codegen/formulas.py: STRUCTURAL``), and calls the rest here: each is its namesake in :mod:`.primitives` on a one-tuple.
 """
 
 from __future__ import annotations
@@ -59,22 +59,6 @@ def index_add(S: Semiring, a: Tensor, index: Tensor, size: int) -> Tensor:
 
 def getitem_backward(S: Semiring, a: Tensor, shape: Sequence[int], index: Any) -> Tensor:
     return P.getitem_backward(S, (a,), shape, index)[0]
-
-
-def cat(S: Semiring, parts: Sequence[Tensor], dim: int) -> Tensor:
-    return torch.cat(list(parts), dim)
-
-
-def split(S: Semiring, a: Tensor, sizes: Sequence[int], dim: int) -> list[Tensor]:
-    return list(a.split(list(sizes), dim))
-
-
-def unbind(S: Semiring, a: Tensor, dim: int) -> list[Tensor]:
-    return list(a.unbind(dim))
-
-
-def stack(S: Semiring, parts: Sequence[Tensor], dim: int) -> Tensor:
-    return torch.stack(list(parts), dim)
 
 
 def fill_zero(

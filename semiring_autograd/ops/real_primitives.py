@@ -52,22 +52,6 @@ def getitem_backward(a: Tensor, shape: Sequence[int], index: Any) -> Tensor:
     return z
 
 
-def cat(parts: Sequence[Tensor], dim: int) -> Tensor:
-    return torch.cat(list(parts), dim)
-
-
-def split(a: Tensor, sizes: Sequence[int], dim: int) -> list[Tensor]:
-    return list(a.split(list(sizes), dim))
-
-
-def unbind(a: Tensor, dim: int) -> list[Tensor]:
-    return list(a.unbind(dim))
-
-
-def stack(parts: Sequence[Tensor], dim: int) -> Tensor:
-    return torch.stack(list(parts), dim)
-
-
 def fill_zero(
     parts: Sequence[Tensor | None], shapes: Sequence[Sequence[int]], ref: Ref
 ) -> list[Tensor]:
