@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from ..ops import demand
+from . import checkpointing
 from . import trace as tracing
 from ..errors import SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
@@ -47,10 +49,18 @@ def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
 
 
 def seed_message(semiring: Semiring, output: Tensor, weights: Tensor | None = None) -> Tensor:
-    """The seed message for ``output``: one everywhere, or lift(weights) when given
-    (a weight of 0 starts no path). For Real it is the ordinary grad_output."""
-    if weights is not None:
-        weights = torch.as_tensor(weights, dtype=output.dtype, device=output.device)
+    """The seed message for ``output``: one everywhere, or lift(weights) when given — a
+    tensor of the output's shape, or a number for every element (a weight of 0 starts no
+    path). For Real it is the ordinary grad_output."""
+    if isinstance(weights, numbers.Real) and not isinstance(weights, bool):
+        weights = torch.full_like(output, float(weights))
+    elif weights is not None:
+        if not isinstance(weights, Tensor):
+            raise TypeError(
+                f"a seed is a real number or a tensor of the output's shape, got "
+                f"{type(weights).__name__}"
+            )
+        weights = weights.to(dtype=output.dtype, device=output.device)
         if weights.shape != output.shape:
             raise ValueError(
                 f"seed has shape {tuple(weights.shape)} but the output has shape "
@@ -84,9 +94,23 @@ def grad(
     inside ``with sa.trace():``.
     """
     single_input = isinstance(inputs, Tensor)
-    ins = [inputs] if single_input else list(inputs)
-    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    seeds = [seed] if isinstance(seed, Tensor) or seed is None else list(seed)
+    ins = _tensors("inputs", inputs)
+    outs = _tensors("outputs", outputs)
+    for i, x in enumerate(ins):
+        if not x.requires_grad:
+            raise ValueError(
+                f"sa.grad: input {i} (shape {tuple(x.shape)}) does not require grad, so no "
+                "path can reach it: call x.requires_grad_() before the patched forward"
+            )
+    if isinstance(seed, (Tensor, numbers.Real)) or seed is None:
+        seeds = [seed]
+    elif isinstance(seed, Sequence):
+        seeds = list(seed)
+    else:
+        raise TypeError(
+            "sa.grad: seed is None, a number, a tensor, or a sequence of those (one per "
+            f"output), got {type(seed).__name__}"
+        )
     if len(seeds) == 1 and len(outs) > 1:
         seeds = seeds * len(outs)
     if len(seeds) != len(outs):
@@ -102,6 +126,10 @@ def grad(
             results = torch.autograd.grad(
                 outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
             )
+    except RuntimeError as exc:
+        if checkpointing.is_reentrant_refusal(exc):
+            raise SemiringAutogradError(checkpointing.REENTRANT_FIX) from exc
+        raise
     finally:
         if own is not None:
             own.detach()
@@ -117,6 +145,19 @@ def grad(
         else:
             final.append(semiring.readout(r.value))
     return final[0] if single_input else tuple(final)
+
+
+def _tensors(what: str, given: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """``given`` as a list of tensors, or a TypeError naming the odd one."""
+    items = [given] if isinstance(given, Tensor) else given
+    if not isinstance(items, Sequence):
+        raise TypeError(
+            f"sa.grad: {what} is a tensor or a sequence of tensors, got {type(given).__name__}"
+        )
+    for i, t in enumerate(items):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"sa.grad: {what}[{i}] is {type(t).__name__}, not a tensor")
+    return list(items)
 
 
 def message_value(message: Tensor | None, semiring: Semiring, like: Tensor):

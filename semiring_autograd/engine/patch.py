@@ -1,7 +1,9 @@
 """``sa.patch(model, semiring)``: record a model's forward for a semiring backward.
 
 A :class:`~torch.overrides.TorchFunctionMode` is pushed (thread-locally) while the patched
-model's forward runs in the thread that patched it. Each torch function call that touches
+model's forward runs in the thread that patched it: the model's ``forward`` is wrapped (an
+instance attribute, removed with the patch) so the mode leaves with the forward whatever
+ends it, a ``KeyboardInterrupt`` included. Each torch function call that touches
 a grad-requiring tensor is bound to a YAML entry and routed to its generated Function;
 its forward computes exactly what the unpatched call computes. For ``sa.Real()`` the call
 runs as it is and torch records its own backward nodes (Real messages are torch's
@@ -11,9 +13,10 @@ gradients). A call with no entry that would produce a differentiable result rais
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -25,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PatchError, SemiringMismatchError, UnsupportedOpError
+from .checkpointing import checkpoint_frame, recompute_under
 from .graph import NodeInfo, set_node_info
 from ..ops.spec import OpSpec
 from .dispatch import Registry, default_registry
@@ -36,6 +40,14 @@ _LOCK = threading.Lock()
 _THREAD = threading.local()
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _PATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_ABSENT = object()
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is torch.compile's wrapper of another (checked without importing
+    torch._dynamo)."""
+    cls = type(module)
+    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
 
 
 def _name_of(func: Any) -> str:
@@ -167,6 +179,9 @@ class _SemiringMode(TorchFunctionMode):
                 continue
             if handle.torch_graph:
                 return handle.record_torch_graph(func, args, kwargs, op, bound)
+            frame = checkpoint_frame()
+            if frame is not None:  # a checkpointed region: recompute it under the semiring
+                recompute_under(frame, functools.partial(_SemiringMode, handle))
             replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
             fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
             call = UnpatchedCall(func, args, kwargs)
@@ -208,31 +223,65 @@ class PatchHandle:
         self.thread = threading.get_ident()
         self._mode = _SemiringMode(self)
         self._depth = 0
-        self._stack: list[str] = []
+        self._active = False
+        self._removed = False
+        #: (module, qualified name) of the model's modules whose forward is running
+        self._stack: list[tuple[nn.Module, str]] = []
         self._hooks: list[Any] = []
         #: module -> qualified name, for the modules of this model
         self._names = {m: n or type(m).__name__ for n, m in model.named_modules()}
-        # two process-wide module hooks that ignore other models and threads: cheaper
-        # than a pair of hooks on each of the model's modules
+        self._forward_before = model.__dict__.get("forward", _ABSENT)
+        # two process-wide module hooks that ignore other models and threads (cheaper
+        # than a pair of hooks on each of the model's modules) name the running module
         try:
             self._hooks.append(register_module_forward_pre_hook(self._enter))
             self._hooks.append(register_module_forward_hook(self._exit, always_call=True))
+            model.__dict__["forward"] = self._wrap_forward(model.forward)
         except BaseException:
             self._remove_hooks()
             raise
+
+    def _wrap_forward(self, forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def patched_forward(*args: Any, **kwargs: Any) -> Any:
+            if self._removed or threading.get_ident() != self.thread:
+                return forward(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                raise PatchError(
+                    f"{type(self.model).__name__} is patched and is being compiled by "
+                    "torch.compile: a compiled graph bypasses the per-op routing sa.patch "
+                    "needs. Run the patched model eagerly (compile it outside sa.patch)."
+                )
+            if self._depth == 0:
+                self._check_outer_patches()
+            self._depth += 1
+            if self._depth == 1:
+                self._mode.__enter__()
+                self._active = True
+                _running().append(self)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._deactivate()
+                    self._stack.clear()  # entries a BaseException left behind
+
+        patched_forward.__semiring_autograd_patch__ = self  # type: ignore[attr-defined]
+        return patched_forward
+
+    def _deactivate(self) -> None:
+        if self._active:
+            self._active = False
+            self._mode.__exit__(None, None, None)
+            _running().remove(self)
 
     # ----- hooks
     def _enter(self, module: nn.Module, args: Any) -> None:
         name = self._names.get(module)
         if name is None or threading.get_ident() != self.thread:
             return None
-        self._stack.append(name)
-        if module is self.model:
-            self._depth += 1
-            if self._depth == 1:
-                self._mode.__enter__()
-                _running().append(self)
-                self._check_outer_patches()
+        self._stack.append((module, name))
         return None
 
     def _check_outer_patches(self) -> None:
@@ -251,13 +300,12 @@ class PatchHandle:
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if module not in self._names or threading.get_ident() != self.thread:
             return None
-        if self._stack:
-            self._stack.pop()
-        if module is self.model:
-            self._depth -= 1
-            if self._depth == 0:
-                self._mode.__exit__(None, None, None)
-                _running().remove(self)
+        # pop up to this module's entry: a BaseException (not seen by torch's
+        # always-called hooks) may have left the entries of modules it escaped from
+        stack = self._stack
+        while stack:
+            if stack.pop()[0] is module:
+                break
         return None
 
     def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
@@ -292,7 +340,7 @@ class PatchHandle:
 
     @property
     def current_module(self) -> str:
-        return self._stack[-1] if self._stack else type(self.model).__name__
+        return self._stack[-1][1] if self._stack else type(self.model).__name__
 
     def unsupported(self, func: Any, why: str) -> UnsupportedOpError:
         name = _name_of(func)
@@ -311,17 +359,33 @@ class PatchHandle:
         self._hooks.clear()
 
     def remove(self) -> None:
-        """Restore the model: remove every hook and forget the patch."""
+        """Restore the model: remove every hook and the forward wrapper, forget the patch.
+        A forward running in this thread leaves the semiring mode now."""
+        self._removed = True
         self._remove_hooks()
-        while self._depth > 0:
-            self._depth -= 1
-            if self._depth == 0:
-                self._mode.__exit__(None, None, None)
-                _running().remove(self)
+        current = self.model.__dict__.get("forward")
+        if getattr(current, "__semiring_autograd_patch__", None) is self:
+            if self._forward_before is _ABSENT:
+                del self.model.__dict__["forward"]
+            else:
+                self.model.__dict__["forward"] = self._forward_before
+        if threading.get_ident() == self.thread:
+            self._deactivate()
         with _LOCK:
             _PATCHED.discard(self.model)
 
+    @property
+    def removed(self) -> bool:
+        """Whether :meth:`remove` ran (the handle records nothing more)."""
+        return self._removed
+
     def __enter__(self) -> "PatchHandle":
+        if self._removed:
+            raise PatchError(
+                f"this patch of {type(self.model).__name__} was removed (a `with` block over "
+                "it ended, or .remove() ran) and records nothing: patch again with "
+                "sa.patch(model, semiring)"
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -355,6 +419,14 @@ def patch(
     if not isinstance(semiring, Semiring):
         raise PatchError(
             f"sa.patch expects a semiring instance (e.g. sa.MaxProduct()), got {semiring!r}"
+        )
+    compiled = [name for name, m in model.named_modules() if _is_compiled(m)]
+    if compiled:
+        where = "the model" if compiled[0] == "" else f"submodule '{compiled[0]}'"
+        raise PatchError(
+            f"{where} is a torch.compile'd module (OptimizedModule): its compiled graph "
+            "bypasses the per-op routing sa.patch needs. Patch the eager module instead "
+            "(`compiled._orig_mod`); compile outside sa.patch."
         )
     with _LOCK:
         overlap = [m for m in model.modules() if m in _PATCHED]

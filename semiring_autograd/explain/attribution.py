@@ -73,7 +73,8 @@ class Attribution:
 
 def _target_id(target: int | str, tokenizer) -> tuple[int, str]:
     if isinstance(target, int):
-        label = repr(tokenizer.convert_ids_to_tokens(target)) if tokenizer else f"#{target}"
+        known = tokenizer is not None and 0 <= target < len(tokenizer)
+        label = repr(tokenizer.convert_ids_to_tokens(target)) if known else f"#{target}"
         return target, f"{label} (id {target})"
     if tokenizer is None:
         raise ValueError("a token string target needs the tokenizer: attribute(..., tokenizer=)")
@@ -99,6 +100,14 @@ def _attribute_one(
             f"attribute takes one sequence (input_ids of shape (1, n)), got {tuple(ids.shape)}; "
             "pass a list of texts for several"
         )
+    if ids.shape[1] == 0:
+        raise ValueError("the input has no tokens: give a non-empty text")
+    length = ids.shape[1]
+    if not -length <= position < length:
+        raise ValueError(
+            f"position {position} is outside the sequence of {length} tokens "
+            f"(give -{length} … {length - 1}; -1 is the last)"
+        )
     mask = encoding.get("attention_mask")
     target_id, label = _target_id(target, tokenizer)
     with torch.no_grad():
@@ -109,6 +118,11 @@ def _attribute_one(
     with patch(model, semiring, paths=want_paths):
         out = model(inputs_embeds=x, attention_mask=mask)
     logits = out.logits if hasattr(out, "logits") else out[0]
+    if not 0 <= target_id < logits.shape[-1]:
+        raise ValueError(
+            f"target id {target_id} is outside the model's {logits.shape[-1]} logits "
+            f"(give 0 … {logits.shape[-1] - 1}, or a token string with tokenizer=)"
+        )
     y = logits[0, target_id] if logits.dim() == 2 else logits[0, position, target_id]
     raw = grad(y, x, raw=True, retain_graph=want_paths)
     token_values = semiring.sum(message_value(raw, semiring, x), -1)
@@ -143,19 +157,44 @@ def attribute(
     """Per-token semiring attribution of one logit of a Hugging Face model.
 
     ``inputs``: a tokenizer's output for one sequence (``input_ids`` of shape (1, n)), or —
-    with ``tokenizer`` — a text, a list of texts, or a path to a file of texts (one per
-    line; a list is returned, with a progress bar). ``target``: a logit index, or a token
-    string (with ``tokenizer``). ``position``: the sequence position whose logits are read
-    (language models; default the last). ``paths``: recover each token's top path (max
-    semirings only).
+    with ``tokenizer`` — a text, a list of texts, or a file of texts given as a
+    ``pathlib.Path`` (one per line; a list is returned, with a progress bar). A ``str`` is
+    always a text, never a file name. ``target``: a logit index, or a token string (with
+    ``tokenizer``). ``position``: the sequence position whose logits are read (language
+    models; default the last). ``paths``: recover each token's top path (max semirings
+    only). The model runs in eval mode; every module's train/eval mode is restored after.
     """
     semiring = semiring_named(semiring)
+    if isinstance(inputs, os.PathLike):
+        inputs = read_texts(inputs)
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    if isinstance(inputs, os.PathLike) or (
-        isinstance(inputs, str) and "\n" not in inputs and FilePath(inputs).is_file()
-    ):
-        lines = FilePath(inputs).read_text(encoding="utf-8").splitlines()
-        inputs = [line for line in lines if line.strip()]
+    try:
+        return _attribute(model, inputs, target, semiring, tokenizer, position, paths, progress)
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def read_texts(path: str | os.PathLike) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, one text each."""
+    lines = FilePath(path).read_text(encoding="utf-8").splitlines()
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise ValueError(f"{path} holds no text (one text per line)")
+    return texts
+
+
+def _attribute(
+    model: nn.Module,
+    inputs: Any,
+    target: int | str,
+    semiring: Semiring,
+    tokenizer,
+    position: int,
+    paths: bool,
+    progress: bool,
+) -> Attribution | list[Attribution]:
     if isinstance(inputs, (str, list, tuple)):
         if tokenizer is None:
             raise ValueError("texts need the tokenizer: attribute(..., tokenizer=tokenizer)")

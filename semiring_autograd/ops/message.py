@@ -52,11 +52,16 @@ class Message(Tensor):
         kwargs = kwargs or {}
         handler = _STRUCTURAL.get(func)
         if handler is None:
+            node = torch._C._current_autograd_node()
+            if node is None:
+                raise ForeignOpError(f"aten op '{func}' was applied to {_NOT_A_GRADIENT}")
             raise ForeignOpError(
-                f"aten op '{func}' reached a semiring message during backward. This means an "
-                "op without a semiring formula sits in the graph between the output and the "
-                "input (for instance an operation run outside `sa.patch`, or a native backward "
-                "that is not purely structural). Record the whole computation inside "
+                f"aten op '{func}' reached a semiring message during backward, in the "
+                f"backward node {node.name()}. This means an op without a semiring formula "
+                "sits in the graph between the output and the input (an operation run "
+                "outside `sa.patch`, a custom autograd.Function, a reentrant "
+                "torch.utils.checkpoint, or a native backward that is not purely "
+                "structural). Record the whole computation inside "
                 "`sa.patch(model, semiring)`, or add a YAML entry for the op."
             )
         return handler(func, *args, **kwargs)
@@ -141,8 +146,19 @@ def _map(func, msg, *args, **kwargs):
     return _per_component(func, msg, *args, **kwargs)
 
 
+#: the end of the error for arithmetic on a message outside a backward pass
+_NOT_A_GRADIENT = (
+    "a semiring message (sa.Message) outside a backward pass. A message holds semiring "
+    "components (`.value`), not a gradient: optimizers and arithmetic cannot use it. Read "
+    "it with `sa.grad(...)` (readouts) or `msg.semiring.readout(msg.value)`, and set "
+    "`p.grad = None` on every parameter before an optimizer step or an ordinary backward."
+)
+
+
 def _add(func, a, b, *, alpha=1):
     if alpha != 1 or not isinstance(a, Message) or not isinstance(b, Message):
+        if torch._C._current_autograd_node() is None:
+            raise ForeignOpError(f"aten op '{func}' was applied to {_NOT_A_GRADIENT}")
         other = b if isinstance(a, Message) else a
         raise ForeignOpError(
             "A semiring message was added to "

@@ -67,7 +67,9 @@ def is_basic_index(index: object) -> bool:
 
 def attention_scale(query_shape: Sequence[int], scale: float | None) -> float:
     """``scaled_dot_product_attention``'s factor: ``scale``, or 1/sqrt(head dim) when None."""
-    return 1.0 / math.sqrt(query_shape[-1]) if scale is None else scale
+    if scale is not None:
+        return scale
+    return 1.0 / math.sqrt(query_shape[-1]) if query_shape[-1] else math.inf  # torch's 1/√0
 
 
 def head_groups_shape(

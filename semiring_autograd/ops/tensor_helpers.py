@@ -37,6 +37,8 @@ def attention_probs(
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(dtype)
     scores = mask_scores((q @ k.transpose(-2, -1)) * factor, attn_mask, is_causal)
+    if scores.numel() == 0:  # no query or no key: no probabilities (amax needs a key)
+        return scores.to(query.dtype)
     top = scores.amax(-1, keepdim=True)
     excluded = torch.isneginf(top)  # masks on row maxima only: elementwise selects are slow
     weights = torch.exp(scores - top.masked_fill(excluded, 0.0))
