@@ -9,6 +9,7 @@ from .. import kernels
 from .base import InlineForms, Semiring, Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
+    all_finite,
     batch_flatten,
     filled,
     loo_max,
@@ -72,12 +73,13 @@ class MaxProduct(Semiring):
 def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
     """max_k a[..., i, k] · b[..., k, j] for non-negative a, b (0 where k is empty), or
     with |b| when ``abs_b`` (b a real derivative): the fused kernel, else in row blocks so
-    m×k×n is never held at once."""
+    m×k×n is never held at once. Operands with a NaN or an infinity take the blocks, which
+    propagate NaN (and give ∞·0 = NaN) as torch does; the kernel drops NaN terms."""
     a3, b3, batch = batch_flatten(a, b)
     m, k, n = a3.shape[-2], a3.shape[-1], b3.shape[-1]
     if k == 0:
         return a.new_zeros((*batch, m, n))
-    fused = kernels.max_times(a3, b3, abs_b=abs_b)
+    fused = kernels.max_times(a3, b3, abs_b=abs_b) if all_finite(a3, b3) else None
     if fused is not None:
         return fused.reshape(*batch, m, n)
     if abs_b:

@@ -13,6 +13,7 @@ from .tensor_ops import (
     POS_INF,
     batch_flatten,
     filled,
+    has_nan,
     loo_max,
     on_live_rows,
     scatter_extreme,
@@ -52,9 +53,12 @@ class SignedMaxProduct(Semiring):
         return _signed_combine(a, b, None)
 
     def readout(self, a):
-        valid = a[0] >= a[1]
-        zero = torch.zeros_like(a[0])
-        return torch.stack([torch.where(valid, a[0], zero), torch.where(valid, a[1], zero)])
+        hi, lo = torch.broadcast_tensors(*a)
+        empty = hi < lo
+        nan = torch.isnan(hi) | torch.isnan(lo)  # a NaN in either end: both read NaN
+        hi = hi.masked_fill(empty, 0.0).masked_fill(nan, float("nan"))
+        lo = lo.masked_fill(empty, 0.0).masked_fill(nan, float("nan"))
+        return torch.stack([hi, lo])
 
     def _reduce(self, a, dims, keepdim):
         return (a[0].amax(dim=dims, keepdim=keepdim), a[1].amin(dim=dims, keepdim=keepdim))
@@ -76,7 +80,9 @@ class SignedMaxProduct(Semiring):
         return fused if fused is not None else _signed_combine(a, self.lift(w), "matmul")
 
     def mul_lift(self, a, w):
-        fused = kernels.signed_mul_lift(a[0], a[1], w) if kernels.enabled() else None
+        fused = None
+        if kernels.enabled() and not has_nan(*a, w):  # the kernel reads NaN ⊗ 0 as empty
+            fused = kernels.signed_mul_lift(a[0], a[1], w)
         if fused is not None:
             return fused
         # w > 0 keeps the order of (hi, lo), w < 0 swaps it; an empty (-inf, +inf) stays
@@ -84,7 +90,8 @@ class SignedMaxProduct(Semiring):
         pos = w > 0
         hi = torch.where(pos, a[0], a[1]) * w
         lo = torch.where(pos, a[1], a[0]) * w
-        zero = w == 0
+        # no edge where w = 0, except from a NaN value: NaN ⊗ lift(0) is NaN, as in torch
+        zero = (w == 0) & ~(torch.isnan(a[0]) | torch.isnan(a[1]))
         return (hi.masked_fill(zero, NEG_INF), lo.masked_fill(zero, POS_INF))
 
     def index_add(self, a, index, size):
@@ -109,7 +116,7 @@ def _signed_matmul_fused(a: Value, b: Value):
     """The fused signed matmul of a and b; None when the kernel is unavailable or a
     dimension is empty. A point operand halves the corner products; a point on the left is
     moved to the right by transposing. (a ⊗ lift(w) for a real w: `_signed_lift_fused`.)"""
-    if not kernels.enabled():
+    if not kernels.enabled() or has_nan(*a, *b):  # the kernels read NaN as empty
         return None
     ah, al, a_point = _nan_empty(a)
     bh, bl, b_point = _nan_empty(b)
@@ -131,7 +138,7 @@ def _signed_matmul_fused(a: Value, b: Value):
 def _signed_lift_fused(a: Value, w: Tensor) -> Value | None:
     """a ⊗ lift(w) (semiring matmul) on the fused path; a 2-D w folds a's batch dimensions
     into its rows. None when the kernel is unavailable or a dimension is empty."""
-    if not kernels.enabled():
+    if not kernels.enabled() or has_nan(*a, w):  # the kernels read NaN as empty
         return None
     hi, lo = torch.broadcast_tensors(*a)
     if 0 in (hi.shape[-2], hi.shape[-1], w.shape[-1]):
@@ -166,10 +173,12 @@ def _signed_combine(a: Value, b: Value, mode: str | None) -> Value:
             shape = (*batch, m, n)
             return (a3h.new_full(shape, NEG_INF), a3h.new_full(shape, POS_INF))
         return (torch.cat(his, -2).reshape(*batch, m, n), torch.cat(los, -2).reshape(*batch, m, n))
-    valid = (a[0] >= a[1]) & (b[0] >= b[1])
+    # empty: hi < lo, which a NaN never is, so NaN propagates through the products
+    empty_a, empty_b = a[0] < a[1], b[0] < b[1]
+    valid = ~(empty_a | empty_b)
     zero = torch.zeros((), dtype=a[0].dtype, device=a[0].device)
-    ah, al = torch.where(a[0] >= a[1], a[0], zero), torch.where(a[0] >= a[1], a[1], zero)
-    bh, bl = torch.where(b[0] >= b[1], b[0], zero), torch.where(b[0] >= b[1], b[1], zero)
+    ah, al = torch.where(empty_a, zero, a[0]), torch.where(empty_a, zero, a[1])
+    bh, bl = torch.where(empty_b, zero, b[0]), torch.where(empty_b, zero, b[1])
     p1, p2, p3, p4 = ah * bh, ah * bl, al * bh, al * bl
     hi = torch.maximum(torch.maximum(p1, p2), torch.maximum(p3, p4))
     lo = torch.minimum(torch.minimum(p1, p2), torch.minimum(p3, p4))

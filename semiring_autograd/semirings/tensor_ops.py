@@ -20,6 +20,17 @@ POS_INF = float("inf")
 CHUNK_ELEMENTS = 1 << 22
 
 
+def has_nan(*tensors: Tensor) -> bool:
+    """Whether any of ``tensors`` holds a NaN. The fused kernels read NaN as "no term", so
+    a value with a real NaN takes the eager path, where NaN propagates as in torch."""
+    return any(bool(torch.isnan(t).any()) for t in tensors)
+
+
+def all_finite(*tensors: Tensor) -> bool:
+    """Whether every entry of ``tensors`` is finite (no NaN, no ±inf)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def filled(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
     return torch.full(tuple(shape), value, dtype=message_dtype(like.dtype), device=like.device)
 
