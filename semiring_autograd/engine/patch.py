@@ -1,9 +1,10 @@
 """``sa.patch(model, semiring)``: record a model's forward for a semiring backward.
 
 A :class:`~torch.overrides.TorchFunctionMode` is pushed (thread-locally) while the patched
-model's forward runs in the thread that patched it: the model's ``forward`` is wrapped (an
-instance attribute, removed with the patch) so the mode leaves with the forward whatever
-ends it, a ``KeyboardInterrupt`` included. Each torch function call that touches
+model's forward runs in the thread that patched it. Every module's ``forward`` is wrapped
+(an instance attribute, removed with the patch): the model's holds the mode, each names its
+module while it runs, in try/finally, so whatever ends a forward (a ``KeyboardInterrupt``
+too) leaves no mode and no stale name. Each torch function call that touches
 a grad-requiring tensor is bound to a YAML entry and routed to its generated Function;
 its forward computes exactly what the unpatched call computes. For ``sa.Real()`` the call
 runs as it is and torch records its own backward nodes (Real messages are torch's
@@ -20,10 +21,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -225,23 +222,48 @@ class PatchHandle:
         self._depth = 0
         self._active = False
         self._removed = False
-        #: (module, qualified name) of the model's modules whose forward is running
-        self._stack: list[tuple[nn.Module, str]] = []
-        self._hooks: list[Any] = []
-        #: module -> qualified name, for the modules of this model
-        self._names = {m: n or type(m).__name__ for n, m in model.named_modules()}
-        self._forward_before = model.__dict__.get("forward", _ABSENT)
-        # two process-wide module hooks that ignore other models and threads (cheaper
-        # than a pair of hooks on each of the model's modules) name the running module
+        #: qualified names of the model's modules whose forward is running, innermost last
+        self._stack: list[str] = []
+        #: (module, its own ``forward`` instance attribute before the patch, or _ABSENT)
+        self._wrapped: list[tuple[nn.Module, Any]] = []
+        # every module's forward is wrapped (an instance attribute): the wrappers name the
+        # running module and, on the model, hold the semiring mode, in try/finally, so any
+        # exception, a KeyboardInterrupt too, leaves both as they were
         try:
-            self._hooks.append(register_module_forward_pre_hook(self._enter))
-            self._hooks.append(register_module_forward_hook(self._exit, always_call=True))
-            model.__dict__["forward"] = self._wrap_forward(model.forward)
+            for name, module in model.named_modules():  # each module once, first name
+                before = module.__dict__.get("forward", _ABSENT)
+                forward = module.forward
+                if module is model:
+                    wrapper = self._model_forward(forward, name or type(module).__name__)
+                else:
+                    wrapper = self._named_forward(forward, name)
+                wrapper.__semiring_autograd_patch__ = self  # type: ignore[attr-defined]
+                module.__dict__["forward"] = wrapper
+                self._wrapped.append((module, before))
         except BaseException:
-            self._remove_hooks()
+            self._unwrap()
             raise
 
-    def _wrap_forward(self, forward: Callable) -> Callable:
+    def _named_forward(self, forward: Callable, name: str) -> Callable:
+        """``forward`` that names its module while it runs (in the patching thread)."""
+        stack = self._stack
+
+        @functools.wraps(forward)
+        def named_forward(*args: Any, **kwargs: Any) -> Any:
+            if self._removed or threading.get_ident() != self.thread:
+                return forward(*args, **kwargs)
+            stack.append(name)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                stack.pop()
+
+        return named_forward
+
+    def _model_forward(self, forward: Callable, name: str) -> Callable:
+        """The model's ``forward``, run with the semiring mode on (in the patching thread)."""
+        named = self._named_forward(forward, name)
+
         @functools.wraps(forward)
         def patched_forward(*args: Any, **kwargs: Any) -> Any:
             if self._removed or threading.get_ident() != self.thread:
@@ -260,14 +282,12 @@ class PatchHandle:
                 self._active = True
                 _running().append(self)
             try:
-                return forward(*args, **kwargs)
+                return named(*args, **kwargs)
             finally:
                 self._depth -= 1
                 if self._depth == 0:
                     self._deactivate()
-                    self._stack.clear()  # entries a BaseException left behind
 
-        patched_forward.__semiring_autograd_patch__ = self  # type: ignore[attr-defined]
         return patched_forward
 
     def _deactivate(self) -> None:
@@ -276,13 +296,17 @@ class PatchHandle:
             self._mode.__exit__(None, None, None)
             _running().remove(self)
 
-    # ----- hooks
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        name = self._names.get(module)
-        if name is None or threading.get_ident() != self.thread:
-            return None
-        self._stack.append((module, name))
-        return None
+    def _unwrap(self) -> None:
+        """Give every wrapped module its own ``forward`` attribute back (or none)."""
+        for module, before in self._wrapped:
+            current = module.__dict__.get("forward")
+            if getattr(current, "__semiring_autograd_patch__", None) is not self:
+                continue  # replaced since: theirs now, and ours passes calls through
+            if before is _ABSENT:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = before
+        self._wrapped.clear()
 
     def _check_outer_patches(self) -> None:
         """One graph takes one semiring: refuse to run inside the forward of a model patched
@@ -296,17 +320,6 @@ class PatchHandle:
                     f"{other.semiring!r}: one graph takes one semiring. Patch the outer model "
                     "only, or both with the same semiring."
                 )
-
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if module not in self._names or threading.get_ident() != self.thread:
-            return None
-        # pop up to this module's entry: a BaseException (not seen by torch's
-        # always-called hooks) may have left the entries of modules it escaped from
-        stack = self._stack
-        while stack:
-            if stack.pop()[0] is module:
-                break
-        return None
 
     def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
         """Record a :class:`NodeInfo` on the backward node of ``out``."""
@@ -340,7 +353,7 @@ class PatchHandle:
 
     @property
     def current_module(self) -> str:
-        return self._stack[-1][1] if self._stack else type(self.model).__name__
+        return self._stack[-1] if self._stack else type(self.model).__name__
 
     def unsupported(self, func: Any, why: str) -> UnsupportedOpError:
         name = _name_of(func)
@@ -353,22 +366,11 @@ class PatchHandle:
         )
 
     # ----- lifetime
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
     def remove(self) -> None:
-        """Restore the model: remove every hook and the forward wrapper, forget the patch.
-        A forward running in this thread leaves the semiring mode now."""
+        """Restore the model: every module's own ``forward`` back, the patch forgotten. A
+        forward running in this thread leaves the semiring mode now."""
         self._removed = True
-        self._remove_hooks()
-        current = self.model.__dict__.get("forward")
-        if getattr(current, "__semiring_autograd_patch__", None) is self:
-            if self._forward_before is _ABSENT:
-                del self.model.__dict__["forward"]
-            else:
-                self.model.__dict__["forward"] = self._forward_before
+        self._unwrap()
         if threading.get_ident() == self.thread:
             self._deactivate()
         with _LOCK:

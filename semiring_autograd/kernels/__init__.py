@@ -231,7 +231,10 @@ def _cpu_call(
 ) -> list[Tensor] | None:
     """Run the C kernel ``name`` on (B, m, k) operands ``a_parts`` and (B, k, n) operands
     ``b_parts`` (None passes a null pointer), whose columns are padded with ``fill`` to the
-    block width; returns ``outputs`` (B, m, n) tensors, or None when unavailable."""
+    block width; returns ``outputs`` (B, m, n) tensors, or None when unavailable or a
+    dimension is empty."""
+    if a_parts[0].numel() == 0 or b_parts[0].numel() == 0:
+        return None
     lib = _cpu_ready(*a_parts, *(t for t in b_parts if t is not None))
     if lib is None:
         return None
@@ -298,6 +301,8 @@ def pair_lift_matmul(
             w = torch.where(w == 0, nan, w)
         a_hi, a_lo = torch.where(empty, nan, a_hi), torch.where(empty, nan, a_lo)
         return _cuda_call("signed", a_hi, a_lo, w, w)
+    if a_hi.numel() == 0 or w.numel() == 0:
+        return None
     lib = _cpu_ready(w, a_hi, a_lo)
     if lib is None:
         return None
@@ -545,6 +550,8 @@ _RECOMPILE_LIMIT = 64
 
 
 def _cuda_call(name: str, *args):
+    if any(a.numel() == 0 for a in args):
+        return None
     if name not in _CUDA_FAILED:
         try:
             # one compilation per dtype and size-1 pattern; allow more than dynamo's default
