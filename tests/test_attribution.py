@@ -138,7 +138,9 @@ def test_texts_list_and_file_with_progress_bar(bert_with_tokenizer, tmp_path, ca
         sa.attribute(model, texts[0], "tablecloths", "log", tokenizer=tokenizer)
 
 
-def test_explain_command_end_to_end(bert_with_tokenizer, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def llama_directory(bert_with_tokenizer, tmp_path_factory):
+    """A tiny random Llama causal LM saved with MiniLM's tokenizer: a ``--model`` DIR."""
     _, tokenizer = bert_with_tokenizer
     config = transformers.LlamaConfig(
         vocab_size=tokenizer.vocab_size,
@@ -149,11 +151,17 @@ def test_explain_command_end_to_end(bert_with_tokenizer, tmp_path, capsys):
         intermediate_size=24,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    directory = tmp_path_factory.mktemp("llama") / "model"
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_explain_command_end_to_end(bert_with_tokenizer, llama_directory, tmp_path, capsys):
+    _, tokenizer = bert_with_tokenizer
     report = tmp_path / "report.html"
     argv = ["explain", "the capital of france is", "--target", "paris"]
-    argv += ["--model", str(tmp_path / "model"), "--html", str(report)]
+    argv += ["--model", str(llama_directory), "--html", str(report)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     tokens = [tokenizer.decode([i]) for i in tokenizer("the capital of france is")["input_ids"]]
@@ -162,7 +170,69 @@ def test_explain_command_end_to_end(bert_with_tokenizer, tmp_path, capsys):
     assert "MaxProduct path, weight" in out and "lm_head  linear" in out
     text = _parse(report.read_text(encoding="utf-8"))
     assert all(token in text for token in tokens)
-    assert cli.main(["explain", "x", "--target", "y", "--model", str(tmp_path / "none")]) == 2
+
+
+def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the capital of france is\n\na cat sat on the\n", encoding="utf-8")
+    report = tmp_path / "report.html"
+    argv = ["explain", "--file", str(prompts), "--target", "paris", "--semiring", "log"]
+    assert cli.main(argv + ["--model", str(llama_directory), "--html", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Log: log of the total") == 2
+    text = _parse(report.read_text(encoding="utf-8"))
+    assert "Text 1" in text and "Text 2" in text and "Text 3" not in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "", "--target", "y"], "the prompt is empty"),
+        (["explain", "   ", "--target", "y"], "the prompt is empty"),
+        (["explain", "--target", "y"], "give the prompt as TEXT or a file"),
+        (["explain", "x", "--file", "f.txt", "--target", "y"], "not both"),
+        (["explain", "--file", "missing.txt", "--target", "y"], "no such file"),
+        (["explain", "x", "--target", "y", "--model", "no/such/dir"], "no such directory"),
+        (["explain", "x", "--target", "y", "--model", "."], "has no config.json"),
+    ],
+    ids=["empty", "blank", "none", "both", "missing-file", "missing-model", "not-a-model"],
+)
+def test_explain_command_refuses_bad_input_clearly(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("semiring-autograd: ") and message in err
+
+
+def test_explain_command_reads_a_text_that_names_a_file_as_text(
+    llama_directory, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "paris").write_text("this is not the prompt\n", encoding="utf-8")
+    argv = ["explain", "paris", "--target", "paris", "--model", str(llama_directory)]
+    assert cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 0
+    assert "'paris'" in capsys.readouterr().out and "prompt" not in (tmp_path / "r.html").read_text()
+
+
+def test_attribute_restores_train_mode_and_checks_target_and_position(bert_with_tokenizer):
+    model, tokenizer = bert_with_tokenizer
+    model.train()
+    model.bert.embeddings.eval()
+    modes = {name: m.training for name, m in model.named_modules()}
+    try:
+        result = sa.attribute(model, "the keys are here .", 7, "log", tokenizer=tokenizer)
+        assert result.scores.shape == (len(result.tokens),)
+        with pytest.raises(ValueError, match="outside the model's"):
+            sa.attribute(model, "the keys", tokenizer.vocab_size, "log", tokenizer=tokenizer)
+        with pytest.raises(ValueError, match="outside the model's"):
+            sa.attribute(model, "the keys", -1, "log", tokenizer=tokenizer)
+        with pytest.raises(ValueError, match="position 9 is outside the sequence of 4"):
+            sa.attribute(model, "the keys", 7, "log", tokenizer=tokenizer, position=9)
+        with pytest.raises(ValueError, match="no tokens"):
+            sa.attribute(model, {"input_ids": torch.zeros(1, 0, dtype=torch.long)}, 7, "log")
+        assert {name: m.training for name, m in model.named_modules()} == modes
+    finally:
+        model.eval()
 
 
 def test_trace_reports_every_semiring_node_and_hooks_see_messages():
