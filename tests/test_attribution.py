@@ -211,7 +211,9 @@ def test_explain_command_reads_a_text_that_names_a_file_as_text(
     (tmp_path / "paris").write_text("this is not the prompt\n", encoding="utf-8")
     argv = ["explain", "paris", "--target", "paris", "--model", str(llama_directory)]
     assert cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 0
-    assert "'paris'" in capsys.readouterr().out and "prompt" not in (tmp_path / "r.html").read_text()
+    assert (
+        "'paris'" in capsys.readouterr().out and "prompt" not in (tmp_path / "r.html").read_text()
+    )
 
 
 def test_attribute_restores_train_mode_and_checks_target_and_position(bert_with_tokenizer):

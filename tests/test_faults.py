@@ -541,3 +541,58 @@ def test_half_precision_readouts_follow_the_float32_model(S, dtype):
     assert got.dtype == torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+# ----- the README's promises ---------------------------------------------------------------
+def _module_state(model: nn.Module) -> list[tuple[str, dict]]:
+    return [(name, dict(vars(m))) for name, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("S", ALL, ids=repr)
+def test_patch_leaves_the_model_exactly_as_it_was(S):
+    """Every module's attributes (parameters, buffers, hooks, training flags) are the same
+    objects after a patched forward and backward, and the forward output is the unpatched
+    model's to the bit."""
+    torch.manual_seed(0)
+    model = Mixer().train()
+    model.norm.eval()
+    model.b.register_forward_hook(lambda m, i, o: None)
+    before = _module_state(model)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 4, requires_grad=True)
+    expected = model(x)
+    with sa.patch(model, S):
+        y = model(x)
+    sa.grad(y, x)
+    assert torch.equal(y, expected)
+    after = _module_state(model)
+    assert [name for name, _ in after] == [name for name, _ in before]
+    for (name, attrs), (_, old) in zip(after, before):
+        assert attrs.keys() == old.keys(), f"{name}: attributes added or removed"
+        for key, value in attrs.items():
+            assert value is old[key] or value == old[key], f"{name}.{key} changed"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k])
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Entropy(), sa.Real(formulas=True)], ids=repr)
+def test_hugging_face_activation_checkpointing_gives_the_same_readouts(S):
+    """A tiny Llama in train mode with every decoder layer checkpointed (transformers'
+    activation checkpointing, non-reentrant) against the same model without it."""
+    from hf_models import tiny_inputs, tiny_model
+
+    model = tiny_model("LlamaForCausalLM").train()
+    emb, mask = tiny_inputs(model)
+
+    def readout():
+        x = emb.clone().requires_grad_()
+        with sa.patch(model, S):
+            logits = model(inputs_embeds=x, attention_mask=mask).logits
+        return logits, sa.grad(logits[0, -1, 5], x)
+
+    plain_logits, plain = readout()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.model.gradient_checkpointing
+    logits, checkpointed = readout()
+    torch.testing.assert_close(logits, plain_logits, rtol=0, atol=0)
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-12, atol=1e-12)
