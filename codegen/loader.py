@@ -24,6 +24,7 @@ ENTRY_KEYS = frozenset(
         "accepts",
         "forward",
         "output_differentiability",
+        "opinfo",
     }
 )
 
@@ -124,6 +125,13 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
             raise _fail(
                 where, f"forward helper {forward!r} not in semiring_autograd.forward_helpers"
             )
+    opinfo = raw.get("opinfo", [])
+    if not isinstance(opinfo, list) or not all(isinstance(n, str) and n for n in opinfo):
+        raise _fail(
+            where,
+            "'opinfo:' must list the names of the PyTorch OpInfo entries (op_db) whose samples "
+            "call this entry, e.g. [add, __radd__] or [div.no_rounding_mode]",
+        )
     accepts = raw.get("accepts")
     tensor_params = {p.name for p in schema.params if p.is_tensor}
     known = set(params) | SPECIAL
@@ -183,6 +191,7 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         forward=None if forward is None else str(forward),
         output_differentiability=[bool(x) for x in out_diff],
         source_file=source_file,
+        opinfo=list(opinfo),
     )
     _plan_saves(entry, where)
     return entry

@@ -74,6 +74,8 @@ class OpEntry:
     forward: str | None
     output_differentiability: list[bool]
     source_file: str
+    #: PyTorch OpInfo names (``name`` or ``name.variant``) whose samples call this entry
+    opinfo: list[str] = field(default_factory=list)
     saved: list[SavedValue] = field(default_factory=list)
     metas: list[SavedMeta] = field(default_factory=list)
     #: names read through ``shapes(...)``: the forward keeps their shapes

@@ -1,11 +1,12 @@
 """Brute-force oracles for semiring backprop, independent of the library's formulas.
 
 Two oracles, both built only from a semiring's own ``zero``/``one``/``lift``/``add``/``mul``
-applied to scalars in explicit Python loops:
+applied elementwise, with explicit Python loops where terms are combined:
 
 * :func:`op_oracle` — one op: the dense Jacobian of ``out = fn(*args)`` (torch.autograd,
   float64) gives an edge out_i → arg_j for every non-zero entry; the result at arg_j is
-  ⊕_i lift(seed_i) ⊗ lift(J[i, j]).
+  ⊕_i lift(seed_i) ⊗ lift(J[i, j]) (⊗ and lift elementwise over the edges, the ⊕ folded
+  term by term).
 * :class:`Program` + :func:`path_enumeration` — a composition: each elementary op's Jacobian
   gives the edges of an explicit scalar DAG, and every path from the seeded output elements
   to the input elements is enumerated by depth-first search (⊗ along a path, ⊕ across paths).
@@ -64,24 +65,50 @@ def op_oracle(
 
     ``seed`` has the output's shape (None: the semiring's one for every output element).
     Each argument is treated as its own graph node set, even when the same tensor is passed
-    twice; use :func:`merge_positions` to combine those.
+    twice; use :func:`merge_positions` to combine those. One term per non-zero Jacobian
+    entry (and non-zero seed): ⊗ elementwise over the terms, then each input element's
+    terms ⊕-folded one after another.
     """
     jacs = dense_jacobians(fn, args)
     like = args[0].detach()
-    n_out = jacs[0].shape[0]
-    seeded = [i for i in range(n_out) if seed is None or seed.reshape(-1)[i] != 0]
-    starts = {i: _start_value(semiring, seed, i, like) for i in seeded}
+    flat_seed = None if seed is None else seed.detach().reshape(-1).to(like.dtype)
     results = []
     for arg, jac in zip(args, jacs):
-        scalars = []
-        for j in range(jac.shape[1]):
-            acc = semiring.zero((), like)
-            for i in seeded:
-                if jac[i, j] != 0:
-                    acc = semiring.add(acc, semiring.mul(starts[i], semiring.lift(jac[i, j])))
-            scalars.append(acc)
-        results.append(_assemble(semiring, scalars, arg))
+        rows, cols = torch.nonzero(jac, as_tuple=True)
+        if flat_seed is not None:
+            kept = flat_seed[rows] != 0
+            rows, cols = rows[kept], cols[kept]
+        if flat_seed is None:
+            starts = semiring.one(rows.shape, like)
+        else:
+            starts = semiring.lift(flat_seed[rows])
+        terms = semiring.mul(starts, semiring.lift(jac[rows, cols]))
+        results.append(_fold_by_target(semiring, terms, cols, arg))
     return results
+
+
+def _fold_by_target(semiring: Semiring, terms: Value, targets: Tensor, like: Tensor) -> Value:
+    """⊕ of the terms of each element of ``like`` (``targets[t]``: the flat element term t
+    goes to), folded one term after another; the zero where an element has none."""
+    n = like.numel()
+    counts = (
+        torch.bincount(targets, minlength=n)
+        if targets.numel()
+        else torch.zeros(n, dtype=torch.long)
+    )
+    depth = int(counts.max()) if n else 0
+    order = torch.argsort(targets, stable=True)
+    targets = targets[order]
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(targets.numel()) - starts[targets]
+    table = semiring.zero((max(depth, 1), n), like.detach())
+    table = tuple(t.clone() for t in table)
+    for t, c in zip(table, terms):
+        t[rank, targets] = c[order].to(t.dtype)
+    acc = tuple(t[0] for t in table)
+    for r in range(1, depth):
+        acc = semiring.add(acc, tuple(t[r] for t in table))
+    return tuple(c.reshape(like.shape) for c in acc)
 
 
 def merge_positions(

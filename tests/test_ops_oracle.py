@@ -16,7 +16,8 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import Program, merge_positions, op_oracle
+from composition_oracles import attention_paths, layer_norm_paths
+from oracle import merge_positions, op_oracle
 from torch import Tensor, nn
 
 import semiring_autograd as sa
@@ -100,24 +101,16 @@ def _dropout_train_oracle(
 def _layer_norm_oracle(
     S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
 ) -> list[Value]:
-    """Path enumeration through μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2);
-    n = c·s; y = n·w + b — each an elementary op whose Jacobian gives the edges."""
-    shape, eps = sample.kwargs["normalized_shape"], sample.kwargs.get("eps", 1e-5)
-    dims = tuple(range(-len(shape), 0))
+    """Path enumeration through the stated composition (:func:`layer_norm_paths`)."""
     names = ["x", "w", "b"][: len(sample.inputs)]
-    p = Program(**dict(zip(names, sample.inputs)))
-    p.op("mu", lambda x: x.mean(dims, keepdim=True), "x")
-    p.op("c", torch.sub, "x", "mu")
-    p.op("v", lambda c: (c * c).mean(dims, keepdim=True), "c")
-    p.op("s", lambda v: (v + eps).pow(-0.5), "v")
-    p.op("n", torch.mul, "c", "s")
-    if names == ["x", "w", "b"]:
-        p.op("y", lambda n, w, b: n * w + b, "n", "w", "b")
-    elif names == ["x", "w"]:
-        p.op("y", torch.mul, "n", "w")
-    else:
-        p.op("y", torch.clone, "n")
-    return p.path_sum(S, "y", seed, names)
+    values = layer_norm_paths(
+        S,
+        seed,
+        normalized_shape=sample.kwargs["normalized_shape"],
+        eps=sample.kwargs.get("eps", 1e-5),
+        **dict(zip(names, sample.inputs)),
+    )
+    return [values[n] for n in names]
 
 
 def _layer_norm(
@@ -154,31 +147,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *mask: Tensor, **kw: Any) -> Tensor:
 def _sdpa_oracle(
     S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
 ) -> list[Value]:
-    """Path enumeration through the stated composition: (for GQA, key/value heads copied to
-    their query heads); s = q·kᵀ·scale + mask; p = softmax(s) over keys; o = p·v."""
-    kw = sample.kwargs
-    names = ["q", "k", "v", "m"][: len(sample.inputs)]
-    q = sample.inputs[0]
-    scale = kw.get("scale") or 1.0 / q.shape[-1] ** 0.5
-    groups = q.shape[-3] // sample.inputs[1].shape[-3] if kw.get("enable_gqa") else 1
-    p = Program(**dict(zip(names, sample.inputs)))
-    p.op("kr", lambda k: k.repeat_interleave(groups, -3), "k")
-    p.op("vr", lambda v: v.repeat_interleave(groups, -3), "v")
-    length, source = q.shape[-2], sample.inputs[1].shape[-2]
-    excluded = torch.zeros(length, source, dtype=torch.bool)
-    if kw.get("is_causal"):
-        excluded |= ~torch.ones(length, source, dtype=torch.bool).tril()
-    if "attn_mask" in kw:
-        excluded = excluded | ~kw["attn_mask"]
-
-    def scores(q: Tensor, kr: Tensor, *m: Tensor) -> Tensor:
-        s = (q @ kr.mT) * scale + (m[0] if m else 0.0)
-        return s.masked_fill(excluded, float("-inf"))
-
-    p.op("s", scores, "q", "kr", *names[3:])
-    p.op("p", lambda s: torch.softmax(s, -1), "s")
-    p.op("o", torch.matmul, "p", "vr")
-    return p.path_sum(S, "o", seed, names)
+    """Path enumeration through the stated composition (:func:`attention_paths`)."""
+    names = ["q", "k", "v", "attn_mask"][: len(sample.inputs)]
+    values = attention_paths(S, seed, **dict(zip(names, sample.inputs)), **sample.kwargs)
+    return [values["m" if n == "attn_mask" else n] for n in names]
 
 
 def _cast_round_trip(x: Tensor, **kw: Any) -> Tensor:

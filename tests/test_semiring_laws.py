@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+from user_semirings import Tropical
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import (
@@ -356,33 +357,6 @@ def test_loo_counterexample_names_both_sides():
         sa.check_semiring(LogWrongLoo)
     msg = str(info.value)
     assert "loo(a, dim=" in msg and "⊕ of the other elements" in msg and "a = " in msg
-
-
-class Tropical(Semiring):
-    """(min, +) over −log|w|: the cost of the cheapest path. zero = +inf, one = 0.
-
-    Only the definition is written: sum, loo, exclusive_scan, matmul, index_add and sum_to
-    are the generic defaults."""
-
-    name = "tropical"
-
-    def zero(self, shape, like):
-        return (torch.full(tuple(shape), math.inf, dtype=like.dtype, device=like.device),)
-
-    def one(self, shape, like):
-        return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
-
-    def lift(self, w):
-        return (-torch.log(w.abs()),)
-
-    def add(self, a, b):
-        return (torch.minimum(a[0], b[0]),)
-
-    def mul(self, a, b):
-        return (a[0] + b[0],)
-
-    def readout(self, a):
-        return torch.exp(-a[0])
 
 
 def test_user_defined_semiring_passes_with_generic_defaults():

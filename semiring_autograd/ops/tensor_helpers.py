@@ -83,6 +83,24 @@ def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor
     return flat.reshape(-1)
 
 
+def index_positions(shape: torch.Size, device: torch.device, index: object) -> Tensor:
+    """For ``out = input[index]`` (any index torch takes: lists, integer and boolean
+    tensors, slices): the flat position in ``input`` that each element of ``out``
+    (flattened) was read from."""
+    positions = torch.arange(math.prod(shape), device=device).reshape(shape)
+    return positions[index].reshape(-1)
+
+
+def scalar_pow_derivative(base: float, exponent: Tensor, result: Tensor) -> Tensor:
+    """d base**x / dx = base**x · log(base) elementwise, as torch.autograd takes it: 0 where
+    base = 0 and x ≥ 0; NaN for a negative base."""
+    log_base = torch.tensor(base, dtype=result.dtype, device=result.device).log()
+    derivative = result * log_base
+    if base == 0:
+        derivative = torch.where(exponent >= 0, 0.0, derivative)
+    return derivative
+
+
 def gelu_derivative(x: Tensor, approximate: str) -> Tensor:
     """d gelu(x) / dx elementwise, by torch's own fused GELU backward (one pass)."""
     return torch.ops.aten.gelu_backward(_ones_view(x), x, approximate=approximate)
@@ -103,6 +121,8 @@ HELPERS = (
     "repeat_heads",
     "attention_probs",
     "gather_positions",
+    "index_positions",
+    "scalar_pow_derivative",
     "gelu_derivative",
     "silu_derivative",
 )

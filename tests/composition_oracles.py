@@ -1,0 +1,82 @@
+"""Path-enumeration oracles of the composition entries (layer norm, attention).
+
+Each builds the composition its YAML entry states as a :class:`oracle.Program` of elementary
+ops and enumerates every path, so the internal steps are nodes of the gradient graph exactly
+as the entry says. Inputs are named; ``None`` inputs are left out. Each returns, per given
+input name, the semiring value at that input.
+"""
+
+from __future__ import annotations
+
+import torch
+from oracle import Program
+from torch import Tensor
+
+from semiring_autograd.semirings import Semiring, Value
+
+
+def layer_norm_paths(
+    S: Semiring,
+    seed: Tensor | None,
+    x: Tensor,
+    normalized_shape: tuple[int, ...],
+    w: Tensor | None = None,
+    b: Tensor | None = None,
+    eps: float = 1e-5,
+) -> dict[str, Value]:
+    """μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2); n = c·s; y = n·w + b."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    given = {k: t for k, t in dict(x=x, w=w, b=b).items() if t is not None}
+    p = Program(**given)
+    p.op("mu", lambda x: x.mean(dims, keepdim=True), "x")
+    p.op("c", torch.sub, "x", "mu")
+    p.op("v", lambda c: (c * c).mean(dims, keepdim=True), "c")
+    p.op("s", lambda v: (v + eps).pow(-0.5), "v")
+    p.op("n", torch.mul, "c", "s")
+    if w is not None and b is not None:
+        p.op("y", lambda n, w, b: n * w + b, "n", "w", "b")
+    elif w is not None:
+        p.op("y", torch.mul, "n", "w")
+    elif b is not None:
+        p.op("y", torch.add, "n", "b")
+    else:
+        p.op("y", torch.clone, "n")
+    return dict(zip(given, p.path_sum(S, "y", seed, list(given))))
+
+
+def attention_paths(
+    S: Semiring,
+    seed: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> dict[str, Value]:
+    """(For GQA, key/value heads copied to their query heads); s = q·kᵀ·scale + mask;
+    p = softmax(s) over keys; o = p·v. A boolean mask and ``is_causal`` exclude positions;
+    a float mask is added (an input of the graph)."""
+    scale = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
+    groups = q.shape[-3] // k.shape[-3] if enable_gqa else 1
+    float_mask = attn_mask is not None and attn_mask.dtype != torch.bool
+    given = dict(q=q, k=k, v=v, **({"m": attn_mask} if float_mask else {}))
+    p = Program(**given)
+    p.op("kr", lambda k: k.repeat_interleave(groups, -3), "k")
+    p.op("vr", lambda v: v.repeat_interleave(groups, -3), "v")
+    length, source = q.shape[-2], k.shape[-2]
+    excluded = torch.zeros(length, source, dtype=torch.bool)
+    if is_causal:
+        excluded |= ~torch.ones(length, source, dtype=torch.bool).tril()
+    if attn_mask is not None and not float_mask:
+        excluded = excluded | ~attn_mask
+
+    def scores(q: Tensor, kr: Tensor, *m: Tensor) -> Tensor:
+        s = (q @ kr.mT) * scale + (m[0] if m else 0.0)
+        return s.masked_fill(excluded, float("-inf"))
+
+    p.op("s", scores, "q", "kr", *(["m"] if float_mask else []))
+    p.op("p", lambda s: torch.softmax(s, -1), "s")
+    p.op("o", torch.matmul, "p", "vr")
+    return dict(zip(given, p.path_sum(S, "o", seed, list(given))))

@@ -1,0 +1,403 @@
+"""Every YAML op on PyTorch's own OpInfo samples, under every semiring.
+
+Each entry of ``derivatives/*.yaml`` names under ``opinfo:`` the OpInfo entries of
+``torch.testing._internal.common_methods_invocations.op_db`` whose samples call it. Every
+sample of those OpInfos (float64 on CPU: 0-dim and empty tensors, broadcasting both ways,
+negative dims, keyword variants, non-contiguous inputs) runs as a one-op module under
+``sa.patch``, and per semiring:
+
+* the patched forward equals the unpatched one exactly;
+* Real (``formulas=True``, the generated formulas) equals ``torch.autograd.grad`` with a
+  random cotangent (rtol 1e-7, atol 1e-9);
+* every other built-in semiring and a user semiring (tropical, only its definition written)
+  equals the op's Jacobian read through the semiring (⊕ over the non-zero entries of each
+  column of lift(J), :func:`oracle.op_oracle`), or for a composition entry path enumeration
+  through the stated composition (:mod:`composition_oracles`); raw value and readout,
+  rtol 1e-7, atol 1e-9.
+
+Every differentiable tensor of a sample (floating point, requiring grad) is an input of
+the module; a tensor passed twice is two inputs. A sample an entry does not accept must be
+refused at forward with an ``UnsupportedOpError``: ``REFUSALS`` lists, per OpInfo, what the
+refusal says, and ``test_refusals_are_exactly_the_listed_ones`` keeps the list exact.
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from composition_oracles import attention_paths, layer_norm_paths
+from oracle import op_oracle
+from torch import Tensor, nn
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+from user_semirings import Tropical
+
+import semiring_autograd as sa
+from codegen.loader import load_entries
+from semiring_autograd.errors import UnsupportedOpError
+from semiring_autograd.semirings import Semiring, Value
+
+RTOL, ATOL = 1e-7, 1e-9
+RNG_SEED = 1234  # torch's global seed before each forward (dropout draws its mask from it)
+ENTRIES = load_entries(Path(__file__).resolve().parents[1] / "derivatives")
+OP_DB: dict[str, OpInfo] = {
+    f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name: op for op in op_db
+}
+
+#: OpInfo name → the YAML entries that declare it
+DECLARED: dict[str, list[str]] = {}
+for _entry in ENTRIES:
+    for _name in _entry.opinfo:
+        DECLARED.setdefault(_name, []).append(_entry.name)
+COMPOSITIONS = {e.name for e in ENTRIES if not e.granularity.startswith("op")}
+
+#: OpInfo → what the refusal of its samples says (a sample of an OpInfo listed here may
+#: still be accepted; one of an OpInfo not listed must be)
+REFUSALS: dict[str, str] = {
+    "nn.functional.scaled_dot_product_attention": "dropout_p == 0",
+}
+
+SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [Tropical()]
+
+
+# ----------------------------------------------------------------------------- samples as calls
+def _differentiable(x: object) -> bool:
+    return isinstance(x, Tensor) and x.requires_grad and x.dtype.is_floating_point
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where the ``index``-th differentiable tensor of a sample goes."""
+
+    index: int
+
+
+def _template(x: object, found: list[Tensor]) -> object:
+    """``x`` with each differentiable tensor replaced by a :class:`_Slot`, in ``found``."""
+    if _differentiable(x):
+        found.append(x)
+        return _Slot(len(found) - 1)
+    if isinstance(x, (list, tuple)):
+        return type(x)([_template(item, found) for item in x])
+    if isinstance(x, dict):
+        return {k: _template(v, found) for k, v in x.items()}
+    return x
+
+
+def _fill(x: object, leaves: tuple[Tensor, ...]) -> object:
+    if isinstance(x, _Slot):
+        return leaves[x.index]
+    if isinstance(x, (list, tuple)):
+        return type(x)([_fill(item, leaves) for item in x])
+    if isinstance(x, dict):
+        return {k: _fill(v, leaves) for k, v in x.items()}
+    return x
+
+
+def _output_tensors(out: object) -> list[Tensor]:
+    return [out] if isinstance(out, Tensor) else [t for t in out if isinstance(t, Tensor)]
+
+
+@dataclass(frozen=True)
+class Case:
+    opinfo: str
+    index: int
+    sample: SampleInput
+    template: tuple[list, dict]
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def id(self) -> str:
+        return f"{self.opinfo}[{self.index}]"
+
+    def arguments(self, leaves: tuple[Tensor, ...]) -> tuple[list, dict]:
+        args, kwargs = self.template
+        return _fill(args, leaves), _fill(kwargs, leaves)
+
+    def call(self, *leaves: Tensor) -> list[Tensor]:
+        """The OpInfo's call of this sample on ``leaves``; its output tensors."""
+        args, kwargs = self.arguments(leaves)
+        out = OP_DB[self.opinfo].op(*args, **kwargs)
+        return _output_tensors(self.sample.output_process_fn_grad(out))
+
+    def leaves(self) -> tuple[Tensor, ...]:
+        """Fresh leaves sharing the sample's storage and strides (non-contiguous stays so)."""
+        return tuple(t.detach().requires_grad_() for t in self.tensors)
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for name in sorted(DECLARED):
+        op = OP_DB.get(name)
+        if op is None:  # reported by test_declared_opinfos_exist
+            continue
+        for i, sample in enumerate(op.sample_inputs("cpu", torch.float64, requires_grad=True)):
+            found: list[Tensor] = []
+            template = _template(([sample.input, *sample.args], dict(sample.kwargs)), found)
+            if found:
+                cases.append(Case(name, i, sample, template, tuple(found)))
+    return cases
+
+
+CASES = _cases()
+
+
+class Apply(nn.Module):
+    """The sample's call as a module: forward(*leaves) = the op's output tensors."""
+
+    def __init__(self, fn: Callable[..., list[Tensor]]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *leaves: Tensor) -> list[Tensor]:
+        return self.fn(*leaves)
+
+
+# ----------------------------------------------------------------------------- oracles
+def _seeds(case: Case, outputs: list[Tensor]) -> list[Tensor]:
+    """Per output, a random real cotangent with no zeros (|entries| in [0.5, 1.5), both
+    signs), in the output's dtype."""
+    g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
+    seeds = []
+    for out in outputs:
+        magnitude = torch.rand(out.shape, generator=g, dtype=torch.float64) + 0.5
+        sign = torch.randint(0, 2, out.shape, generator=g).to(torch.float64) * 2 - 1
+        seeds.append((magnitude * sign).to(out.dtype))
+    return seeds
+
+
+def _seeded(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
+    def run(*leaves: Tensor) -> list[Tensor]:
+        torch.manual_seed(RNG_SEED)
+        return fn(*leaves)
+
+    return run
+
+
+def _jacobian_oracle(
+    S: Semiring, case: Case, differentiable: list[int], seeds: list[Tensor]
+) -> list[Value]:
+    """⊕ over the non-zero entries of each column of lift(J), J the Jacobian of the
+    differentiable outputs (flattened and concatenated) with respect to every leaf."""
+    call = _seeded(case.call)
+    leaves = case.leaves()
+
+    def flat(*xs: Tensor) -> Tensor:
+        outs = call(*xs)
+        return torch.cat([outs[k].reshape(-1).to(torch.float64) for k in differentiable])
+
+    seed = torch.cat([s.reshape(-1).to(torch.float64) for s in seeds])
+    if seed.numel() == 0:
+        return [S.zero(x.shape, x.detach()) for x in leaves]
+    return op_oracle(S, flat, leaves, seed)
+
+
+def _bind(signature: inspect.Signature, case: Case, leaves: tuple[Tensor, ...]) -> dict:
+    args, kwargs = case.arguments(leaves)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _values_by_leaf(
+    S: Semiring, leaves: tuple[Tensor, ...], named: dict[str, Tensor], values: dict[str, Value]
+) -> list[Value]:
+    """Each leaf's value, found by identity among the oracle's named inputs."""
+    by_id = {id(t): values[name] for name, t in named.items() if name in values}
+    return [by_id.get(id(x), S.zero(x.shape, x.detach())) for x in leaves]
+
+
+def _layer_norm_oracle(
+    S: Semiring, case: Case, differentiable: list[int], seeds: list[Tensor]
+) -> list[Value]:
+    leaves = case.leaves()
+    a = _bind(inspect.signature(F.layer_norm), case, leaves)
+    named = {"x": a["input"], "w": a["weight"], "b": a["bias"]}
+    detached = {k: None if t is None else t.detach() for k, t in named.items()}
+    values = layer_norm_paths(
+        S,
+        seeds[0],
+        detached["x"],
+        tuple(a["normalized_shape"]),
+        w=detached["w"],
+        b=detached["b"],
+        eps=a["eps"],
+    )
+    return _values_by_leaf(S, leaves, named, values)
+
+
+def _sdpa_signature(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """F.scaled_dot_product_attention's parameters (the builtin has no Python signature)."""
+
+
+def _attention_oracle(
+    S: Semiring, case: Case, differentiable: list[int], seeds: list[Tensor]
+) -> list[Value]:
+    leaves = case.leaves()
+    a = _bind(inspect.signature(_sdpa_signature), case, leaves)
+    named = {"q": a["query"], "k": a["key"], "v": a["value"], "m": a["attn_mask"]}
+    detached = {k: None if t is None else t.detach() for k, t in named.items()}
+    values = attention_paths(
+        S,
+        seeds[0],
+        detached["q"],
+        detached["k"],
+        detached["v"],
+        attn_mask=detached["m"],
+        is_causal=a["is_causal"],
+        scale=a["scale"],
+        enable_gqa=a["enable_gqa"],
+    )
+    return _values_by_leaf(S, leaves, named, values)
+
+
+#: composition entry → its path-enumeration oracle on an OpInfo sample
+COMPOSITION_ORACLES: dict[str, Callable[..., list[Value]]] = {
+    "layer_norm": _layer_norm_oracle,
+    "scaled_dot_product_attention": _attention_oracle,
+}
+
+
+def _oracle_for(opinfo: str) -> Callable[..., list[Value]]:
+    compositions = [e for e in DECLARED[opinfo] if e in COMPOSITIONS]
+    if not compositions:
+        return _jacobian_oracle
+    assert (
+        len(compositions) == 1 and compositions[0] in COMPOSITION_ORACLES
+    ), f"{opinfo}: composition entries {compositions} need an oracle in COMPOSITION_ORACLES"
+    return COMPOSITION_ORACLES[compositions[0]]
+
+
+# ----------------------------------------------------------------------------- the tests
+def test_declared_opinfos_exist():
+    """Every name under ``opinfo:`` is an OpInfo of op_db that supports autograd."""
+    missing = sorted(n for n in DECLARED if n not in OP_DB)
+    assert not missing, f"opinfo names not in op_db: {missing}"
+    no_grad = sorted(n for n in DECLARED if not OP_DB[n].supports_autograd)
+    assert not no_grad, f"OpInfos without autograd support: {no_grad}"
+
+
+def test_every_entry_declares_opinfo_or_says_why():
+    """Every entry is covered by OpInfo samples, or is one of those op_db has none for."""
+    without = sorted(e.name for e in ENTRIES if not e.opinfo)
+    assert without == sorted(NO_OPINFO), f"entries without an opinfo mapping: {without}"
+
+
+#: entries op_db has no OpInfo for (covered by tests/test_ops_oracle.py's own samples)
+NO_OPINFO = {
+    "softmax.functional",
+    "log_softmax.functional",
+    "type",
+    "type_as",
+}
+
+
+def _refusal(case: Case) -> UnsupportedOpError | None:
+    module = Apply(case.call)
+    with sa.patch(module, sa.Real(formulas=True)):
+        try:
+            module(*case.leaves())
+        except UnsupportedOpError as exc:
+            return exc
+    return None
+
+
+def test_refusals_are_exactly_the_listed_ones():
+    """The OpInfos with a refused sample are those of REFUSALS, each refusal saying what
+    is listed; printed so the refusals are in the test log."""
+    refused: dict[str, list[str]] = {}
+    for case in CASES:
+        exc = _refusal(case)
+        if exc is not None:
+            refused.setdefault(case.opinfo, []).append(f"{case.id}: {exc}")
+    for name, messages in sorted(refused.items()):
+        print(f"{name}: {len(messages)} refused samples")
+        for m in messages:
+            print("   ", m.splitlines()[0])
+    assert sorted(refused) == sorted(REFUSALS), "refused OpInfos differ from REFUSALS"
+    for name, messages in refused.items():
+        for m in messages:
+            assert REFUSALS[name] in m, f"{m!r} does not say {REFUSALS[name]!r}"
+
+
+def _raw_value(S: Semiring, message: Tensor | None, like: Tensor) -> Value:
+    """The semiring value of a raw ``sa.grad`` result (None: no path, the zero)."""
+    if message is None:
+        return S.zero(like.shape, like.detach())
+    assert message.shape == like.shape, (message.shape, like.shape)
+    if isinstance(message, sa.Message):
+        assert message.semiring == S
+        return message.value
+    return (message,)
+
+
+def _assert_value_close(actual: Value, expected: Value, what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} components, want {len(expected)}"
+    for k, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(
+            a, e, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}, component {k}: {m}"
+        )
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=repr)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_opinfo_sample(case: Case, S: Semiring):
+    module = Apply(case.call)
+    ref_leaves = case.leaves()
+    torch.manual_seed(RNG_SEED)
+    ref = module(*ref_leaves)
+
+    leaves = case.leaves()
+    with sa.patch(module, S):
+        torch.manual_seed(RNG_SEED)
+        try:
+            out = module(*leaves)
+        except UnsupportedOpError as exc:
+            assert case.opinfo in REFUSALS and REFUSALS[case.opinfo] in str(
+                exc
+            ), f"{case.id} refused, not listed in REFUSALS: {exc}"
+            return
+    assert len(out) == len(ref)
+    for k, (o, r) in enumerate(zip(out, ref)):
+        torch.testing.assert_close(
+            o, r, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"patched output {k}: {m}"
+        )
+        assert o.requires_grad == r.requires_grad, f"output {k}: requires_grad differs"
+    differentiable = [k for k, r in enumerate(ref) if r.requires_grad]
+    if not differentiable:
+        return
+    outs = [out[k] for k in differentiable]
+    seeds = _seeds(case, outs)
+    raw = sa.grad(outs, leaves, seed=seeds, raw=True, retain_graph=True)
+
+    if isinstance(S, sa.Real):
+        native = torch.autograd.grad(
+            [ref[k] for k in differentiable], ref_leaves, seeds, allow_unused=True
+        )
+        for k, (x, message, g) in enumerate(zip(leaves, raw, native)):
+            g = torch.zeros_like(x) if g is None else g
+            torch.testing.assert_close(
+                _raw_value(S, message, x)[0],
+                g,
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m: f"input {k} vs torch.autograd: {m}",
+            )
+        return
+
+    readouts = sa.grad(outs, leaves, seed=seeds)
+    expected = _oracle_for(case.opinfo)(S, case, differentiable, seeds)
+    for k, (x, message, readout, want) in enumerate(zip(leaves, raw, readouts, expected)):
+        _assert_value_close(_raw_value(S, message, x), want, f"input {k} raw value")
+        torch.testing.assert_close(
+            readout, S.readout(want), rtol=RTOL, atol=ATOL, msg=lambda m: f"input {k} readout: {m}"
+        )
