@@ -34,8 +34,23 @@ def _as_tuple(x: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 def dense_jacobians(fn: Callable[..., Tensor], args: Sequence[Tensor]) -> list[Tensor]:
-    """Per argument, the Jacobian of ``fn(*args)`` as a (out.numel(), arg.numel()) matrix."""
+    """Per argument, the Jacobian of ``fn(*args)`` as a (out.numel(), arg.numel()) matrix.
+
+    Jacobian rows are vector-Jacobian products, so a NaN local derivative spreads along its
+    row (0 · NaN) to entries that are no edge. Where a row holds NaN, which of its entries
+    are edges is read from the Jacobian at a point where the derivatives are finite (every
+    floating argument x moved to |x| + 0.5): a NaN there where that Jacobian is 0 is no
+    edge."""
     inputs = tuple(a.detach() for a in args)
+    jacs = _raw_jacobians(fn, inputs)
+    if not any(torch.isnan(j).any() for j in jacs):
+        return jacs
+    moved = tuple(a.abs() + 0.5 if a.dtype.is_floating_point else a for a in inputs)
+    pattern = _raw_jacobians(fn, moved)
+    return [torch.where(torch.isnan(j) & (p == 0), 0.0, j) for j, p in zip(jacs, pattern)]
+
+
+def _raw_jacobians(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> list[Tensor]:
     out_numel = fn(*inputs).numel()
     jacs = _as_tuple(jacobian(fn, inputs))
     return [j.reshape(out_numel, a.numel()) for j, a in zip(jacs, inputs)]

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import semiring_autograd as sa
@@ -128,12 +129,13 @@ def test_unsupported_arguments_are_explained():
     model = nn.Sequential(nn.Linear(4, 4))
     x = _x().float()
 
-    class Floor(nn.Module):
+    class AttentionDropout(nn.Module):
         def forward(self, x):
-            return torch.div(x, 2.0, rounding_mode="floor")
+            q = x.reshape(1, 1, *x.shape)
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
 
-    m = nn.Sequential(model, Floor())
-    with pytest.raises(sa.UnsupportedOpError, match="rounding_mode is None"):
+    m = nn.Sequential(model, AttentionDropout())
+    with pytest.raises(sa.UnsupportedOpError, match="dropout_p == 0"):
         with sa.patch(m, sa.Log()):
             m(x)
 

@@ -14,7 +14,7 @@ from . import trace as tracing
 from ..errors import SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
 from ..ops.message import Message, wrap
-from ..semirings.base import Semiring
+from ..semirings.base import Semiring, message_dtype
 from ..semirings.registry import plain_messages
 
 
@@ -51,7 +51,8 @@ def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
 def seed_message(semiring: Semiring, output: Tensor, weights: Tensor | None = None) -> Tensor:
     """The seed message for ``output``: one everywhere, or lift(weights) when given — a
     tensor of the output's shape, or a number for every element (a weight of 0 starts no
-    path). For Real it is the ordinary grad_output."""
+    path), lifted in the message precision. For Real it is the ordinary grad_output, in
+    the output's dtype."""
     if isinstance(weights, numbers.Real) and not isinstance(weights, bool):
         weights = torch.full_like(output, float(weights))
     elif weights is not None:
@@ -60,18 +61,19 @@ def seed_message(semiring: Semiring, output: Tensor, weights: Tensor | None = No
                 f"a seed is a real number or a tensor of the output's shape, got "
                 f"{type(weights).__name__}"
             )
-        weights = weights.to(dtype=output.dtype, device=output.device)
+        weights = weights.to(device=output.device)
         if weights.shape != output.shape:
             raise ValueError(
                 f"seed has shape {tuple(weights.shape)} but the output has shape "
                 f"{tuple(output.shape)}"
             )
     if plain_messages(semiring):
-        return torch.ones_like(output) if weights is None else weights
+        return torch.ones_like(output) if weights is None else weights.to(output.dtype)
     if weights is None:
         value = semiring.one(output.shape, output)
     else:
-        value = semiring.lift(weights)
+        # lifted in the message precision (float32 at least), not the output's
+        value = semiring.lift(weights.to(message_dtype(output.dtype)))
     return wrap(semiring, value, output)
 
 

@@ -50,6 +50,8 @@ def mul_lift(S: Semiring, a: Tensor, w: Tensor | Number, ref: Ref) -> Tensor:
 
 
 def loo(S: Semiring, a: Tensor, dim: int) -> Tensor:
+    if a.dim() == 0:
+        return S.loo((a.unsqueeze(0),), 0)[0].squeeze(0)
     return S.loo((a,), dim)[0]
 
 

@@ -99,7 +99,9 @@ def mul_lift(S: Semiring, a: Value, w: Tensor | Number, ref: Ref) -> Value:
 
 
 def loo(S: Semiring, a: Value, dim: int) -> Value:
-    """Leave-one-out ⊕ along ``dim``."""
+    """Leave-one-out ⊕ along ``dim`` (a 0-dim value is one element: no other, the zero)."""
+    if a[0].dim() == 0:
+        return tuple(c.squeeze(0) for c in S.loo(tuple(c.unsqueeze(0) for c in a), 0))
     return S.loo(a, dim)
 
 
@@ -117,7 +119,7 @@ def reshape(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
 
 
 def permute(S: Semiring, a: Value, dims: Sequence[int]) -> Value:
-    return _each(a, lambda c: c.permute(*dims))
+    return _each(a, lambda c: c.permute(tuple(dims)))
 
 
 def transpose(S: Semiring, a: Value, d0: int, d1: int) -> Value:
@@ -125,7 +127,7 @@ def transpose(S: Semiring, a: Value, d0: int, d1: int) -> Value:
 
 
 def expand(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
-    return _each(a, lambda c: c.expand(*shape))
+    return _each(a, lambda c: c.expand(tuple(shape)))
 
 
 def narrow(S: Semiring, a: Value, dim: int, start: int, length: int) -> Value:
