@@ -50,9 +50,7 @@ def mul_lift(S: Semiring, a: Tensor, w: Tensor | Number, ref: Ref) -> Tensor:
 
 
 def loo(S: Semiring, a: Tensor, dim: int) -> Tensor:
-    if a.dim() == 0:
-        return S.loo((a.unsqueeze(0),), 0)[0].squeeze(0)
-    return S.loo((a,), dim)[0]
+    return P.loo(S, (a,), dim)[0]
 
 
 def index_add(S: Semiring, a: Tensor, index: Tensor, size: int) -> Tensor:

@@ -91,14 +91,17 @@ def index_positions(shape: torch.Size, device: torch.device, index: object) -> T
     return positions[index].reshape(-1)
 
 
-def scalar_pow_derivative(base: float, exponent: Tensor, result: Tensor) -> Tensor:
-    """d base**x / dx = base**x · log(base) elementwise, as torch.autograd takes it: 0 where
-    base = 0 and x ≥ 0; NaN for a negative base."""
-    log_base = torch.tensor(base, dtype=result.dtype, device=result.device).log()
-    derivative = result * log_base
-    if base == 0:
-        derivative = torch.where(exponent >= 0, 0.0, derivative)
-    return derivative
+def pow_base_derivative(base: Tensor, exponent: Tensor) -> Tensor:
+    """d base**y / d base = y · base^(y − 1) elementwise, 0 where y = 0 (as torch.autograd)."""
+    return torch.where(exponent == 0, 0.0, exponent * base.pow(exponent - 1))
+
+
+def pow_exponent_derivative(base: Tensor | float, exponent: Tensor, result: Tensor) -> Tensor:
+    """d base**y / dy = base^y · log(base) elementwise, as torch.autograd takes it: 0 where
+    base = 0 and y ≥ 0; NaN for a negative base. ``base`` is a tensor or a number."""
+    if not isinstance(base, Tensor):
+        base = torch.tensor(base, dtype=result.dtype, device=result.device)
+    return torch.where((base == 0) & (exponent >= 0), 0.0, result * base.log())
 
 
 def gelu_derivative(x: Tensor, approximate: str) -> Tensor:
@@ -122,7 +125,8 @@ HELPERS = (
     "attention_probs",
     "gather_positions",
     "index_positions",
-    "scalar_pow_derivative",
+    "pow_base_derivative",
+    "pow_exponent_derivative",
     "gelu_derivative",
     "silu_derivative",
 )
