@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_checks import raw_value
 from small_models import MODELS, setup_model
-from torch import Tensor
 
 import semiring_autograd as sa
-from semiring_autograd.semirings import Semiring, Value
+from semiring_autograd.semirings import Semiring
 
 RTOL, ATOL = 1e-7, 1e-9
 SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
@@ -23,17 +23,6 @@ SEMIRING_IDS = [type(s).__name__ for s in SEMIRINGS]
 
 
 SEEDED = [(1, 2), (0, 0)]
-
-
-def _raw_value(S: Semiring, message: Tensor | None, like: Tensor) -> Value:
-    """The semiring value of a raw ``sa.grad`` result (None: no path, the zero)."""
-    if message is None:
-        return S.zero(like.shape, like)
-    assert message.shape == like.shape, (message.shape, like.shape)
-    if isinstance(message, sa.Message):
-        return message.value
-    assert isinstance(S, sa.Real), f"raw result for {S!r} is a plain {type(message).__name__}"
-    return (message,)
 
 
 @pytest.mark.parametrize("S", SEMIRINGS, ids=SEMIRING_IDS)
@@ -57,7 +46,7 @@ def test_model_against_path_enumeration(name: str, element: tuple[int, int], S: 
     expected = program.path_sum(S, "out", seed, ["x", *(n for _, n in weight_specs)])
     labels = ["x", *(attr for attr, _ in weight_specs)]
     for label, target, message, readout, want in zip(labels, targets, raw, readouts, expected):
-        got = _raw_value(S, message, target)
+        got = raw_value(S, message, target)
         assert len(got) == len(want)
         for k, (a, e) in enumerate(zip(got, want)):
             torch.testing.assert_close(

@@ -27,14 +27,15 @@ import inspect
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from composition_oracles import attention_paths, layer_norm_paths
+from op_checks import Apply, assert_value_close, random_cotangent, raw_value
 from oracle import op_oracle
-from torch import Tensor, nn
+from torch import Tensor
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import OpInfo, SampleInput
 from user_semirings import Tropical
@@ -162,28 +163,12 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
-class Apply(nn.Module):
-    """The sample's call as a module: forward(*leaves) = the op's output tensors."""
-
-    def __init__(self, fn: Callable[..., list[Tensor]]):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *leaves: Tensor) -> list[Tensor]:
-        return self.fn(*leaves)
-
-
 # ----------------------------------------------------------------------------- oracles
 def _seeds(case: Case, outputs: list[Tensor]) -> list[Tensor]:
     """Per output, a random real cotangent with no zeros (|entries| in [0.5, 1.5), both
     signs), in the output's dtype."""
     g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
-    seeds = []
-    for out in outputs:
-        magnitude = torch.rand(out.shape, generator=g, dtype=torch.float64) + 0.5
-        sign = torch.randint(0, 2, out.shape, generator=g).to(torch.float64) * 2 - 1
-        seeds.append((magnitude * sign).to(out.dtype))
-    return seeds
+    return [random_cotangent(out.shape, g).to(out.dtype) for out in outputs]
 
 
 def _seeded(fn: Callable[..., list[Tensor]]) -> Callable[..., list[Tensor]]:
@@ -340,27 +325,6 @@ def test_refusals_are_exactly_the_listed_ones():
             assert REFUSALS[name] in m, f"{m!r} does not say {REFUSALS[name]!r}"
 
 
-def _raw_value(S: Semiring, message: Tensor | None, like: Tensor) -> Value:
-    """The semiring value of a raw ``sa.grad`` result (None: no path, the zero)."""
-    if message is None:
-        return S.zero(like.shape, like.detach())
-    assert message.shape == like.shape, (message.shape, like.shape)
-    if isinstance(message, sa.Message):
-        assert message.semiring == S
-        return message.value
-    return (message,)
-
-
-def _assert_value_close(
-    actual: Value, expected: Value, what: str, rtol: float, atol: float
-) -> None:
-    assert len(actual) == len(expected), f"{what}: {len(actual)} components, want {len(expected)}"
-    for k, (a, e) in enumerate(zip(actual, expected)):
-        torch.testing.assert_close(
-            a, e, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}, component {k}: {m}"
-        )
-
-
 @pytest.mark.parametrize("S", SEMIRINGS, ids=repr)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_opinfo_sample(case: Case, S: Semiring):
@@ -399,7 +363,7 @@ def test_opinfo_sample(case: Case, S: Semiring):
         for k, (x, message, g) in enumerate(zip(leaves, raw, native)):
             g = torch.zeros_like(x) if g is None else g
             torch.testing.assert_close(
-                _raw_value(S, message, x)[0],
+                raw_value(S, message, x)[0],
                 g,
                 rtol=RTOL,
                 atol=ATOL,
@@ -415,7 +379,9 @@ def test_opinfo_sample(case: Case, S: Semiring):
         expected = _oracle_for(case.opinfo)(S, case, differentiable, seeds)
     rtol, atol, _ = LOOSER.get(case.id, (RTOL, ATOL, ""))
     for k, (x, message, readout, want) in enumerate(zip(leaves, raw, readouts, expected)):
-        _assert_value_close(_raw_value(S, message, x), want, f"input {k} raw value", rtol, atol)
+        assert_value_close(
+            raw_value(S, message, x), want, f"input {k} raw value", rtol, atol, equal_nan=True
+        )
         torch.testing.assert_close(
             readout,
             S.readout(want),

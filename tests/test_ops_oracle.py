@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from composition_oracles import attention_paths, layer_norm_paths
+from op_checks import Apply, assert_value_close, random_cotangent, raw_value
 from oracle import merge_positions, op_oracle
-from torch import Tensor, nn
+from torch import Tensor
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import Semiring, Value
@@ -656,50 +657,16 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
-class Apply(nn.Module):
-    """The op under test as a module: forward(*inputs) = fn(*inputs)."""
-
-    def __init__(self, fn: Callable[..., Tensor]):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *inputs: Tensor) -> Tensor:
-        return self.fn(*inputs)
-
-
 def _seed_for(case: Case, out: Tensor) -> Tensor | None:
     """A random real seed with no zeros (entries of magnitude in [0.5, 1.5), both signs)."""
     if case.ones_seed:
         return None
-    g = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
-    magnitude = torch.rand(out.shape, generator=g, dtype=torch.float64) + 0.5
-    sign = torch.randint(0, 2, out.shape, generator=g).to(torch.float64) * 2 - 1
-    return magnitude * sign
+    return random_cotangent(out.shape, torch.Generator().manual_seed(zlib.crc32(case.id.encode())))
 
 
 def _leaves(case: Case) -> list[Tensor]:
     """Fresh leaves sharing the sample's storage and strides (non-contiguous stays so)."""
     return [t.detach().requires_grad_() for t in case.sample.inputs]
-
-
-def _raw_value(S: Semiring, message: Tensor | None, like: Tensor) -> Value:
-    """The semiring value of a raw ``sa.grad`` result (None: no path, the zero)."""
-    if message is None:
-        return S.zero(like.shape, like)
-    assert message.shape == like.shape, (message.shape, like.shape)
-    if isinstance(message, sa.Message):
-        assert message.semiring == S
-        return message.value
-    assert isinstance(S, sa.Real), f"raw result for {S!r} is a plain {type(message).__name__}"
-    return (message,)
-
-
-def _assert_value_close(actual: Value, expected: Value, what: str) -> None:
-    assert len(actual) == len(expected), f"{what}: {len(actual)} components, want {len(expected)}"
-    for k, (a, e) in enumerate(zip(actual, expected)):
-        torch.testing.assert_close(
-            a, e, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}, component {k}: {m}"
-        )
 
 
 @pytest.mark.parametrize("S", SEMIRINGS, ids=repr)
@@ -726,7 +693,7 @@ def test_op_against_oracle(case: Case, S: Semiring):
     for k, (x, message, readout, want) in enumerate(zip(inputs, raw, readouts, expected)):
         if not exact:
             continue
-        _assert_value_close(_raw_value(S, message, x), want, f"input {k} raw value")
+        assert_value_close(raw_value(S, message, x), want, f"input {k} raw value", RTOL, ATOL)
         torch.testing.assert_close(
             readout, S.readout(want), rtol=RTOL, atol=ATOL, msg=lambda m: f"input {k} readout: {m}"
         )
@@ -737,7 +704,7 @@ def test_op_against_oracle(case: Case, S: Semiring):
         for k, (x, message, g) in enumerate(zip(inputs, raw, native)):
             g = torch.zeros_like(x) if g is None else g
             torch.testing.assert_close(
-                _raw_value(S, message, x)[0],
+                raw_value(S, message, x)[0],
                 g,
                 rtol=REAL_RTOL,
                 atol=REAL_ATOL,

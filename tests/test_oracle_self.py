@@ -10,6 +10,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from op_checks import random_cotangent
 from oracle import Program, merge_positions, op_oracle
 from torch import Tensor
 
@@ -33,10 +34,7 @@ def _randn(*shape: int, seed: int) -> Tensor:
 
 
 def _seed_like(out: Tensor, seed: int) -> Tensor:
-    g = torch.Generator().manual_seed(seed)
-    magnitude = torch.rand(out.shape, generator=g, dtype=torch.float64) + 0.5
-    sign = torch.randint(0, 2, out.shape, generator=g).to(torch.float64) * 2 - 1
-    return magnitude * sign
+    return random_cotangent(out.shape, torch.Generator().manual_seed(seed))
 
 
 FUNCTIONS: list[tuple[str, Callable[..., Tensor], list[Tensor]]] = [
