@@ -25,8 +25,8 @@ from .errors import (
     SemiringMismatchError,
     UnsupportedOpError,
 )
-from .explain.attribution import Attribution, attribute
-from .explain.paths import Path, PathFinder, Step, top_path
+from .explain.attribution import Attribution, Prediction, attribute
+from .explain.paths import AttentionEdge, Path, PathFinder, Step, top_path
 from .ops.message import Message
 from .semirings import (
     BUILTIN_SEMIRINGS,
@@ -43,6 +43,7 @@ from .semirings import (
 )
 
 __all__ = [
+    "AttentionEdge",
     "Attribution",
     "attribute",
     "BUILTIN_SEMIRINGS",
@@ -58,6 +59,7 @@ __all__ = [
     "PatchHandle",
     "Path",
     "PathFinder",
+    "Prediction",
     "Real",
     "Registry",
     "Semiring",

@@ -76,8 +76,9 @@ def test_default_index_is_the_best_element_and_path_prints():
     readout = sa.grad(out[2, 1], x)
     assert path.steps[0].index == tuple(int(i) for i in divmod(int(readout.argmax()), 4))
     assert path.weight == pytest.approx(float(readout.max()), rel=1e-12)
-    text = str(path)
+    text = path.format(hide_identity=False)
     assert "MaxProduct path" in text and "v  linear" in text and "(outside sa.patch)" in text
+    assert "(outside sa.patch)" not in str(path) and "1 step of weight 1 hidden" in str(path)
 
 
 def test_tiny_bert_path_names_modules_indices_and_edges():

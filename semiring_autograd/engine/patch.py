@@ -179,7 +179,11 @@ class _SemiringMode(TorchFunctionMode):
             frame = checkpoint_frame()
             if frame is not None:  # a checkpointed region: recompute it under the semiring
                 recompute_under(frame, functools.partial(_SemiringMode, handle))
-            replay = Replay.record(func, args, kwargs, op, bound) if handle.paths else None
+            replay = (
+                Replay.record(func, args, kwargs, op, bound, handle.parameter_names)
+                if handle.paths
+                else None
+            )
             fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
             call = UnpatchedCall(func, args, kwargs)
             if takes_semiring:
@@ -215,6 +219,10 @@ class PatchHandle:
         self.semiring = semiring
         self.registry = registry
         self.paths = paths
+        #: id of each parameter → its qualified name (path steps name the parameters they cross)
+        self.parameter_names = (
+            {id(p): name for name, p in model.named_parameters()} if paths else {}
+        )
         #: torch records its own graph of each op (sa.Real(); see the semiring registry)
         self.torch_graph = records_torch_graph(semiring)
         self.thread = threading.get_ident()

@@ -24,10 +24,20 @@ class Replay:
     spec: TreeSpec
     input_leaf: tuple[int, ...]  # for each node input position, its index in ``leaves``
     rng_state: Tensor | None  # the CPU RNG state before the call, for ops that draw noise
+    parameter_names: tuple[str | None, ...] = ()  # per node input: its name in the model
 
     @classmethod
-    def record(cls, func: Callable[..., Any], args: tuple, kwargs: dict, op, bound: dict):
-        """The replay of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as ``bound``."""
+    def record(
+        cls,
+        func: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        op,
+        bound: dict,
+        names: dict[int, str] | None = None,
+    ):
+        """The replay of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as
+        ``bound``; ``names`` maps ``id`` of the model's parameters to their qualified names."""
         leaves, spec = tree_flatten((args, kwargs))
         ordered = [bound[p.name] for p in op.params if p.type != "Tensor[]"]
         ordered += [t for p in op.params if p.type == "Tensor[]" for t in bound[p.name]]
@@ -40,7 +50,12 @@ class Replay:
             taken.add(i)
             positions.append(i)
         rng = torch.get_rng_state() if op.forward_helper else None
-        return cls(func, leaves, spec, tuple(positions), rng)
+        names = names or {}
+        parameters = tuple(
+            names.get(id(leaves[i])) if isinstance(leaves[i], torch.nn.Parameter) else None
+            for i in positions
+        )
+        return cls(func, leaves, spec, tuple(positions), rng, parameters)
 
     def inputs(self) -> list[Tensor]:
         """The op's tensor inputs, in node input order."""

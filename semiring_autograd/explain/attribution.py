@@ -26,52 +26,143 @@ from ..semirings.base import Semiring
 from ..semirings.registry import inherited_spec, semiring_named
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """What the model predicts where the target's logit is read: the context of a report.
+
+    ``position``: the sequence position whose logits are read (non-negative; None for a
+    model with one output per sequence); ``token``: the input token there; ``top``: the
+    most probable next tokens, (token, probability), most probable first."""
+
+    model: str
+    text: str | None
+    position: int | None
+    token: str | None
+    target_logit: float
+    target_probability: float
+    target_rank: int
+    top: list[tuple[str, float]]
+
+    def __str__(self) -> str:
+        where = "" if self.position is None else f" at position {self.position} {self.token!r}"
+        top = ", ".join(f"{t!r} {p:.3f}" for t, p in self.top)
+        return (
+            f"model {self.model}; logits read{where}\n"
+            f"target logit {self.target_logit:.4g}, probability {self.target_probability:.4g} "
+            f"(rank {self.target_rank}); most probable: {top}"
+        )
+
+
 @dataclass
 class Attribution:
-    """Per-token scores for one input, with the top path per token for max semirings."""
+    """Per-token scores for one input, with the top path per token for max semirings.
+
+    ``paths``: per token, its strongest path (None where no path reaches); ``min_paths``:
+    SignedMaxProduct's path of the smallest signed product per token; ``prediction``: what
+    the model predicted where the logit is read."""
 
     tokens: list[str]
     scores: Tensor  # (tokens,); SignedMaxProduct: (2, tokens) = (max, min)
     semiring: Semiring
     target: str
     paths: list[Path | None] = field(default_factory=list)
+    min_paths: list[Path | None] = field(default_factory=list)
+    prediction: Prediction | None = None
 
     @property
     def meaning(self) -> str:
         spec = inherited_spec(self.semiring)
         return spec.meaning if spec is not None else "semiring readout"
 
+    @property
+    def unit(self) -> str:
+        spec = inherited_spec(self.semiring)
+        return spec.unit if spec is not None else "the semiring's readout"
+
     def display_scores(self) -> Tensor:
         """The scores shown, in float64 (SignedMaxProduct: the largest products)."""
         s = self.scores.double()
         return s[0] if s.dim() == 2 else s
 
+    def min_scores(self) -> Tensor | None:
+        """SignedMaxProduct's smallest signed products per token, in float64 (else None)."""
+        return self.scores.double()[1] if self.scores.dim() == 2 else None
+
     def best_token(self) -> int:
         return int(self.display_scores().argmax())
 
-    def __str__(self) -> str:
-        lines = [f"{type(self.semiring).__name__}: {self.meaning}, target {self.target}"]
+    def best_other_token(self) -> int | None:
+        """The best token other than the one whose logits are read, among those with a path
+        (None when there is none): its path has to cross attention."""
+        read = None if self.prediction is None else self.prediction.position
+        candidates = [t for t, p in enumerate(self.paths) if p is not None and t != read]
+        if not candidates:
+            return None
         scores = self.display_scores()
+        return max(candidates, key=lambda t: float(scores[t]))
+
+    def smallest_token(self) -> int | None:
+        """SignedMaxProduct: the token with the smallest signed product (None otherwise)."""
+        low = self.min_scores()
+        if low is None or not any(p is not None for p in self.min_paths):
+            return None
+        return int(low.argmin())
+
+    def __str__(self) -> str:
+        lines = [
+            f"{type(self.semiring).__name__}: {self.meaning} [{self.unit}], "
+            f"target {self.target}"
+        ]
+        if self.prediction is not None:
+            lines.append(str(self.prediction))
+        scores, low = self.display_scores(), self.min_scores()
         width = max(len(repr(t)) for t in self.tokens)
-        for i, (tok, score) in enumerate(zip(self.tokens, scores.tolist())):
-            lines.append(f"  {i:3d}  {repr(tok):<{width}}  {score: .6g}")
-        if self.paths and self.paths[self.best_token()] is not None:
-            lines.append(f"top path from token {self.best_token()}:")
-            lines.append(str(self.paths[self.best_token()]))
+        if low is not None:
+            lines.append(f"  {'#':>3}  {'token':<{width}}  {'largest':>12}  {'smallest':>12}")
+        for i, tok in enumerate(self.tokens):
+            row = f"  {i:3d}  {repr(tok):<{width}}  {float(scores[i]): .6g}"
+            if low is not None:
+                row = f"  {i:3d}  {repr(tok):<{width}}  {float(scores[i]):>12.6g}  {float(low[i]):>12.6g}"
+            lines.append(row)
+        for title, token, paths in self.headline_paths():
+            lines.append(f"{title}:")
+            lines.append(paths[token].format(tokens=self.tokens))
         return "\n".join(lines)
 
+    def headline_paths(self) -> list[tuple[str, int, list[Path | None]]]:
+        """The paths a report shows first: (title, token, the path list it is in) for the
+        best token's path, the best path from another token, and SignedMaxProduct's
+        smallest."""
+        shown: list[tuple[str, int, list[Path | None]]] = []
+        if not self.paths or self.paths[self.best_token()] is None:
+            return shown
+        best = self.best_token()
+        shown.append((f"top path, from token {best} {self.tokens[best]!r}", best, self.paths))
+        other = self.best_other_token()
+        if other is not None and other != best:
+            title = f"top path from another token than the one read: token {other} {self.tokens[other]!r}"
+            shown.append((title, other, self.paths))
+        low = self.smallest_token()
+        if low is not None and self.min_paths[low] is not None:
+            title = f"path of the smallest signed product, from token {low} {self.tokens[low]!r}"
+            shown.append((title, low, self.min_paths))
+        return shown
+
     def to_html(self, path: str | os.PathLike | None = None) -> str:
-        """A self-contained HTML page: the tokens as a heat map of their scores, and the top
-        path of the best token (each token's path in a collapsible section). Written to
-        ``path`` when given; returned either way."""
+        """A self-contained HTML page: the prediction, the tokens as a heat map of their
+        scores on a zero-anchored colour scale with its legend, and the headline paths (each
+        token's path in a collapsible section). Written to ``path`` when given; returned
+        either way."""
         return report.html_page(self, path)
 
     def plot(self, path: str | os.PathLike) -> None:
-        """A PNG bar chart of the token scores (needs matplotlib: the ``plot`` extra)."""
+        """A PNG bar chart of the token scores, coloured on the report's scale with its
+        colour bar (needs matplotlib: the ``plot`` extra)."""
         report.plot_scores(self, path)
 
 
-def _target_id(target: int | str, tokenizer) -> tuple[int, str]:
+def target_id(target: int | str, tokenizer) -> tuple[int, str]:
+    """(the target's logit index, its label): ValueError for a string that is not one token."""
     if isinstance(target, int):
         known = tokenizer is not None and 0 <= target < len(tokenizer)
         label = repr(tokenizer.convert_ids_to_tokens(target)) if known else f"#{target}"
@@ -81,8 +172,50 @@ def _target_id(target: int | str, tokenizer) -> tuple[int, str]:
     ids = tokenizer(target, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         pieces = tokenizer.convert_ids_to_tokens(ids)
-        raise ValueError(f"target {target!r} is {len(ids)} tokens {pieces}; give a single token")
+        spaced = _spaced_id(target, tokenizer)
+        hint = (
+            f"; {' ' + target!r}, with a leading space, is one token (id {spaced})"
+            if spaced is not None
+            else ""
+        )
+        raise ValueError(
+            f"target {target!r} is {len(ids)} tokens {pieces}; give a single token{hint}"
+        )
     return ids[0], f"{target!r} (id {ids[0]})"
+
+
+def _spaced_id(target: str, tokenizer) -> int | None:
+    """The id of ``" " + target`` where that is one token other than ``target``'s and
+    ``target`` has no leading space (None otherwise; a tokenizer that drops spaces, as
+    WordPiece does, gives None)."""
+    if not target or target[0].isspace():
+        return None
+    ids = tokenizer(" " + target, add_special_tokens=False)["input_ids"]
+    own = tokenizer(target, add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 and ids != own else None
+
+
+def target_hint(target: int | str, tokenizer) -> str | None:
+    """A hint for a token-string target without a leading space when the spaced form is a
+    token too: a word that follows a space is usually that one (None: no hint)."""
+    if not isinstance(target, str) or tokenizer is None:
+        return None
+    spaced = _spaced_id(target, tokenizer)
+    if spaced is None:
+        return None
+    return (
+        f"target {target!r} has no leading space; a word after a space is the token "
+        f"{' ' + target!r} (id {spaced}): give that if the text's next word is meant"
+    )
+
+
+def check_position(position: int, length: int) -> None:
+    """ValueError unless ``position`` indexes a sequence of ``length`` tokens."""
+    if not -length <= position < length:
+        raise ValueError(
+            f"position {position} is outside the sequence of {length} tokens "
+            f"(give -{length} … {length - 1}; -1 is the last)"
+        )
 
 
 def _attribute_one(
@@ -93,6 +226,8 @@ def _attribute_one(
     tokenizer,
     position: int,
     paths: bool,
+    model_name: str,
+    text: str | None = None,
 ) -> Attribution:
     ids = encoding["input_ids"]
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -103,13 +238,9 @@ def _attribute_one(
     if ids.shape[1] == 0:
         raise ValueError("the input has no tokens: give a non-empty text")
     length = ids.shape[1]
-    if not -length <= position < length:
-        raise ValueError(
-            f"position {position} is outside the sequence of {length} tokens "
-            f"(give -{length} … {length - 1}; -1 is the last)"
-        )
+    check_position(position, length)
     mask = encoding.get("attention_mask")
-    target_id, label = _target_id(target, tokenizer)
+    index, label = target_id(target, tokenizer)
     with torch.no_grad():
         emb = model.get_input_embeddings()(ids)
     x = emb.detach().requires_grad_()
@@ -118,29 +249,66 @@ def _attribute_one(
     with patch(model, semiring, paths=want_paths):
         out = model(inputs_embeds=x, attention_mask=mask)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    if not 0 <= target_id < logits.shape[-1]:
+    if not 0 <= index < logits.shape[-1]:
         raise ValueError(
-            f"target id {target_id} is outside the model's {logits.shape[-1]} logits "
+            f"target id {index} is outside the model's {logits.shape[-1]} logits "
             f"(give 0 … {logits.shape[-1] - 1}, or a token string with tokenizer=)"
         )
-    y = logits[0, target_id] if logits.dim() == 2 else logits[0, position, target_id]
+    y = logits[0, index] if logits.dim() == 2 else logits[0, position, index]
     raw = grad(y, x, raw=True, retain_graph=want_paths)
+    if tokenizer is None:
+        tokens = [f"#{i}" for i in ids[0].tolist()]
+    else:
+        tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]
+    row = logits[0] if logits.dim() == 2 else logits[0, position]
+    read = None if logits.dim() == 2 else position % length
+    prediction = _prediction(row.detach(), index, tokenizer, model_name, text, read, tokens)
     token_values = semiring.sum(message_value(raw, semiring, x), -1)
     scores = semiring.readout(token_values)
     scores = scores[:, 0] if scores.dim() == 3 else scores[0]  # drop the batch dim
-    if tokenizer is None:
-        tokens = [str(i) for i in ids[0].tolist()]
-    else:
-        tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]
+    found = _token_paths(y, x, "max") if want_paths else []
+    smallest = _token_paths(y, x, "min") if want_paths and spec.top_paths == "signed" else []
+    return Attribution(tokens, scores.detach(), semiring, label, found, smallest, prediction)
+
+
+def _token_paths(y: Tensor, x: Tensor, which: str) -> list[Path | None]:
+    """Per token, the path of its best embedding element (None where no path reaches)."""
+    finder = PathFinder(y, x, which=which)
+    values = finder.element_values()[0]
     found: list[Path | None] = []
-    if want_paths:
-        finder = PathFinder(y, x)
-        values = finder.element_values()[0]
-        for t in range(ids.shape[1]):
-            has_path = torch.isfinite(values[t]).any()
-            found.append(finder.path((0, t, int(values[t].argmax()))) if has_path else None)
-    where = "" if logits.dim() == 2 else f" at position {position}"
-    return Attribution(tokens, scores.detach(), semiring, label + where, found)
+    for t in range(values.shape[0]):
+        has_path = torch.isfinite(values[t]).any()
+        found.append(finder.path((0, t, int(values[t].argmax()))) if has_path else None)
+    return found
+
+
+def _prediction(
+    row: Tensor,
+    target: int,
+    tokenizer,
+    model_name: str,
+    text: str | None,
+    position: int | None,
+    tokens: list[str],
+    k: int = 5,
+) -> Prediction:
+    """The target's logit, probability and rank, and the ``k`` most probable tokens, from
+    the logits ``row`` (softmax in float64; without a tokenizer a token is named #id)."""
+    logits = row.double()
+    probs = logits.softmax(-1)
+    rank = int((logits > logits[target]).sum()) + 1
+    top = probs.topk(min(k, probs.numel()))
+    name = (lambda i: tokenizer.decode([i])) if tokenizer is not None else (lambda i: f"#{i}")
+    return Prediction(
+        model_name,
+        text,
+        position,
+        None if position is None else tokens[position],
+        float(logits[target]),
+        float(probs[target]),
+        rank,
+        [(name(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
+    )
 
 
 def attribute(
@@ -153,6 +321,7 @@ def attribute(
     position: int = -1,
     paths: bool = True,
     progress: bool = True,
+    model_name: str | None = None,
 ) -> Attribution | list[Attribution]:
     """Per-token semiring attribution of one logit of a Hugging Face model.
 
@@ -162,15 +331,21 @@ def attribute(
     always a text, never a file name. ``target``: a logit index, or a token string (with
     ``tokenizer``). ``position``: the sequence position whose logits are read (language
     models; default the last). ``paths``: recover each token's top path (max semirings
-    only). The model runs in eval mode; every module's train/eval mode is restored after.
+    only; SignedMaxProduct also the path of the smallest signed product). ``model_name``
+    names the model in reports (default: its ``name_or_path``, else its class). The model
+    runs in eval mode; every module's train/eval mode is restored after.
     """
     semiring = semiring_named(semiring)
+    if model_name is None:
+        model_name = getattr(model, "name_or_path", "") or type(model).__name__
     if isinstance(inputs, os.PathLike):
         inputs = read_texts(inputs)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        return _attribute(model, inputs, target, semiring, tokenizer, position, paths, progress)
+        return _attribute(
+            model, inputs, target, semiring, tokenizer, position, paths, progress, model_name
+        )
     finally:
         for m, training in modes:
             m.training = training
@@ -194,6 +369,7 @@ def _attribute(
     position: int,
     paths: bool,
     progress: bool,
+    model_name: str,
 ) -> Attribution | list[Attribution]:
     if isinstance(inputs, (str, list, tuple)):
         if tokenizer is None:
@@ -208,7 +384,9 @@ def _attribute(
         for text in iterator:
             encoding = tokenizer(text, return_tensors="pt")
             results.append(
-                _attribute_one(model, encoding, target, semiring, tokenizer, position, paths)
+                _attribute_one(
+                    model, encoding, target, semiring, tokenizer, position, paths, model_name, text
+                )
             )
         return results[0] if isinstance(inputs, str) else results
-    return _attribute_one(model, inputs, target, semiring, tokenizer, position, paths)
+    return _attribute_one(model, inputs, target, semiring, tokenizer, position, paths, model_name)

