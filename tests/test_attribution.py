@@ -168,8 +168,65 @@ def test_explain_command_end_to_end(bert_with_tokenizer, llama_directory, tmp_pa
     for token in tokens:
         assert repr(token) in out
     assert "MaxProduct path, weight" in out and "lm_head  linear" in out
+    assert "+ paths" in out.splitlines()[-1]
     text = _parse(report.read_text(encoding="utf-8"))
     assert all(token in text for token in tokens)
+    assert str(llama_directory) in text and "logits read at" in text
+
+
+def test_explain_command_compares_every_semiring(
+    bert_with_tokenizer, llama_directory, tmp_path, capsys
+):
+    report, plot = tmp_path / "all.html", tmp_path / "all.png"
+    argv = ["explain", "the capital of france is", "--target", "paris", "--semiring", "all"]
+    argv += ["--model", str(llama_directory), "--html", str(report), "--plot", str(plot)]
+    argv += ["--position", "-2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    timings = out.splitlines()[-1]
+    for spec in sa.semirings.registry.SEMIRINGS:
+        assert f"{spec.cls.__name__}: {spec.meaning} [{spec.unit}]" in out
+        paths = " + paths" if spec.top_paths else ""
+        assert f"{spec.cli_name}: patched forward + semiring backward{paths} " in timings
+    ids = bert_with_tokenizer[1]("the capital of france is")["input_ids"]
+    read = bert_with_tokenizer[1].decode([ids[-2]])
+    assert f"logits read at position {len(ids) - 2} {read!r}" in out
+    text = _parse(report.read_text(encoding="utf-8"))
+    assert "7 semirings compared" in text and "smallest signed product" in text
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_command_checks_target_and_position_before_loading_the_model(
+    llama_directory, capsys, monkeypatch
+):
+    def no_model(path):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "load_model", no_model)
+    base = ["explain", "the keys", "--model", str(llama_directory)]
+    assert cli.main(base + ["--target", "tablecloths"]) == 2
+    assert "is 3 tokens" in capsys.readouterr().err
+    assert cli.main(base + ["--target", "the", "--position", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--position: position 4 is outside the sequence of 4 tokens" in err
+
+
+def test_target_hints_name_the_spaced_token():
+    """SmolLM2's byte-level BPE: ' Paris' and 'Paris' are one token each, ' Berlin' one and
+    'Berlin' two."""
+    tokenizer = sa.integrations.huggingface.load_tokenizer(None)
+    spaced = tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    hint = sa.explain.attribution.target_hint("Paris", tokenizer)
+    assert f"' Paris' (id {spaced})" in hint and "no leading space" in hint
+    assert sa.explain.attribution.target_hint(" Paris", tokenizer) is None
+    with pytest.raises(ValueError, match="' Berlin', with a leading space, is one token"):
+        sa.explain.attribution.target_id("Berlin", tokenizer)
+
+
+def test_help_text_reads_as_plain_text():
+    for parser in (cli._parser(), cli._parser()._subparsers._group_actions[0].choices["explain"]):
+        text = parser.format_help()
+        assert "``" not in text and "))" not in text
 
 
 def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
@@ -180,6 +237,7 @@ def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
     assert cli.main(argv + ["--model", str(llama_directory), "--html", str(report)]) == 0
     out = capsys.readouterr().out
     assert out.count("Log: log of the total") == 2
+    assert "+ paths" not in out.splitlines()[-1]
     text = _parse(report.read_text(encoding="utf-8"))
     assert "Text 1" in text and "Text 2" in text and "Text 3" not in text
 

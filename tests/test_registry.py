@@ -30,7 +30,7 @@ def _recorded(semiring: sa.Semiring, paths: bool = False):
 def test_cli_offers_the_registry_names():
     explain = cli._parser()._subparsers._group_actions[0].choices["explain"]
     (action,) = [a for a in explain._actions if a.dest == "semiring"]
-    assert list(action.choices) == [s.cli_name for s in SEMIRINGS]
+    assert list(action.choices) == [s.cli_name for s in SEMIRINGS] + ["all"]
     for spec in SEMIRINGS:
         assert type(semiring_named(spec.cli_name)) is spec.cls
 

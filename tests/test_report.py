@@ -98,7 +98,7 @@ def test_html_heat_map_legend_and_context(attributions):
         assert len(spans) == len(result.tokens)
         for (_, colour), score in zip(spans, result.display_scores().tolist()):
             assert colour == scale.colour(score)
-        assert scale.css_gradient() in page and "class=\"legend\"" in page
+        assert scale.css_gradient() in page and 'class="legend"' in page
         assert result.unit in page
         for text in ("tiny", "position 4, token &#x27;#11&#x27;", "rank", "most probable"):
             assert text in page, (name, text)
