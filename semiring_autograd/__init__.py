@@ -81,3 +81,12 @@ __all__ = [
     "top_path",
     "trace",
 ]
+
+
+def __getattr__(name: str):
+    """``sa.captum``: the Captum adapter, imported on first use (it needs ``captum``)."""
+    if name == "captum":
+        import importlib
+
+        return importlib.import_module(".integrations.captum", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

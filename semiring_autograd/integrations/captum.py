@@ -1,0 +1,153 @@
+"""Semiring attributions as a Captum ``Attribution`` (needs ``captum``: the ``captum`` extra).
+
+``SemiringAttribution(model, sa.MaxProduct()).attribute(x, target=3)`` runs one patched
+forward and one semiring backward seeded at the target output of every example (Captum's
+target convention), and returns the readout per input element, in the inputs' shape — so
+Captum's visualisation (``captum.attr.visualization``) and metrics (``infidelity``,
+``sensitivity_max``) take it as they take ``Saliency``. Under ``sa.Real()`` it is the
+gradient, ``Saliency(model).attribute(x, target, abs=False)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from captum.attr import Attribution
+except ImportError as exc:  # the optional extra
+    raise ImportError("sa.captum needs captum: pip install 'semiring-autograd[captum]'") from exc
+
+from ..engine.grad import grad
+from ..engine.patch import patch
+from ..semirings.base import Semiring
+from ..semirings.registry import inherited_spec, semiring_named
+
+
+class SemiringAttribution(Attribution):
+    """The semiring readout from the target output to every input element.
+
+    ``forward_func``: the model (an ``nn.Module``, patched for each call), or any function of
+    the inputs that runs ``model`` (then give ``model=``; the function's own ops are
+    recorded too). ``semiring``: an instance or a
+    command-line name (``"max-product"``)."""
+
+    def __init__(
+        self,
+        forward_func: Callable[..., Tensor],
+        semiring: Semiring | str,
+        *,
+        model: nn.Module | None = None,
+    ) -> None:
+        super().__init__(forward_func)
+        if model is None:
+            if not isinstance(forward_func, nn.Module):
+                raise TypeError(
+                    "SemiringAttribution patches a module: forward_func is not an nn.Module, "
+                    "so pass the model it runs as model="
+                )
+            model = forward_func
+        self.model = model
+        self.semiring = semiring_named(semiring)
+
+    def attribute(
+        self,
+        inputs: Tensor | tuple[Tensor, ...],
+        target: Any = None,
+        additional_forward_args: Any = None,
+        *,
+        which: str = "max",
+    ) -> Tensor | tuple[Tensor, ...]:
+        """Per input, a tensor of its shape: the readout from the target output of each
+        example (``target`` as in Captum: None for one output per example, an index or an
+        index tuple into each example's output, or one per example as a tensor or list).
+        The selected outputs start paths (weight 1); with examples that do not interact the
+        readout at an example's input is from its own target. SignedMaxProduct: ``which``
+        = "max" (largest signed product) or "min"."""
+        single = isinstance(inputs, Tensor)
+        given = (inputs,) if single else tuple(inputs)
+        if which not in ("max", "min"):
+            raise ValueError(f"which is 'max' or 'min', got {which!r}")
+        signed = _signed(self.semiring)
+        if which == "min" and not signed:
+            raise ValueError("which='min' is for SignedMaxProduct readouts")
+        xs = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in given)
+        extra = _as_tuple(additional_forward_args)
+        runner = self.model if self.forward_func is self.model else _Forward(self)
+        with torch.enable_grad():  # Captum's metrics call attribute under no_grad
+            with patch(runner, self.semiring):
+                out = runner(*xs, *extra)
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                f"SemiringAttribution: forward_func returned {type(out).__name__}; it must "
+                "return a tensor whose first dimension is the batch (e.g. model(x).logits)"
+            )
+        seed = _target_mask(out, target, xs[0].shape[0])
+        with torch.enable_grad():
+            readouts = grad(out, list(xs), seed)
+        if signed:
+            readouts = tuple(r[0 if which == "max" else 1] for r in readouts)
+        return readouts[0] if single else tuple(readouts)
+
+    def has_convergence_delta(self) -> bool:
+        return False
+
+
+class _Forward(nn.Module):
+    """``forward_func`` as the forward of a module holding the model, so the patch records
+    every op it runs, the model's and its own (a scaling, a readout)."""
+
+    def __init__(self, attribution: SemiringAttribution):
+        super().__init__()
+        self.model = attribution.model
+        self.fn = attribution.forward_func
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def _signed(semiring: Semiring) -> bool:
+    spec = inherited_spec(semiring)
+    return spec is not None and spec.top_paths == "signed"
+
+
+def _as_tuple(args: Any) -> tuple:
+    if args is None:
+        return ()
+    return tuple(args) if isinstance(args, tuple) else (args,)
+
+
+def _target_mask(out: Tensor, target: Any, batch: int) -> Tensor:
+    """Weights of ``out``'s shape: 1 at each example's target output, 0 elsewhere."""
+    if out.dim() == 0 or out.shape[0] != batch:
+        raise ValueError(
+            f"SemiringAttribution: the output's shape {tuple(out.shape)} does not start with "
+            f"the batch size {batch}"
+        )
+    mask = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
+    if target is None:
+        if out[0].numel() != 1:
+            raise ValueError(
+                f"target=None needs one output per example; the output has shape "
+                f"{tuple(out.shape)}: give target="
+            )
+        mask.fill_(1.0)
+        return mask
+    if isinstance(target, Tensor):
+        target = target.tolist() if target.numel() > 1 else target.item()
+    per_example = isinstance(target, list)
+    if per_example and len(target) != batch:
+        raise ValueError(f"got {len(target)} targets for a batch of {batch}")
+    for b in range(batch):
+        t = target[b] if per_example else target
+        index = t if isinstance(t, tuple) else (t,)
+        try:
+            mask[(b, *index)] = 1.0
+        except (IndexError, TypeError) as exc:
+            raise ValueError(
+                f"target {t!r} of example {b} does not index its output of shape "
+                f"{tuple(out.shape[1:])}"
+            ) from exc
+    return mask
