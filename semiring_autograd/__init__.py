@@ -26,6 +26,7 @@ from .errors import (
     UnsupportedOpError,
 )
 from .explain.attribution import Attribution, Prediction, attribute
+from .explain.k_paths import top_paths
 from .explain.paths import AttentionEdge, Path, PathFinder, Step, top_path
 from .ops.message import Message
 from .semirings import (
@@ -33,6 +34,7 @@ from .semirings import (
     Boolean,
     Counting,
     Entropy,
+    KBest,
     Log,
     MaxProduct,
     Real,
@@ -50,6 +52,7 @@ __all__ = [
     "Boolean",
     "Counting",
     "Entropy",
+    "KBest",
     "ForeignOpError",
     "Log",
     "MaxProduct",
@@ -79,6 +82,7 @@ __all__ = [
     "recorded_semiring",
     "seed_message",
     "top_path",
+    "top_paths",
     "trace",
 ]
 

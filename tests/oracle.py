@@ -234,25 +234,39 @@ def path_enumeration(
     return totals
 
 
-def best_paths(
-    program: Program, output: str, index: int, target: str, which: str = "abs"
-) -> dict[int, tuple[float, list[tuple[Node, float]]]]:
-    """For every element of ``target``, the path from ``(output, index)`` with the largest
-    |product| (``which='abs'``), largest signed product ('max') or smallest ('min'), by
-    enumerating every path: element → (product, [(node, local derivative of the edge into
-    it)] listed from the target element up to the output)."""
-    best: dict[int, tuple[float, list[tuple[Node, float]]]] = {}
-
-    def better(a: float, b: float) -> bool:
-        return {"abs": abs(a) > abs(b), "max": a > b, "min": a < b}[which]
+def every_path(
+    program: Program, output: str, index: int, target: str
+) -> dict[int, list[tuple[float, list[tuple[Node, float]]]]]:
+    """For every element of ``target``, every path from ``(output, index)`` to it, in
+    depth-first order: element → [(signed product, [(node, local derivative of the edge
+    into it)] listed from the target element up to the output)]. Parallel edges (a tensor
+    passed twice to one op) give separate paths."""
+    paths: dict[int, list[tuple[float, list[tuple[Node, float]]]]] = {}
 
     def walk(node: Node, product: float, trail: list[tuple[Node, float]]) -> None:
         if node[0] == target:
-            if node[1] not in best or better(product, best[node[1]][0]):
-                best[node[1]] = (product, list(reversed(trail)))
+            paths.setdefault(node[1], []).append((product, list(reversed(trail))))
             return
         for child, w in program.edges.get(node, []):
             walk(child, product * float(w), trail + [(node, float(w))])
 
     walk((output, index), 1.0, [])
+    return paths
+
+
+def best_paths(
+    program: Program, output: str, index: int, target: str, which: str = "abs"
+) -> dict[int, tuple[float, list[tuple[Node, float]]]]:
+    """For every element of ``target``, the path from ``(output, index)`` with the largest
+    |product| (``which='abs'``), largest signed product ('max') or smallest ('min'), by
+    enumerating every path (the first in depth-first order among equals)."""
+
+    def better(a: float, b: float) -> bool:
+        return {"abs": abs(a) > abs(b), "max": a > b, "min": a < b}[which]
+
+    best: dict[int, tuple[float, list[tuple[Node, float]]]] = {}
+    for element, paths in every_path(program, output, index, target).items():
+        for product, trail in paths:
+            if element not in best or better(product, best[element][0]):
+                best[element] = (product, trail)
     return best

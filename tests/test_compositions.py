@@ -18,7 +18,7 @@ import semiring_autograd as sa
 from semiring_autograd.semirings import Semiring
 
 RTOL, ATOL = 1e-7, 1e-9
-SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
+SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.KBest(3)]
 SEMIRING_IDS = [type(s).__name__ for s in SEMIRINGS]
 
 

@@ -78,7 +78,7 @@ LOOSER: dict[str, tuple[float, float, str]] = {
     },
 }
 
-SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [Tropical()]
+SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [Tropical(), sa.KBest(3)]
 
 
 # ----------------------------------------------------------------------------- samples as calls

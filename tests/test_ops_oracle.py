@@ -628,7 +628,7 @@ OPS: list[OpRow] = [
 ]
 
 #: Real twice: torch's own graph (the default) and the generated formulas
-SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS]
+SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.KBest(3)]
 
 
 @dataclass(frozen=True)

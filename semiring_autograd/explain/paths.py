@@ -35,7 +35,7 @@ from ..ops.decompositions import DECOMPOSITIONS
 from ..errors import SemiringAutogradError
 from ..ops.message import wrap
 from ..semirings.base import Semiring
-from ..semirings.registry import inherited_spec
+from ..semirings.registry import path_kind
 
 Key = tuple[Any, int]  # a tensor of the graph: (producing node, output number)
 
@@ -198,12 +198,12 @@ class PathFinder:
         _semiring: Semiring | None = None,
     ):
         semiring = _semiring or recorded_semiring(output)
-        spec = inherited_spec(semiring)
-        kind = None if spec is None else spec.top_paths
+        kind = path_kind(semiring)
         if kind is None:
             raise SemiringAutogradError(
-                f"top paths need a graph recorded with sa.MaxProduct() or sa.SignedMaxProduct(), "
-                f"not {semiring!r}"
+                "top paths need a graph recorded with sa.MaxProduct(), sa.SignedMaxProduct() "
+                f"or sa.KBest(k), not {semiring!r}: record the forward under one of those "
+                "(with paths=True) to follow paths; Log's strongest path is MaxProduct's"
             )
         if which not in ("max", "min") or (which == "min" and kind != "signed"):
             raise ValueError("which is 'max', or 'min' for SignedMaxProduct")
@@ -268,7 +268,7 @@ class PathFinder:
         if message is None:
             return None
         if not self.signed:
-            (m,) = message.value
+            m = message.value[0]  # MaxProduct's value; KBest's best path
             return torch.where(m > 0, m, -torch.inf).reshape(-1).double()
         hi, lo = (c.reshape(-1).double() for c in message.value)
         valid = hi >= lo
@@ -286,14 +286,7 @@ class PathFinder:
 
     def path(self, index: int | Sequence[int] | None = None) -> Path:
         """The strongest path to ``input[index]`` (default: the element with the best readout)."""
-        if index is None:
-            flat = self.default_index()
-        elif isinstance(index, int):
-            flat = index
-        else:
-            flat = 0
-            for i, size in zip(index, self.input_shape):
-                flat = flat * size + (i % size)
+        flat = self.flat_index(index)
         total = self._value(self.message, self.which)[flat]
         if not torch.isfinite(total):
             raise SemiringAutogradError(f"no path reaches input element {self._unravel(flat)}")
@@ -302,6 +295,23 @@ class PathFinder:
         weight = float(total) if (not self.signed or self.which == "max") else -float(total)
         name = type(self.semiring).__name__ + (f" ({self.which})" if self.signed else "")
         return Path(weight, name, (start, *steps))
+
+    def paths(self, k: int, index: int | Sequence[int] | None = None) -> list[Path]:
+        """The ``k`` strongest distinct paths to ``input[index]``, best first (see
+        :func:`sa.top_paths`), from this finder's recorded backward."""
+        from .k_paths import KPathSearch  # it builds on this module
+
+        return KPathSearch(self, k).run(self.flat_index(index))
+
+    def flat_index(self, index: int | Sequence[int] | None) -> int:
+        if index is None:
+            return self.default_index()
+        if isinstance(index, int):
+            return index
+        flat = 0
+        for i, size in zip(index, self.input_shape):
+            flat = flat * size + (i % size)
+        return flat
 
     def _unravel(self, flat: int, shape: Sequence[int] | None = None) -> tuple[int, ...]:
         shape = tuple(self.input_shape if shape is None else shape)
@@ -362,8 +372,7 @@ class PathFinder:
                 else:
                     cand = -torch.where(w > 0, lo * w, hi * w)
             else:
-                (m,) = message.value
-                m = m.reshape(-1).double()
+                m = message.value[0].reshape(-1).double()
                 valid = (m > 0) & (w != 0)
                 cand = m * w.abs()
             cand = torch.where(valid, cand, -torch.inf)
@@ -377,49 +386,39 @@ class PathFinder:
             which = "min" if which == "max" else "max"
         index = self._unravel(i, shape)
         entry = self._unravel(element, info.replay.inputs()[position].shape)
-        note = _edge_note(info, position, entry, index)
+        note = edge_note(info, position, entry, index)
         step = Step(info.module, info.op, shape, index, w, note)
         return step, (node, k), i, which
 
-    def _through_composition(self, node, position: int, element: int, which: str):
-        """Re-run a composite op as its composition and backtrack through its internal nodes,
-        seeded with the op's incoming message."""
-        info = node_info(node)
-        replay = info.replay
+    def composition(self, node, position: int, which: str) -> "PathFinder":
+        """Composite op ``node`` re-run as its composition on its recorded inputs, with a
+        recorded backward seeded by the op's incoming message: the finder of paths from
+        the op's input ``position`` through its internal nodes."""
+        replay = node_info(node).replay
         inputs = [
             t.detach().requires_grad_(t.is_floating_point() and p == position)
             for p, t in enumerate(replay.inputs())
         ]
-        sub = _Sub(replay, DECOMPOSITIONS[info.op])
+        sub = _Sub(replay, DECOMPOSITIONS[node_info(node).op])
         with patch(sub, self.semiring, paths=True):
             out = sub(*inputs)
         (seed,) = self.incoming[node][:1]
         if seed.semiring != self.semiring:
             raise SemiringAutogradError("mixed semirings in one graph")
-        inner = PathFinder(
+        return PathFinder(
             out,
             inputs[position],
             wrap(self.semiring, seed.value, out),
             which=which,
             _semiring=self.semiring,
         )
-        entry = self._unravel(element, inputs[position].shape)
+
+    def _through_composition(self, node, position: int, element: int, which: str):
+        """Backtrack through a composite op's internal nodes (see :meth:`composition`)."""
+        inner = self.composition(node, position, which)
+        entry = self._unravel(element, inner.input_shape)
         steps, element, which = inner._walk(inner.start, element, which)
-        heads = _attention_edges(steps, entry) if info.op == "scaled_dot_product_attention" else {}
-        label = f"{info.op}: "
-        steps = [
-            Step(
-                info.module,
-                label + s.op,
-                s.shape,
-                s.index,
-                s.local_derivative,
-                s.note,
-                heads.get(n),
-            )
-            for n, s in enumerate(steps)
-        ]
-        return steps, element, which
+        return composition_steps(node, steps, entry), element, which
 
     def _tail(self, node) -> Step:
         """Native structural ops between the last patched op and the output (indexing, views,
@@ -435,7 +434,20 @@ class PathFinder:
         return Step("(outside sa.patch)", " → ".join(names), tuple(self.output.shape), (), 1.0)
 
 
-def _edge_note(
+def composition_steps(node, steps: Sequence[Step], entry: tuple[int, ...]) -> list[Step]:
+    """Steps found inside composite op ``node``'s composition, named as steps of the op (its
+    module; ``op: inner op``), attention edges marked; ``entry``: the input element the path
+    enters by."""
+    info = node_info(node)
+    heads = _attention_edges(steps, entry) if info.op == "scaled_dot_product_attention" else {}
+    label = f"{info.op}: "
+    return [
+        Step(info.module, label + s.op, s.shape, s.index, s.local_derivative, s.note, heads.get(n))
+        for n, s in enumerate(steps)
+    ]
+
+
+def edge_note(
     info: NodeInfo, position: int, in_index: tuple[int, ...], out_index: tuple[int, ...]
 ) -> str:
     """What the edge from element ``in_index`` of input ``position`` to the output element

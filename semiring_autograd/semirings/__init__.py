@@ -1,10 +1,11 @@
 """Semirings: the interface with its generic algorithms, the built-in semirings (one module
-each), their registry, and the law checker ``check_semiring``."""
+each), the k-best semiring, their registry, and the law checker ``check_semiring``."""
 
 from .base import Semiring, Value, message_dtype
 from .boolean import Boolean
 from .counting import Counting
 from .entropy import Entropy
+from .k_best import KBest
 from .laws import check_semiring
 from .log import Log
 from .max_product import MaxProduct
@@ -18,6 +19,7 @@ __all__ = [
     "Boolean",
     "Counting",
     "Entropy",
+    "KBest",
     "Log",
     "MaxProduct",
     "Real",

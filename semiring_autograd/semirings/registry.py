@@ -15,6 +15,7 @@ from .base import Semiring
 from .boolean import Boolean
 from .counting import Counting
 from .entropy import Entropy
+from .k_best import KBest
 from .log import Log
 from .max_product import MaxProduct
 from .real import Real
@@ -29,8 +30,8 @@ class SemiringSpec:
     lift emitted as the tensor ops they are); ``"generic"`` — the generic module, which
     takes the semiring as an argument (as user semirings do). ``top_paths``: how
     :func:`sa.top_path` follows a path (``"max"``: the largest product; ``"signed"``: the
-    largest or smallest signed product); None where paths are not defined. ``k_best``:
-    k-best paths. ``plain_messages``: messages are ordinary gradients, not
+    largest or smallest signed product); None where paths are not defined.
+    ``plain_messages``: messages are ordinary gradients, not
     :class:`sa.Message` wrappers. ``torch_graph``: under ``sa.patch`` torch records its own
     graph of each op unless the instance asks for the formulas (``Real(formulas=True)``).
     ``kernels``: the fused kernels (:mod:`semiring_autograd.kernels`) its primitives use.
@@ -46,7 +47,6 @@ class SemiringSpec:
     module: Literal["own", "generic"]
     signed: bool = False
     top_paths: Literal["max", "signed"] | None = None
-    k_best: bool = False
     plain_messages: bool = False
     torch_graph: bool = False
     kernels: tuple[str, ...] = ()
@@ -149,6 +149,16 @@ def inherited_spec(semiring: Semiring) -> SemiringSpec | None:
         if cls in _BY_CLASS:
             return _BY_CLASS[cls]
     return None
+
+
+def path_kind(semiring: Semiring) -> Literal["max", "signed"] | None:
+    """How paths are followed in a graph recorded with ``semiring``: its entry's
+    ``top_paths``; ``"max"`` for :class:`KBest` (its best path is MaxProduct's); None where
+    paths are not defined."""
+    if isinstance(semiring, KBest):
+        return "max"
+    spec = inherited_spec(semiring)
+    return None if spec is None else spec.top_paths
 
 
 def records_torch_graph(semiring: Semiring) -> bool:

@@ -1,0 +1,163 @@
+"""The k-best semiring: the k largest path weights (products of |w|) per element.
+
+A value is k components w_1 ≥ w_2 ≥ … ≥ w_k ≥ 0: the k largest weights among the paths
+that reach an element, 0 where fewer than k paths do (a path of weight 0 is no path).
+⊕ merges two lists and keeps the k largest; ⊗ forms the k² products and keeps the k
+largest; lift(w) = (|w|, 0, …, 0). With k = 1 it is MaxProduct. Paths are counted with
+their multiplicity: two distinct paths of equal weight are two entries.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+from torch import Tensor
+
+from .base import Semiring, Value, broadcast_value
+from .tensor_ops import CHUNK_ELEMENTS, filled
+
+
+def _stacked(a: Value) -> Tensor:
+    """The components of ``a`` stacked along a new last dim (best first)."""
+    shape = a[0].shape
+    if any(c.shape != shape for c in a[1:]):
+        a = broadcast_value(a)
+    return torch.stack(a, -1)
+
+
+def _best(lists: Tensor, k: int) -> Value:
+    """The k largest entries of the last dim of ``lists``, best first, as components
+    (0 where it holds fewer than k)."""
+    n = lists.shape[-1]
+    if n < k:
+        pad = lists.new_zeros((*lists.shape[:-1], k - n))
+        lists = torch.cat([lists, pad], -1)
+    top = lists.topk(k, dim=-1, sorted=True).values if lists.shape[-1] > k else lists
+    return tuple(top.unbind(-1))
+
+
+class KBest(Semiring):
+    """The k largest path weights (products of |local derivative|) per element, best first.
+
+    ``sa.grad`` reads out shape (k, *input): row r is the (r+1)-th best path weight, 0 where
+    fewer than r+1 paths reach the element. Exact at element level, like MaxProduct (which
+    is row 0)."""
+
+    name = "k_best"
+
+    def __init__(self, k: int = 3):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"KBest(k): k is a positive int, got {k!r}")
+        self.k = k
+        self.n_components = k
+
+    def __repr__(self) -> str:
+        return f"KBest({self.k})"
+
+    def _identity(self) -> dict:
+        return {"k": self.k}
+
+    def zero(self, shape, like):
+        return tuple(filled(shape, 0.0, like) for _ in range(self.k))
+
+    def one(self, shape, like):
+        return (filled(shape, 1.0, like),) + tuple(
+            filled(shape, 0.0, like) for _ in range(self.k - 1)
+        )
+
+    def lift(self, w):
+        first = w.abs()
+        return (first,) + tuple(torch.zeros_like(first) for _ in range(self.k - 1))
+
+    def add(self, a, b):
+        a, b = _stacked(a), _stacked(b)
+        if a.shape != b.shape:
+            a, b = torch.broadcast_tensors(a, b)
+        return _best(torch.cat([a, b], -1), self.k)
+
+    def mul(self, a, b):
+        return _best((_stacked(a)[..., :, None] * _stacked(b)[..., None, :]).flatten(-2), self.k)
+
+    def mul_lift(self, a, w):
+        w = w.abs()
+        return tuple(c * w for c in a)  # |w| ≥ 0 keeps the order
+
+    def readout(self, a):
+        return torch.stack(broadcast_value(a), 0)
+
+    def _reduce(self, a, dims, keepdim):
+        lists = _stacked(a)
+        rest = [d for d in range(lists.dim() - 1) if d not in dims]
+        moved = lists.permute(*rest, *dims, lists.dim() - 1)
+        merged = _best(moved.flatten(len(rest)), self.k)
+        if keepdim:
+            shape = [1 if d in dims else n for d, n in enumerate(lists.shape[:-1])]
+            merged = tuple(c.reshape(shape) for c in merged)
+        return merged
+
+    def matmul(self, a, b):
+        return self._contract(_stacked(a), _stacked(b))
+
+    def matmul_lift(self, a, w):
+        return self._contract_lift(_stacked(a), w.abs())
+
+    def _contract_lift(self, a: Tensor, w: Tensor) -> Value:
+        """out[..., i, j] = the k best of a[..., i, l, r] · w[..., l, j] over (l, r), for
+        lists a (…, m, l, ka) and weights w ≥ 0 (…, l, n). Only the k indices l of largest
+        a[i, l, 0] · w[l, j] can contribute (any other l's terms are each below those k
+        first terms), so the k best are taken over those k lists; indices l where no row of
+        a has a path are dropped first."""
+        (m, l, ka), n = a.shape[-3:], w.shape[-1]
+        batch = torch.broadcast_shapes(a.shape[:-3], w.shape[:-2])
+        count = math.prod(batch)
+        a4 = a.expand(*batch, m, l, ka).reshape(count, m, l, ka)
+        w3 = w.expand(*batch, l, n).reshape(count, l, n)
+        live = (a4[..., 0] != 0).any(1).any(0)
+        if not bool(live.all()):
+            a4, w3 = a4[:, :, live], w3[:, live]
+            l = a4.shape[2]
+        if m == 0 or n == 0 or l == 0:
+            return self.zero((*batch, m, n), a)
+        keep = min(self.k, l)
+        rows = max(1, CHUNK_ELEMENTS // max(1, count * l * n))
+        pieces = []
+        for s in range(0, m, rows):
+            block = a4[:, s : s + rows]  # (B, r, l, ka)
+            firsts = block[..., 0, None] * w3[:, None]  # (B, r, l, n)
+            chosen = firsts.topk(keep, dim=2).indices  # (B, r, keep, n)
+            r = block.shape[1]
+            lists = block.gather(2, chosen.reshape(count, r, keep * n, 1).expand(-1, -1, -1, ka))
+            weights = w3[:, None].expand(count, r, l, n).gather(2, chosen)
+            terms = lists.reshape(count, r, keep, n, ka) * weights[..., None]
+            pieces.append(_best(terms.permute(0, 1, 3, 2, 4).flatten(3), self.k))
+        return tuple(torch.cat(parts, 1).reshape(*batch, m, n) for parts in zip(*pieces))
+
+    def _contract(self, a: Tensor, b: Tensor) -> Value:
+        """out[..., i, j] = the k best of a[..., i, l, r] · b[..., l, j, s] over (l, r, s):
+        a (…, m, l, ka) and b (…, l, n, kb) hold lists of non-negative weights; in row
+        blocks so m·l·n·ka·kb products are never held at once."""
+        (m, l, ka), (n, kb) = a.shape[-3:], b.shape[-2:]
+        batch = torch.broadcast_shapes(a.shape[:-3], b.shape[:-3])
+        count = math.prod(batch)
+        if m == 0 or n == 0 or l == 0:
+            return self.zero((*batch, m, n), a)
+        a4 = a.expand(*batch, m, l, ka).reshape(count, m, l, ka)
+        b4 = b.expand(*batch, l, n, kb).reshape(count, l, n, kb)
+        rows = max(1, CHUNK_ELEMENTS // max(1, count * l * n * ka * kb))
+        pieces = []
+        for s in range(0, m, rows):
+            terms = a4[:, s : s + rows, :, None, :, None] * b4[:, None, :, :, None, :]
+            lists = terms.permute(0, 1, 3, 2, 4, 5).flatten(3)
+            pieces.append(_best(lists, self.k))
+        return tuple(torch.cat(parts, 1).reshape(*batch, m, n) for parts in zip(*pieces))
+
+    def index_add(self, a, index, size):
+        lists = _stacked(a)
+        trail = lists.shape[1:-1]
+        flat = lists.reshape(lists.shape[0], math.prod(trail), self.k).transpose(
+            0, 1
+        )  # (cols, rows, k)
+        rows = torch.arange(size, device=index.device)
+        onehot = (index.reshape(-1)[:, None] == rows[None, :]).to(lists.dtype)
+        out = self._contract(flat, onehot[..., None])  # (cols, size)
+        return tuple(c.transpose(0, 1).reshape(size, *trail) for c in out)
