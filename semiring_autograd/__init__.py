@@ -26,6 +26,7 @@ from .errors import (
     UnsupportedOpError,
 )
 from .explain.attribution import Attribution, Prediction, attribute
+from .explain.flow import ConsumerFlow, capture, consumer_flow, module_flow
 from .explain.k_paths import top_paths
 from .explain.paths import AttentionEdge, Path, PathFinder, Step, top_path
 from .ops.message import Message
@@ -48,6 +49,9 @@ __all__ = [
     "AttentionEdge",
     "Attribution",
     "attribute",
+    "capture",
+    "consumer_flow",
+    "ConsumerFlow",
     "BUILTIN_SEMIRINGS",
     "Boolean",
     "Counting",
@@ -57,6 +61,7 @@ __all__ = [
     "Log",
     "MaxProduct",
     "Message",
+    "module_flow",
     "NodeInfo",
     "PatchError",
     "PatchHandle",

@@ -78,7 +78,14 @@ LOOSER: dict[str, tuple[float, float, str]] = {
     },
 }
 
-SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [Tropical(), sa.KBest(3)]
+SEMIRINGS = (
+    [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [Tropical(), sa.KBest(3)]
+)
+#: OpInfos left out of a semiring's column: KBest's attention oracle walks each of the
+#: ~10⁵ paths of the larger samples with k-list ⊗ (minutes per sample); KBest's attention
+#: is checked in test_ops_oracle (its sdpa rows), test_compositions and test_k_best
+#: (a tiny BERT against top_paths)
+LEFT_OUT = {("nn.functional.scaled_dot_product_attention", sa.KBest(3))}
 
 
 # ----------------------------------------------------------------------------- samples as calls
@@ -325,8 +332,11 @@ def test_refusals_are_exactly_the_listed_ones():
             assert REFUSALS[name] in m, f"{m!r} does not say {REFUSALS[name]!r}"
 
 
-@pytest.mark.parametrize("S", SEMIRINGS, ids=repr)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize(
+    "case, S",
+    [(c, S) for S in SEMIRINGS for c in CASES if (c.opinfo, S) not in LEFT_OUT],
+    ids=lambda v: v.id if isinstance(v, Case) else repr(v),
+)
 def test_opinfo_sample(case: Case, S: Semiring):
     module = Apply(case.call)
     ref_leaves = case.leaves()

@@ -174,7 +174,9 @@ def _replay_of(node: Any):
     return None if info is None else info.replay
 
 
-def _key_of(t: Tensor, nodes: Sequence[Any]) -> Key:
+def key_of(t: Tensor, nodes: Sequence[Any]) -> Key:
+    """The graph tensor that stands for ``t``: its grad_fn's output, or the AccumulateGrad
+    node of a leaf among ``nodes``' inputs."""
     if t.grad_fn is not None:
         return (t.grad_fn, t.output_nr)
     for node in nodes:
@@ -242,7 +244,7 @@ class PathFinder:
         self.message = message
         self.readout = semiring.readout(message.value)
         self.root: Key = (output.grad_fn, output.output_nr)
-        self.start: Key = _key_of(input, nodes)
+        self.start: Key = key_of(input, nodes)
         self.input_shape = tuple(input.shape)
         self.consumers: dict[Key, list[tuple[Any, int]]] = {}
         for node in nodes:
