@@ -315,6 +315,16 @@ OPS: list[OpRow] = [
         ],
     ),
     OpRow("F.silu", F.silu, lambda: [S_("3x4", (randn(3, 4) * 2,))]),
+    OpRow(
+        "F.leaky_relu",
+        lambda x, **kw: F.leaky_relu(x, **kw),
+        lambda: [
+            S_("3x4_zeros", (with_zeros(3, 4),)),
+            S_("slope_0.2", (randn(2, 5),), dict(negative_slope=0.2)),
+            S_("slope_-1.5", (randn(2, 3),), dict(negative_slope=-1.5)),
+            S_("slope_0", (randn(4),), dict(negative_slope=0.0)),
+        ],
+    ),
     # ------------------------------------------------------------------ reductions
     OpRow("x.sum()", lambda x: x.sum(), lambda: [S_("3x4", (randn(3, 4),))]),
     OpRow(
