@@ -27,7 +27,7 @@ from .errors import (
 )
 from .explain.attribution import Attribution, Prediction, attribute
 from .explain.flow import ConsumerFlow, capture, consumer_flow, module_flow
-from .explain.k_paths import top_paths
+from .explain.k_paths import top_paths, top_paths_from
 from .explain.paths import AttentionEdge, Path, PathFinder, Step, top_path
 from .ops.message import Message
 from .semirings import (
@@ -88,6 +88,7 @@ __all__ = [
     "seed_message",
     "top_path",
     "top_paths",
+    "top_paths_from",
     "trace",
 ]
 

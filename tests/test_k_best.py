@@ -237,7 +237,7 @@ def test_top_paths_on_tiny_bert_match_k_best_and_top_path():
         for step in path.steps[1:]:
             product *= abs(step.local_derivative)
         assert product == pytest.approx(path.weight, rel=1e-6)
-    on_kbest = sa.top_paths(ky, kx, k, index=index)
+    on_kbest = sa.top_paths_from(sa.PathFinder(ky, kx), k, index)
     assert [p.weight for p in on_kbest] == pytest.approx([p.weight for p in paths], rel=1e-6)
 
 

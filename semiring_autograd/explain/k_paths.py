@@ -74,7 +74,15 @@ def top_paths(
     ``sa.KBest(k)`` (largest products of |w|), or ``sa.SignedMaxProduct()`` (``which``:
     largest signed products, 'max', or smallest, 'min'). Exact at element level; paths
     whose weights differ by less than the messages' rounding may come in either order."""
-    return PathFinder(output, input, which=which).paths(k, index)
+    return top_paths_from(PathFinder(output, input, which=which), k, index)
+
+
+def top_paths_from(
+    finder: PathFinder, k: int, index: int | Sequence[int] | None = None
+) -> list[Path]:
+    """:func:`top_paths` from a :class:`PathFinder`'s recorded backward: one backward, the
+    k best paths of any number of input elements."""
+    return KPathSearch(finder, k).run(finder.flat_index(index))
 
 
 class KPathSearch:

@@ -298,13 +298,6 @@ class PathFinder:
         name = type(self.semiring).__name__ + (f" ({self.which})" if self.signed else "")
         return Path(weight, name, (start, *steps))
 
-    def paths(self, k: int, index: int | Sequence[int] | None = None) -> list[Path]:
-        """The ``k`` strongest distinct paths to ``input[index]``, best first (see
-        :func:`sa.top_paths`), from this finder's recorded backward."""
-        from .k_paths import KPathSearch  # it builds on this module
-
-        return KPathSearch(self, k).run(self.flat_index(index))
-
     def flat_index(self, index: int | Sequence[int] | None) -> int:
         if index is None:
             return self.default_index()
