@@ -154,6 +154,8 @@ class Program:
         self.values: dict[str, Tensor] = dict(self.inputs)
         # consumer node -> [(producer node, local derivative)]
         self.edges: dict[Node, list[tuple[Node, Tensor]]] = {}
+        # in forward order: (output name, argument names, dense Jacobian per argument)
+        self.ops: list[tuple[str, tuple[str, ...], list[Tensor]]] = []
 
     def op(self, out: str, fn: Callable[..., Tensor], *args: str) -> Tensor:
         """Record ``out = fn(*args)`` (``args`` name earlier tensors) and return its value."""
@@ -162,7 +164,9 @@ class Program:
         tensors = [self.values[a] for a in args]
         value = fn(*tensors).detach()
         self.values[out] = value
-        for name, jac in zip(args, dense_jacobians(fn, tensors)):
+        jacobians = dense_jacobians(fn, tensors)
+        self.ops.append((out, args, jacobians))
+        for name, jac in zip(args, jacobians):
             rows, cols = torch.nonzero(jac, as_tuple=True)
             for i, j in zip(rows.tolist(), cols.tolist()):
                 self.edges.setdefault((out, i), []).append(((name, j), jac[i, j]))
@@ -270,3 +274,34 @@ def best_paths(
             if element not in best or better(product, best[element][0]):
                 best[element] = (product, trail)
     return best
+
+
+def tensor_level(
+    program: Program, output: str, seed: Tensor, target: str, signed: bool
+) -> tuple[Tensor, Tensor]:
+    """The paper's tensor-level max-gradient, op by op in reverse over the recorded ops: an
+    op's message to each argument is the real vector-Jacobian product (Jᵀm with the signed
+    Jacobian for both ends of the pair, each product then put in (max, min) order; |J|ᵀm
+    unsigned), and an argument read by several ops (or twice by one) takes the elementwise
+    max (and min) of those messages. Returns ``target``'s (largest, smallest) flattened;
+    unsigned, the message twice."""
+    seed = seed.reshape(-1).double()
+    messages: dict[str, tuple[Tensor, Tensor]] = {
+        output: (seed, seed) if signed else (seed.abs(), seed.abs())
+    }
+    for out, args, jacobians in reversed(program.ops):
+        if out not in messages:
+            continue
+        hi, lo = messages[out]
+        for arg, jac in zip(args, jacobians):
+            if signed:
+                a, b = jac.T @ hi, jac.T @ lo
+                pair = (torch.maximum(a, b), torch.minimum(a, b))
+            else:
+                m = jac.abs().T @ hi
+                pair = (m, m)
+            if arg in messages:
+                old = messages[arg]
+                pair = (torch.maximum(old[0], pair[0]), torch.minimum(old[1], pair[1]))
+            messages[arg] = pair
+    return messages[target]

@@ -8,11 +8,11 @@ here with Adam (lr 1e-3, batch 32) until validation accuracy reaches 99 %. Then,
 validation sentence, the max-gradient (MaxProduct readout) from ``logits[label]`` to the
 attention block's input; per token, its hidden unit of largest value is credited to the
 consumer whose message carries it (``sa.consumer_flow``). The table gives the mean credit
-per consumer over sentences × positions (0 where another consumer wins).
-
-semiring_autograd's MaxProduct is exact at element level; the paper's framework takes the max
-only where a tensor's gradients from several consumers merge and keeps real sums inside
-matmuls and broadcasts (tensor level), so the magnitudes differ: see docs/paper.md.
+per consumer over sentences × positions (0 where another consumer wins), at both
+granularities: element level (``MaxProduct()``, exact paths) and tensor level
+(``SignedMaxProduct(granularity="tensor")``'s largest end: the paper's max-gradient, which
+takes the max only where a tensor's gradients from several consumers merge and keeps real
+sums inside matmuls and broadcasts). See docs/paper.md.
 
     python examples/paper/first_token_repeated.py [--png first_token_repeated.png]
 """
@@ -122,17 +122,28 @@ class LabelLogit(nn.Module):
         return self.model(input_ids=ids).logits.gather(1, labels[:, None]).sum()
 
 
-def credits(model: nn.Module, ids: Tensor, labels: Tensor) -> dict[str, Tensor]:
+#: the two definitions of the max-gradient compared: exact paths, and the paper's
+GRANULARITIES = {
+    "element": sa.MaxProduct(),
+    "tensor": sa.SignedMaxProduct(granularity="tensor"),  # its largest end: the paper's
+}
+
+
+def credits(
+    model: nn.Module, ids: Tensor, labels: Tensor, granularity: str = "element"
+) -> dict[str, Tensor]:
     """Per consumer, the credit of each (sentence, position): the max-gradient at the
     position's strongest hidden unit where that consumer's message carries it, else 0."""
+    semiring = GRANULARITIES[granularity]
     readout = LabelLogit(model)
-    with sa.patch(readout, sa.MaxProduct()), sa.capture(model, ["bert.embeddings"]) as seen:
+    with sa.patch(readout, semiring), sa.capture(model, ["bert.embeddings"]) as seen:
         total = readout(ids, labels)
     flows = sa.consumer_flow(total, seen["bert.embeddings"])
     by_name = {}
     for flow in flows:
         part = flow.module.rsplit(".", 1)[-1]
-        by_name["skip" if part == "output" else part] = flow.readout
+        value = flow.readout[0] if granularity == "tensor" else flow.readout
+        by_name["skip" if part == "output" else part] = value
     if set(by_name) != set(CONSUMERS):
         raise RuntimeError(f"unexpected consumers of the attention input: {sorted(by_name)}")
     stacked = torch.stack([by_name[c] for c in CONSUMERS])  # (4, sentences, length, hidden)
@@ -152,11 +163,14 @@ def main() -> None:
     setting = Setting()
     model, ids, labels, epochs, valid = train(setting)
     print(f"trained in {epochs} epochs; validation accuracy {valid:.3f}")
-    result = credits(model, ids, labels)
-    print("consumer  ours (element level)  paper (tensor level)  share of tokens won")
+    results = {g: credits(model, ids, labels, g) for g in GRANULARITIES}
+    print("consumer   element level (won)   tensor level (won)   paper (tensor level)")
     for c in CONSUMERS:
-        won = float((result[c] > 0).float().mean())
-        print(f"{c:8s}  {float(result[c].mean()):20.4f}  {PAPER[c]:20.3f}  {won:19.3f}")
+        cells = [
+            f"{float(results[g][c].mean()):.4f} ({float((results[g][c] != 0).float().mean()):.2f})"
+            for g in GRANULARITIES
+        ]
+        print(f"{c:8s}  {cells[0]:>20s}  {cells[1]:>19s}  {PAPER[c]:21.3f}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,9 +178,10 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     x = torch.arange(len(CONSUMERS)).float()
-    ours = [float(result[c].mean()) for c in CONSUMERS]
-    ax.bar(x - 0.2, ours, 0.4, label="semiring_autograd (element level)")
-    ax.bar(x + 0.2, [PAPER[c] for c in CONSUMERS], 0.4, label="paper (tensor level)")
+    for shift, g in ((-0.27, "element"), (0.0, "tensor")):
+        ours = [float(results[g][c].mean()) for c in CONSUMERS]
+        ax.bar(x + shift, ours, 0.27, label=f"semiring_autograd ({g} level)")
+    ax.bar(x + 0.27, [PAPER[c] for c in CONSUMERS], 0.27, label="paper (tensor level)")
     ax.set_xticks(x, CONSUMERS)
     ax.set_ylabel("mean max-gradient credited")
     ax.legend()

@@ -24,6 +24,7 @@ from . import report
 from .paths import Path, PathFinder
 from ..semirings.base import Semiring
 from ..semirings.registry import inherited_spec, semiring_named
+from ..semirings.tensor_level import TensorMaxProduct, TensorSignedMaxProduct
 
 
 @dataclass(frozen=True)
@@ -336,6 +337,12 @@ def attribute(
     runs in eval mode; every module's train/eval mode is restored after.
     """
     semiring = semiring_named(semiring)
+    if isinstance(semiring, (TensorMaxProduct, TensorSignedMaxProduct)):
+        raise ValueError(
+            f"attribute: a token's score is the ⊕ over its embedding elements, and under "
+            f"{semiring!r} ⊕ is the real sum used inside ops, not the max; use "
+            "granularity='element', or sa.grad for per-element tensor-level readouts"
+        )
     if model_name is None:
         model_name = getattr(model, "name_or_path", "") or type(model).__name__
     if isinstance(inputs, os.PathLike):

@@ -2,7 +2,7 @@
 
 A :class:`Message` reports the primal's shape, dtype and device (so the engine's checks
 pass) and holds the semiring value (a tuple of component tensors) inside. The engine merges
-two paths with ``aten.add``, which becomes ⊕. Ops whose backward only moves, copies or
+two paths with ``aten.add``, which becomes the semiring's merge (⊕). Ops whose backward only moves, copies or
 sums gradients (views, ``select_backward``, ``expand``, ``sum`` …) are structural: their
 meaning is the same in every semiring, so they run per component (sums become ⊕).
 Any other aten op reaching a message raises :class:`ForeignOpError`.
@@ -108,7 +108,7 @@ def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
             f"{op}: a {grad.semiring!r} message reached a node recorded under {semiring!r}. "
             "One backward pass must use one semiring."
         )
-    return grad.value
+    return semiring.settle(grad.value) if semiring.settles else grad.value
 
 
 def wrap_one(semiring: Semiring, component: Tensor | None, meta) -> Message | None:
@@ -170,7 +170,7 @@ def _add(func, a, b, *, alpha=1):
         raise SemiringMismatchError(
             f"cannot merge a {a.semiring!r} message with a {b.semiring!r} message"
         )
-    value = a.semiring.add(a.value, b.value)
+    value = a.semiring.merge(a.value, b.value)
     shape = a.shape if a.shape == b.shape else torch.broadcast_shapes(a.shape, b.shape)
     return Message(a.semiring, value, shape, a.dtype, a.device)
 

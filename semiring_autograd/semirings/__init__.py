@@ -1,5 +1,6 @@
 """Semirings: the interface with its generic algorithms, the built-in semirings (one module
-each), the k-best semiring, their registry, and the law checker ``check_semiring``."""
+each), the k-best semiring, the tensor-level max-gradient, their registry, and the law checker ``check_semiring``.
+"""
 
 from .base import Semiring, Value, message_dtype
 from .boolean import Boolean

@@ -87,6 +87,8 @@ class Semiring:
     name: str = "semiring"
     #: a one-component semiring's primitives as tensor expressions, for generated code
     inline: ClassVar[InlineForms | None] = None
+    #: messages are brought to a canonical form (:meth:`settle`) as they enter an op
+    settles: ClassVar[bool] = False
 
     # ----- the definition: subclasses implement these -------------------------------
     def zero(self, shape: Sequence[int], like: Tensor) -> Value:
@@ -112,6 +114,16 @@ class Semiring:
     def readout(self, a: Value) -> Tensor:
         """What a user reads at an input: a plain tensor of the input's shape."""
         raise NotImplementedError(f"{type(self).__name__} must define readout()")
+
+    # ----- where the engine merges, and message entry -----------------------------------
+    def merge(self, a: Value, b: Value) -> Value:
+        """How the engine combines the messages of one tensor from its several consumers:
+        ⊕, except in a tensor-level semiring (its ⊕ inside ops differs from the merge)."""
+        return self.add(a, b)
+
+    def settle(self, a: Value) -> Value:
+        """A message as it enters an op's backward, where ``settles`` is set."""
+        return a
 
     # ----- identity and display ---------------------------------------------------------
     def _identity(self) -> dict:

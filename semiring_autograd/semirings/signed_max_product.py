@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from .tensor_level import TensorSignedMaxProduct, check_granularity
 from .base import Semiring, Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
@@ -31,6 +32,21 @@ class SignedMaxProduct(Semiring):
     lift(w) = (w, w) and lift(0) = zero; ⊗ takes the extremes of the four cross products."""
 
     name = "signed_max_product"
+
+    def __new__(cls, granularity: str = "element"):
+        check_granularity(cls.__name__, granularity)
+        if granularity == "tensor":
+            if cls is not SignedMaxProduct:
+                raise ValueError(
+                    f"{cls.__name__}: granularity='tensor' is SignedMaxProduct's option"
+                )
+            return TensorSignedMaxProduct()
+        return super().__new__(cls)
+
+    def __init__(self, granularity: str = "element"):
+        """``granularity="tensor"``: the paper's tensor-level max-gradient, a
+        :class:`TensorSignedMaxProduct` (see :mod:`semiring_autograd.semirings.tensor_level`)."""
+
     n_components = 2
 
     def zero(self, shape, like):
