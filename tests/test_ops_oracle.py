@@ -316,6 +316,66 @@ OPS: list[OpRow] = [
     ),
     OpRow("F.silu", F.silu, lambda: [S_("3x4", (randn(3, 4) * 2,))]),
     OpRow(
+        "F.elu",
+        lambda x, **kw: F.elu(x, **kw),
+        lambda: [
+            S_("3x4_zeros", (with_zeros(3, 4),)),
+            S_("alpha_0.5", (randn(2, 5),), dict(alpha=0.5)),
+        ],
+    ),
+    OpRow("F.selu", F.selu, lambda: [S_("3x4_zeros", (with_zeros(3, 4),))]),
+    OpRow(
+        "F.celu",
+        lambda x, **kw: F.celu(x, **kw),
+        lambda: [
+            S_("3x4_zeros", (with_zeros(3, 4),)),
+            S_("alpha_2", (randn(2, 5) * 2,), dict(alpha=2.0)),
+        ],
+    ),
+    OpRow(
+        "F.softplus",
+        lambda x, **kw: F.softplus(x, **kw),
+        lambda: [
+            S_("3x4", (randn(3, 4) * 3,)),
+            S_("beta_2_threshold_1", (randn(2, 6) * 2,), dict(beta=2.0, threshold=1.0)),
+        ],
+    ),
+    OpRow("F.mish", F.mish, lambda: [S_("3x4", (randn(3, 4) * 2,))]),
+    OpRow(
+        "F.hardswish",
+        F.hardswish,
+        lambda: [
+            S_(
+                "edges",
+                (torch.tensor([-4.0, -3.0, -1.0, 0.0, 2.0, 3.0, 5.0], dtype=torch.float64),),
+            ),
+            S_("3x4", (randn(3, 4) * 4,)),
+        ],
+    ),
+    OpRow(
+        "F.hardsigmoid",
+        F.hardsigmoid,
+        lambda: [
+            S_("edges", (torch.tensor([-4.0, -3.0, 0.5, 3.0, 4.0], dtype=torch.float64),)),
+        ],
+    ),
+    OpRow(
+        "F.hardtanh",
+        lambda x, **kw: F.hardtanh(x, **kw),
+        lambda: [
+            S_("edges", (torch.tensor([-2.0, -1.0, 0.3, 1.0, 2.0], dtype=torch.float64),)),
+            S_("range", (randn(3, 4),), dict(min_val=-0.5, max_val=0.25)),
+        ],
+    ),
+    OpRow(
+        "F.relu6",
+        F.relu6,
+        lambda: [
+            S_("edges", (torch.tensor([-1.0, 0.0, 3.0, 6.0, 7.0], dtype=torch.float64),)),
+        ],
+    ),
+    OpRow("F.logsigmoid", F.logsigmoid, lambda: [S_("3x4", (randn(3, 4) * 3,))]),
+    OpRow(
         "F.leaky_relu",
         lambda x, **kw: F.leaky_relu(x, **kw),
         lambda: [
