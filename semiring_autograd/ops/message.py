@@ -242,6 +242,53 @@ def _to_copy(func, msg, *, dtype=None, **kwargs):
     return Message(msg.semiring, msg.value, msg.shape, dtype or msg.dtype, msg.device)
 
 
+def _scatter_into(func, base, flat_positions: Tensor, values):
+    """base ⊕ (the values ⊕-scattered to the flat positions of base), where ``values``
+    holds one message element per position (a read taken several times gives several paths
+    into one element, merged by ⊕ as any op's)."""
+    if not isinstance(base, Message) or not isinstance(values, Message):
+        raise ForeignOpError(
+            f"aten op '{func}' mixed a semiring message with a plain tensor; only messages "
+            "scatter into messages"
+        )
+    semiring = base.semiring
+    if values.semiring != semiring:
+        raise SemiringMismatchError(
+            f"cannot scatter a {values.semiring!r} message into a {semiring!r} message"
+        )
+    flat = flat_positions.reshape(-1)
+    spread = tuple(c.expand(flat_positions.shape).reshape(-1) for c in values.value)
+    scattered = semiring.index_add(spread, flat, base.numel())
+    value = semiring.add(base.value, tuple(c.reshape(base.shape) for c in scattered))
+    return Message(semiring, _in_precision(value, base.dtype), base.shape, base.dtype, base.device)
+
+
+def _positions(base: Tensor) -> Tensor:
+    return torch.arange(base.numel(), device=base.device).view(base.shape)
+
+
+def _index_put(func, base, indices, values, accumulate=False):
+    """The backward of advanced indexing (``x[idx]``): ``index_put(zeros, idx, grad,
+    accumulate=True)``."""
+    if not accumulate:
+        raise ForeignOpError(
+            f"aten op '{func}' without accumulate reached a semiring message: only the "
+            "accumulating index_put of an indexing backward is supported"
+        )
+    where = tuple(slice(None) if i is None else i for i in indices)
+    return _scatter_into(func, base, _positions(base)[where], values)
+
+
+def _scatter_add(func, base, dim, index, src):
+    """The backward of ``gather``: ``scatter_add(zeros, dim, index, grad)`` (the part of
+    ``src`` of ``index``'s shape is scattered)."""
+    if isinstance(src, Message):
+        part = tuple(slice(0, n) for n in index.shape)
+        value = tuple(c[part] for c in src.value)
+        src = Message(src.semiring, value, index.shape, src.dtype, src.device)
+    return _scatter_into(func, base, _positions(base).gather(dim, index), src)
+
+
 _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.add.Tensor: _add,
     aten.add_.Tensor: _add_inplace,
@@ -270,6 +317,8 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.new_empty_strided.default: _new_empty_strided,
     aten.copy_.default: _copy_inplace,
     aten._to_copy.default: _to_copy,
+    aten.index_put.default: _index_put,
+    aten.scatter_add.default: _scatter_add,
 }
 
 
