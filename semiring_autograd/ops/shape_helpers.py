@@ -15,6 +15,13 @@ def keepdim_shape(shape: Sequence[int], dims: int | Sequence[int] | None) -> tup
     return tuple(1 if i in reduced else s for i, s in enumerate(shape))
 
 
+def reduction_dims(dims: int | Sequence[int] | None) -> int | Sequence[int] | None:
+    """A reduction's ``dim`` argument with torch's reading of an empty list: every dim."""
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+        return None
+    return dims
+
+
 def reduced_numel(shape: Sequence[int], dims: int | Sequence[int] | None) -> int:
     """How many elements each output of a reduction over ``dims`` combines."""
     return math.prod(shape[d] for d in normalize_dims(dims, len(shape)))
@@ -86,6 +93,7 @@ HELPERS = (
     "normalize_dims",
     "keepdim_shape",
     "reduced_numel",
+    "reduction_dims",
     "inverse_permutation",
     "promote_matmul_shapes",
     "split_sizes",

@@ -9,11 +9,12 @@ return the primal's dtype, so Real-semiring formulas stay in it as torch.autogra
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from ..semirings.base import message_dtype
+from ..semirings.base import message_dtype, normalize_dims
 from .shape_helpers import attention_scale
 
 
@@ -91,6 +92,16 @@ def index_positions(shape: torch.Size, device: torch.device, index: object) -> T
     return positions[index].reshape(-1)
 
 
+def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -> Tensor:
+    """For ``result`` = the max (or min) of ``input`` over ``dims``: 1/(number of elements
+    equal to it) at those elements, 0 elsewhere — how torch.autograd splits an amax/amin
+    gradient among ties."""
+    reduced = normalize_dims(dims, input.dim())
+    kept = result.reshape(tuple(1 if i in reduced else n for i, n in enumerate(input.shape)))
+    hit = (input == kept).to(input.dtype)
+    return hit / hit.sum(dim=reduced, keepdim=True) if reduced else hit
+
+
 def pow_base_derivative(base: Tensor, exponent: Tensor) -> Tensor:
     """d base**y / d base = y · base^(y − 1) elementwise, 0 where y = 0 (as torch.autograd)."""
     return torch.where(exponent == 0, 0.0, exponent * base.pow(exponent - 1))
@@ -129,4 +140,5 @@ HELPERS = (
     "pow_exponent_derivative",
     "gelu_derivative",
     "silu_derivative",
+    "tie_share",
 )
