@@ -316,6 +316,92 @@ OPS: list[OpRow] = [
     ),
     OpRow("F.silu", F.silu, lambda: [S_("3x4", (randn(3, 4) * 2,))]),
     OpRow(
+        "torch.amax",
+        lambda x, **kw: torch.amax(x, **kw),
+        lambda: [
+            S_(
+                "ties_dim1",
+                (torch.tensor([[1.0, 3.0, 3.0], [2.0, -1.0, 0.5]], dtype=torch.float64),),
+                dict(dim=1),
+            ),
+            S_("all", (randn(3, 4),)),
+            S_("dims_keepdim", (randn(2, 3, 4),), dict(dim=(0, 2), keepdim=True)),
+        ],
+    ),
+    OpRow(
+        "x.amin",
+        lambda x, **kw: x.amin(**kw),
+        lambda: [
+            S_(
+                "ties_dim0",
+                (torch.tensor([[1.0, -2.0], [1.0, 0.5], [4.0, -2.0]], dtype=torch.float64),),
+                dict(dim=0),
+            ),
+            S_("empty_dims", (randn(3, 2),), dict(dim=())),
+        ],
+    ),
+    OpRow(
+        "torch.logsumexp",
+        lambda x, **kw: torch.logsumexp(x, **kw),
+        lambda: [
+            S_("dim1", (randn(3, 4),), dict(dim=1)),
+            S_("dims_keepdim", (randn(2, 3, 4),), dict(dim=(0, 2), keepdim=True)),
+        ],
+    ),
+    OpRow(
+        "torch.baddbmm",
+        lambda *a, **kw: torch.baddbmm(*a, **kw),
+        lambda: [
+            S_("2x3x4", (randn(2, 3, 5), randn(2, 3, 4), randn(2, 4, 5))),
+            S_(
+                "broadcast_beta_alpha",
+                (randn(5), randn(2, 3, 4), randn(2, 4, 5)),
+                dict(beta=0.5, alpha=-2.0),
+            ),
+            S_("beta0", (randn(2, 3, 5), randn(2, 3, 4), randn(2, 4, 5)), dict(beta=0)),
+        ],
+    ),
+    OpRow(
+        "x.addbmm",
+        lambda x, *a, **kw: x.addbmm(*a, **kw),
+        lambda: [
+            S_("3x2x4", (randn(2, 5), randn(3, 2, 4), randn(3, 4, 5))),
+            S_("broadcast_alpha", (randn(1, 5), randn(3, 2, 4), randn(3, 4, 5)), dict(alpha=1.5)),
+        ],
+    ),
+    OpRow(
+        "torch.addmv",
+        lambda *a, **kw: torch.addmv(*a, **kw),
+        lambda: [
+            S_("3x4", (randn(3), randn(3, 4), randn(4))),
+            S_("scalar_input", (randn(1), randn(3, 4), randn(4)), dict(beta=2.0, alpha=0.5)),
+        ],
+    ),
+    OpRow(
+        "torch.cumsum",
+        lambda x, **kw: torch.cumsum(x, **kw),
+        lambda: [
+            S_("dim1", (randn(3, 4),), dict(dim=1)),
+            S_("dim0_3d", (randn(4, 2, 3),), dict(dim=0)),
+            S_("0d", (randn(1).reshape(()),), dict(dim=0)),
+        ],
+    ),
+    OpRow(
+        "torch.tril",
+        lambda x, **kw: torch.tril(x, **kw),
+        lambda: [
+            S_("4x3", (randn(4, 3),)),
+            S_("batched_offset", (randn(2, 3, 4),), dict(diagonal=1)),
+        ],
+    ),
+    OpRow(
+        "x.triu",
+        lambda x, **kw: x.triu(**kw),
+        lambda: [
+            S_("3x4_minus1", (randn(3, 4),), dict(diagonal=-1)),
+        ],
+    ),
+    OpRow(
         "F.elu",
         lambda x, **kw: F.elu(x, **kw),
         lambda: [

@@ -102,6 +102,12 @@ def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -
     return hit / hit.sum(dim=reduced, keepdim=True) if reduced else hit
 
 
+def cumsum_edges(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The (n, n) edges of a cumulative sum read from its output side: [i, j] = 1 where
+    output i sums input j (i ≥ j), else 0."""
+    return torch.ones(n, n, dtype=dtype, device=device).tril()
+
+
 def pow_base_derivative(base: Tensor, exponent: Tensor) -> Tensor:
     """d base**y / d base = y · base^(y − 1) elementwise, 0 where y = 0 (as torch.autograd)."""
     return torch.where(exponent == 0, 0.0, exponent * base.pow(exponent - 1))
@@ -141,4 +147,5 @@ HELPERS = (
     "gelu_derivative",
     "silu_derivative",
     "tie_share",
+    "cumsum_edges",
 )
