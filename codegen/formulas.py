@@ -147,6 +147,8 @@ STRUCTURAL = {
     "transpose": "{a}.transpose({d0}, {d1})",
     "expand": "{a}.expand({shape})",
     "narrow": "{a}.narrow({dim}, {start}, {length})",
+    "flip": "{a}.flip({dims})",
+    "roll": "{a}.roll({shifts}, {dims})",
     "cat": "torch.cat(list({parts}), {dim})",
     "split": "list({a}.split(list({sizes}), {dim}))",
     "unbind": "list({a}.unbind({dim}))",

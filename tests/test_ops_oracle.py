@@ -316,6 +316,32 @@ OPS: list[OpRow] = [
     ),
     OpRow("F.silu", F.silu, lambda: [S_("3x4", (randn(3, 4) * 2,))]),
     OpRow(
+        "torch.flip",
+        lambda x, **kw: torch.flip(x, **kw),
+        lambda: [
+            S_("dims_0_-1", (randn(2, 3, 4),), dict(dims=(0, -1))),
+            S_("dim1", (randn(3, 4),), dict(dims=[1])),
+        ],
+    ),
+    OpRow(
+        "x.roll",
+        lambda x, **kw: x.roll(**kw),
+        lambda: [
+            S_("dims", (randn(3, 4),), dict(shifts=(1, -2), dims=(0, 1))),
+            S_("flattened", (randn(3, 4),), dict(shifts=5)),
+            S_("one_dim", (randn(2, 5),), dict(shifts=3, dims=1)),
+        ],
+    ),
+    OpRow(
+        "torch.diagonal",
+        lambda x, **kw: torch.diagonal(x, **kw),
+        lambda: [
+            S_("4x3", (randn(4, 3),)),
+            S_("offset_1", (randn(3, 4),), dict(offset=1)),
+            S_("3d_dims", (randn(2, 3, 4),), dict(offset=-1, dim1=2, dim2=1)),
+        ],
+    ),
+    OpRow(
         "torch.amax",
         lambda x, **kw: torch.amax(x, **kw),
         lambda: [

@@ -33,6 +33,8 @@ PRIMITIVES = (
     "transpose",
     "expand",
     "narrow",
+    "flip",
+    "roll",
     "getitem_backward",
     "cat",
     "split",
@@ -132,6 +134,14 @@ def expand(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
 
 def narrow(S: Semiring, a: Value, dim: int, start: int, length: int) -> Value:
     return _each(a, lambda c: c.narrow(dim, start, length))
+
+
+def flip(S: Semiring, a: Value, dims: Sequence[int]) -> Value:
+    return _each(a, lambda c: c.flip(tuple(dims)))
+
+
+def roll(S: Semiring, a: Value, shifts: Any, dims: Any) -> Value:
+    return _each(a, lambda c: c.roll(shifts, dims))
 
 
 def getitem_backward(S: Semiring, a: Value, shape: Sequence[int], index: Any) -> Value:

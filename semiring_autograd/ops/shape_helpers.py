@@ -16,10 +16,16 @@ def keepdim_shape(shape: Sequence[int], dims: int | Sequence[int] | None) -> tup
 
 
 def reduction_dims(dims: int | Sequence[int] | None) -> int | Sequence[int] | None:
-    """A reduction's ``dim`` argument with torch's reading of an empty list: every dim."""
+    """A ``dim`` argument with torch's reading of None and of an empty list (a reduction:
+    every dim; roll: the flattened tensor): None."""
     if dims is None or (not isinstance(dims, int) and len(dims) == 0):
         return None
     return dims
+
+
+def negated(shifts: int | Sequence[int]) -> int | tuple[int, ...]:
+    """Shifts undone: ``roll(roll(x, s), negated(s)) == x``."""
+    return -shifts if isinstance(shifts, int) else tuple(-s for s in shifts)
 
 
 def reduced_numel(shape: Sequence[int], dims: int | Sequence[int] | None) -> int:
@@ -94,6 +100,7 @@ HELPERS = (
     "keepdim_shape",
     "reduced_numel",
     "reduction_dims",
+    "negated",
     "inverse_permutation",
     "promote_matmul_shapes",
     "split_sizes",

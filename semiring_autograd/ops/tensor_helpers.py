@@ -102,6 +102,15 @@ def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -
     return hit / hit.sum(dim=reduced, keepdim=True) if reduced else hit
 
 
+def diagonal_positions(
+    shape: torch.Size, offset: int, dim1: int, dim2: int, device: torch.device
+) -> Tensor:
+    """For ``out = input.diagonal(offset, dim1, dim2)``: the flat position in ``input`` of
+    each element of ``out`` (flattened)."""
+    positions = torch.arange(math.prod(shape), device=device).reshape(shape)
+    return positions.diagonal(offset, dim1, dim2).reshape(-1)
+
+
 def cumsum_edges(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The (n, n) edges of a cumulative sum read from its output side: [i, j] = 1 where
     output i sums input j (i ≥ j), else 0."""
@@ -148,4 +157,5 @@ HELPERS = (
     "silu_derivative",
     "tie_share",
     "cumsum_edges",
+    "diagonal_positions",
 )
