@@ -185,3 +185,36 @@ def test_decomposition_is_the_stated_composition(name, S):
     torch.testing.assert_close(out_a, out_b, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_boolean_top_path_is_a_witness(name: str):
+    """Under Boolean a top path is one path that exists: an enumerated path, its weight the
+    product of its |local derivatives|; an element without a path is refused."""
+    from oracle import every_path
+
+    out, x, program = _record(name, sa.Boolean())
+    element = (1, 2)
+    flat_out = _flat(element, tuple(out.shape))
+    paths = every_path(program, "out", flat_out, "x")
+    finder = sa.PathFinder(out[element], x)
+    for j in range(x.numel()):
+        if j not in paths:
+            assert not bool(finder.readout.reshape(-1)[j])
+            with pytest.raises(sa.SemiringAutogradError, match="no path reaches"):
+                finder.path(j)
+            continue
+        path = finder.path(j)
+        steps = [s for s in path.steps[1:] if s.module != "(outside sa.patch)"]
+        got = [(_flat(s.index, s.shape), s.local_derivative) for s in steps]
+        assert any(
+            [e for e, _ in got] == [n[1] for n, _ in trail]
+            and all(g == pytest.approx(w, rel=1e-12) for (_, g), (_, w) in zip(got, trail))
+            for _, trail in paths[j]
+        ), f"not an enumerated path:\n{path}"
+        product = 1.0
+        for _, w in got:
+            product *= abs(w)
+        assert path.weight == pytest.approx(product, rel=1e-12) and path.weight > 0
+    with pytest.raises(sa.SemiringAutogradError, match="witness"):
+        sa.top_paths(out[element], x, 2)

@@ -246,7 +246,7 @@ def _attribute_one(
         emb = model.get_input_embeddings()(ids)
     x = emb.detach().requires_grad_()
     spec = inherited_spec(semiring)
-    want_paths = paths and spec is not None and spec.top_paths is not None
+    want_paths = paths and spec is not None and spec.top_paths in ("max", "signed")
     with patch(model, semiring, paths=want_paths):
         out = model(inputs_embeds=x, attention_mask=mask)
     logits = out.logits if hasattr(out, "logits") else out[0]

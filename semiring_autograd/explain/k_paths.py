@@ -91,6 +91,11 @@ class KPathSearch:
     def __init__(self, finder: PathFinder, k: int):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"top_paths: k is a positive int, got {k!r}")
+        if finder.witness:
+            raise SemiringAutogradError(
+                "top_paths ranks paths by weight: record with sa.MaxProduct(), sa.KBest(k) or "
+                "sa.SignedMaxProduct(); a sa.Boolean() graph gives one witness path (top_path)"
+            )
         self.root, self.k = finder, k
         self.signed, self.which = finder.signed, finder.which
         self._bounds: dict[tuple[int, Key], tuple[Tensor, Tensor]] = {}

@@ -20,6 +20,7 @@ element: the path's weight.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -203,9 +204,10 @@ class PathFinder:
         kind = path_kind(semiring)
         if kind is None:
             raise SemiringAutogradError(
-                "top paths need a graph recorded with sa.MaxProduct(), sa.SignedMaxProduct() "
-                f"or sa.KBest(k), not {semiring!r}: record the forward under one of those "
-                "(with paths=True) to follow paths; Log's strongest path is MaxProduct's"
+                "top paths need a graph recorded with sa.MaxProduct(), sa.SignedMaxProduct(), "
+                f"sa.KBest(k) or sa.Boolean() (a witness path), not {semiring!r}: record the "
+                "forward under one of those (with paths=True) to follow paths; Log's "
+                "strongest path is MaxProduct's"
             )
         if which not in ("max", "min") or (which == "min" and kind != "signed"):
             raise ValueError("which is 'max', or 'min' for SignedMaxProduct")
@@ -216,6 +218,7 @@ class PathFinder:
             )
         self.semiring, self.which, self.output = semiring, which, output
         self.signed = kind == "signed"
+        self.witness = kind == "witness"
         nodes = reachable_nodes([output.grad_fn])
         if not any(_replay_of(n) is not None for n in nodes):
             raise SemiringAutogradError(
@@ -295,6 +298,8 @@ class PathFinder:
         start = Step("input", "input", self.input_shape, self._unravel(flat), None)
         steps, _, _ = self._walk(self.start, flat, self.which)
         weight = float(total) if (not self.signed or self.which == "max") else -float(total)
+        if self.witness:  # the readout says only that a path exists: its own product
+            weight = math.prod(abs(s.local_derivative) for s in steps)
         name = type(self.semiring).__name__ + (f" ({self.which})" if self.signed else "")
         return Path(weight, name, (start, *steps))
 

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             return _error(str(exc))
         per_semiring.append(result if isinstance(result, list) else [result])
         spec = spec_of(semiring_named(semiring_name))
-        paths = " + paths" if spec is not None and spec.top_paths is not None else ""
+        paths = " + paths" if spec is not None and spec.top_paths in ("max", "signed") else ""
         timings.append(
             f"{semiring_name}: patched forward + semiring backward{paths} "
             f"{time.perf_counter() - begun:.2f} s"

@@ -30,7 +30,8 @@ class SemiringSpec:
     lift emitted as the tensor ops they are); ``"generic"`` — the generic module, which
     takes the semiring as an argument (as user semirings do). ``top_paths``: how
     :func:`sa.top_path` follows a path (``"max"``: the largest product; ``"signed"``: the
-    largest or smallest signed product); None where paths are not defined.
+    largest or smallest signed product; ``"witness"``: a path that exists, not a best one);
+    None where paths are not defined.
     ``plain_messages``: messages are ordinary gradients, not
     :class:`sa.Message` wrappers. ``torch_graph``: under ``sa.patch`` torch records its own
     graph of each op unless the instance asks for the formulas (``Real(formulas=True)``).
@@ -46,7 +47,7 @@ class SemiringSpec:
     unit: str
     module: Literal["own", "generic"]
     signed: bool = False
-    top_paths: Literal["max", "signed"] | None = None
+    top_paths: Literal["max", "signed", "witness"] | None = None
     plain_messages: bool = False
     torch_graph: bool = False
     kernels: tuple[str, ...] = ()
@@ -117,7 +118,14 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
             "ratio_where_positive",
         ),
     ),
-    SemiringSpec(Boolean, "boolean", "whether any path exists", "1 = yes, 0 = no", module="own"),
+    SemiringSpec(
+        Boolean,
+        "boolean",
+        "whether any path exists",
+        "1 = yes, 0 = no",
+        module="own",
+        top_paths="witness",
+    ),
     SemiringSpec(
         Counting,
         "counting",
@@ -151,10 +159,10 @@ def inherited_spec(semiring: Semiring) -> SemiringSpec | None:
     return None
 
 
-def path_kind(semiring: Semiring) -> Literal["max", "signed"] | None:
+def path_kind(semiring: Semiring) -> Literal["max", "signed", "witness"] | None:
     """How paths are followed in a graph recorded with ``semiring``: its entry's
-    ``top_paths``; ``"max"`` for :class:`KBest` (its best path is MaxProduct's); None where
-    paths are not defined."""
+    ``top_paths``; ``"max"`` for :class:`KBest` (its best path is MaxProduct's);
+    None where paths are not defined."""
     if isinstance(semiring, KBest):
         return "max"
     spec = inherited_spec(semiring)
