@@ -342,6 +342,17 @@ OPS: list[OpRow] = [
         ],
     ),
     OpRow(
+        "F.pad",
+        lambda x, **kw: F.pad(x, **kw),
+        lambda: [
+            S_("constant", (randn(2, 3),), dict(pad=(1, 2), value=0.5)),
+            S_("constant_crop", (randn(3, 4),), dict(pad=(-1, 1, 1, -1))),
+            S_("reflect", (randn(2, 2, 4),), dict(pad=(2, 3), mode="reflect")),
+            S_("replicate_2d", (randn(1, 2, 3, 3),), dict(pad=(1, 2, 2, 0), mode="replicate")),
+            S_("circular", (randn(1, 2, 3),), dict(pad=(2, 1), mode="circular")),
+        ],
+    ),
+    OpRow(
         "torch.amax",
         lambda x, **kw: torch.amax(x, **kw),
         lambda: [

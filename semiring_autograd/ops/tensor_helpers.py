@@ -111,6 +111,19 @@ def diagonal_positions(
     return positions.diagonal(offset, dim1, dim2).reshape(-1)
 
 
+def pad_positions(shape: torch.Size, pad: Sequence[int], mode: str, device: torch.device) -> Tensor:
+    """For ``out = F.pad(input, pad, mode)``: the flat position in ``input`` that each
+    element of ``out`` (flattened) reads — the same padding applied to the positions —
+    and ``input.numel()`` where it reads the constant."""
+    numel = math.prod(shape)
+    positions = torch.arange(numel, dtype=torch.float64, device=device).reshape(shape)
+    if mode == "constant":
+        padded = torch.nn.functional.pad(positions, list(pad), mode, value=float(numel))
+    else:
+        padded = torch.nn.functional.pad(positions, list(pad), mode)
+    return padded.reshape(-1).to(torch.int64)
+
+
 def cumsum_edges(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The (n, n) edges of a cumulative sum read from its output side: [i, j] = 1 where
     output i sums input j (i ≥ j), else 0."""
@@ -158,4 +171,5 @@ HELPERS = (
     "tie_share",
     "cumsum_edges",
     "diagonal_positions",
+    "pad_positions",
 )
