@@ -394,12 +394,12 @@ class PathFinder:
         """Composite op ``node`` re-run as its composition on its recorded inputs, with a
         recorded backward seeded by the op's incoming message: the finder of paths from
         the op's input ``position`` through its internal nodes."""
-        replay = node_info(node).replay
+        info = node_info(node)
         inputs = [
             t.detach().requires_grad_(t.is_floating_point() and p == position)
-            for p, t in enumerate(replay.inputs())
+            for p, t in enumerate(info.replay.inputs())
         ]
-        sub = _Sub(replay, DECOMPOSITIONS[node_info(node).op])
+        sub = _Sub(info.replay, DECOMPOSITIONS[info.op])
         with patch(sub, self.semiring, paths=True):
             out = sub(*inputs)
         (seed,) = self.incoming[node][:1]

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..errors import ForeignOpError, SemiringMismatchError
 from ..semirings.base import Semiring, Value, message_dtype
+from .tensor_helpers import element_positions, gather_positions
 
 aten = torch.ops.aten
 
@@ -263,10 +264,6 @@ def _scatter_into(func, base, flat_positions: Tensor, values):
     return Message(semiring, _in_precision(value, base.dtype), base.shape, base.dtype, base.device)
 
 
-def _positions(base: Tensor) -> Tensor:
-    return torch.arange(base.numel(), device=base.device).view(base.shape)
-
-
 def _index_put(func, base, indices, values, accumulate=False):
     """The backward of advanced indexing (``x[idx]``): ``index_put(zeros, idx, grad,
     accumulate=True)``."""
@@ -276,7 +273,7 @@ def _index_put(func, base, indices, values, accumulate=False):
             "accumulating index_put of an indexing backward is supported"
         )
     where = tuple(slice(None) if i is None else i for i in indices)
-    return _scatter_into(func, base, _positions(base)[where], values)
+    return _scatter_into(func, base, element_positions(base.shape, base.device)[where], values)
 
 
 def _scatter_add(func, base, dim, index, src):
@@ -286,7 +283,8 @@ def _scatter_add(func, base, dim, index, src):
         part = tuple(slice(0, n) for n in index.shape)
         value = tuple(c[part] for c in src.value)
         src = Message(src.semiring, value, index.shape, src.dtype, src.device)
-    return _scatter_into(func, base, _positions(base).gather(dim, index), src)
+    positions = gather_positions(base.shape, dim, index).view(index.shape)
+    return _scatter_into(func, base, positions, src)
 
 
 _STRUCTURAL: dict[Any, Callable[..., Any]] = {

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..semirings.base import message_dtype, normalize_dims
-from .shape_helpers import attention_scale
+from .shape_helpers import attention_scale, keepdim_shape
 
 
 def repeat_heads(x: Tensor, query_heads: int, enable_gqa: bool) -> Tensor:
@@ -64,6 +64,14 @@ def mask_scores(scores: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Te
     return scores
 
 
+def element_positions(
+    shape: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64
+) -> Tensor:
+    """A tensor of ``shape`` holding each element's flat position: indexed, gathered or
+    padded as an op reads its input, it says which input element each output reads."""
+    return torch.arange(math.prod(shape), dtype=dtype, device=device).reshape(tuple(shape))
+
+
 def gather_positions(input_shape: torch.Size, dim: int, index: Tensor) -> Tensor:
     """For ``out = input.gather(dim, index)``: the flat position in ``input`` that each
     element of ``out`` (flattened) was read from."""
@@ -88,8 +96,7 @@ def index_positions(shape: torch.Size, device: torch.device, index: object) -> T
     """For ``out = input[index]`` (any index torch takes: lists, integer and boolean
     tensors, slices): the flat position in ``input`` that each element of ``out``
     (flattened) was read from."""
-    positions = torch.arange(math.prod(shape), device=device).reshape(shape)
-    return positions[index].reshape(-1)
+    return element_positions(shape, device)[index].reshape(-1)
 
 
 def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -> Tensor:
@@ -97,7 +104,7 @@ def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -
     equal to it) at those elements, 0 elsewhere — how torch.autograd splits an amax/amin
     gradient among ties."""
     reduced = normalize_dims(dims, input.dim())
-    kept = result.reshape(tuple(1 if i in reduced else n for i, n in enumerate(input.shape)))
+    kept = result.reshape(keepdim_shape(input.shape, dims))
     hit = (input == kept).to(input.dtype)
     return hit / hit.sum(dim=reduced, keepdim=True) if reduced else hit
 
@@ -107,8 +114,7 @@ def diagonal_positions(
 ) -> Tensor:
     """For ``out = input.diagonal(offset, dim1, dim2)``: the flat position in ``input`` of
     each element of ``out`` (flattened)."""
-    positions = torch.arange(math.prod(shape), device=device).reshape(shape)
-    return positions.diagonal(offset, dim1, dim2).reshape(-1)
+    return element_positions(shape, device).diagonal(offset, dim1, dim2).reshape(-1)
 
 
 def pad_positions(shape: torch.Size, pad: Sequence[int], mode: str, device: torch.device) -> Tensor:
@@ -116,7 +122,7 @@ def pad_positions(shape: torch.Size, pad: Sequence[int], mode: str, device: torc
     element of ``out`` (flattened) reads — the same padding applied to the positions —
     and ``input.numel()`` where it reads the constant."""
     numel = math.prod(shape)
-    positions = torch.arange(numel, dtype=torch.float64, device=device).reshape(shape)
+    positions = element_positions(shape, device, torch.float64)
     if mode == "constant":
         padded = torch.nn.functional.pad(positions, list(pad), mode, value=float(numel))
     else:

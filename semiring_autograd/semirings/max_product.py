@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from .tensor_level import TensorMaxProduct, check_granularity
+from .tensor_level import TensorMaxProduct, tensor_level_instance
 from .base import InlineForms, Semiring, Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
@@ -29,22 +29,17 @@ class MaxProduct(Semiring):
     """(max, ×) over |w|: the weight of the strongest path. Zero is 0, one is 1."""
 
     name = "max_product"
+    inline = InlineForms(
+        lift="{w}.abs()", mul="{a} * {b}", add="torch.maximum({a}, {b})", mul_lift="{a} * {w}.abs()"
+    )
 
     def __new__(cls, granularity: str = "element"):
-        check_granularity(cls.__name__, granularity)
-        if granularity == "tensor":
-            if cls is not MaxProduct:
-                raise ValueError(f"{cls.__name__}: granularity='tensor' is MaxProduct's option")
-            return TensorMaxProduct()
-        return super().__new__(cls)
+        tensor_level = tensor_level_instance(cls, MaxProduct, granularity, TensorMaxProduct)
+        return tensor_level if tensor_level is not None else super().__new__(cls)
 
     def __init__(self, granularity: str = "element"):
         """``granularity="tensor"``: the paper's tensor-level max-gradient, a
         :class:`TensorMaxProduct` (see :mod:`semiring_autograd.semirings.tensor_level`)."""
-
-    inline = InlineForms(
-        lift="{w}.abs()", mul="{a} * {b}", add="torch.maximum({a}, {b})", mul_lift="{a} * {w}.abs()"
-    )
 
     def zero(self, shape, like):
         return (filled(shape, 0.0, like),)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from .tensor_level import TensorSignedMaxProduct, check_granularity
+from .tensor_level import TensorSignedMaxProduct, tensor_level_instance
 from .base import Semiring, Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
@@ -32,22 +32,17 @@ class SignedMaxProduct(Semiring):
     lift(w) = (w, w) and lift(0) = zero; ⊗ takes the extremes of the four cross products."""
 
     name = "signed_max_product"
+    n_components = 2
 
     def __new__(cls, granularity: str = "element"):
-        check_granularity(cls.__name__, granularity)
-        if granularity == "tensor":
-            if cls is not SignedMaxProduct:
-                raise ValueError(
-                    f"{cls.__name__}: granularity='tensor' is SignedMaxProduct's option"
-                )
-            return TensorSignedMaxProduct()
-        return super().__new__(cls)
+        tensor_level = tensor_level_instance(
+            cls, SignedMaxProduct, granularity, TensorSignedMaxProduct
+        )
+        return tensor_level if tensor_level is not None else super().__new__(cls)
 
     def __init__(self, granularity: str = "element"):
         """``granularity="tensor"``: the paper's tensor-level max-gradient, a
         :class:`TensorSignedMaxProduct` (see :mod:`semiring_autograd.semirings.tensor_level`)."""
-
-    n_components = 2
 
     def zero(self, shape, like):
         return (filled(shape, NEG_INF, like), filled(shape, POS_INF, like))

@@ -133,9 +133,17 @@ class TensorSignedMaxProduct(Semiring):
         )
 
 
-def check_granularity(cls_name: str, granularity: str) -> None:
+def tensor_level_instance(cls: type, owner: type, granularity: str, tensor_cls: type):
+    """For ``owner(granularity=...)`` called as ``cls(...)``: a ``tensor_cls`` instance for
+    ``"tensor"``, None for ``"element"`` (``cls`` is then built as usual); a clear error for
+    any other value, or for ``"tensor"`` on a subclass of ``owner``."""
     if granularity not in ("element", "tensor"):
         raise ValueError(
-            f"{cls_name}(granularity=...): 'element' (exact paths, the default) or 'tensor' "
-            f"(the paper's max-gradient), got {granularity!r}"
+            f"{cls.__name__}(granularity=...): 'element' (exact paths, the default) or "
+            f"'tensor' (the paper's max-gradient), got {granularity!r}"
         )
+    if granularity == "element":
+        return None
+    if cls is not owner:
+        raise ValueError(f"{cls.__name__}: granularity='tensor' is {owner.__name__}'s option")
+    return tensor_cls()
