@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from oracle import Program
 from torch import Tensor, nn
 
+import semiring_autograd as sa
+
 
 class TinyMLP(nn.Module):
     """3 → 4 → 4 → 4 → 3 with tanh, one 4×4 weight used twice and a residual branch."""
@@ -99,3 +101,21 @@ def setup_model(name: str) -> tuple[nn.Module, Tensor, Program]:
     model = cls().double()
     x = torch.randn(*shape, dtype=torch.float64)
     return model, x, build(model, x)
+
+
+def flat_index(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """The row-major flat position of ``index`` in a tensor of ``shape``."""
+    flat = 0
+    for i, size in zip(index, shape):
+        flat = flat * size + i
+    return flat
+
+
+def record_with_paths(name: str, semiring):
+    """The model ``name``'s forward under ``sa.patch(model, semiring, paths=True)`` on a
+    fresh leaf copy of its input: (output, input, program)."""
+    model, x, program = setup_model(name)
+    x = x.clone().requires_grad_()
+    with sa.patch(model, semiring, paths=True):
+        out = model(x)
+    return out, x, program

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hf_models import tiny_inputs, tiny_model
 from oracle import every_path
-from small_models import setup_model
+from small_models import flat_index, setup_model
 
 import semiring_autograd as sa
 
@@ -32,13 +32,6 @@ THROUGH = {
 }
 
 
-def _flat(index, shape) -> int:
-    flat = 0
-    for i, size in zip(index, shape):
-        flat = flat * size + i
-    return flat
-
-
 def _expected(paths: dict[int, list], keep, readout, numel: int) -> torch.Tensor:
     return torch.tensor(
         [readout([p for p, trail in paths.get(j, []) if keep(trail)]) for j in range(numel)],
@@ -54,7 +47,7 @@ def test_module_flow_is_the_paths_through_the_module(name: str, semiring):
     with sa.patch(model, semiring), sa.capture(model, list(THROUGH[name])) as seen:
         out = model(x)
     flows = sa.module_flow(out[ELEMENT], x, seen)
-    paths = every_path(program, "out", _flat(ELEMENT, out.shape), "x")
+    paths = every_path(program, "out", flat_index(ELEMENT, out.shape), "x")
     for module, tensor in THROUGH[name].items():
         want = _expected(
             paths, lambda t: any(n[0] == tensor for n, _ in t), READOUTS[semiring], x.numel()
@@ -74,7 +67,7 @@ def test_consumer_flow_splits_by_first_edge(name: str, semiring):
     with sa.patch(model, semiring):
         out = model(x)
     flows = sa.consumer_flow(out[ELEMENT], x)
-    paths = every_path(program, "out", _flat(ELEMENT, out.shape), "x")
+    paths = every_path(program, "out", flat_index(ELEMENT, out.shape), "x")
     first = {n[0] for trails in paths.values() for _, t in trails for n, _ in t[:1]}
     # mlp: x → fc1 (linear) and the residual add; attention: x → the q, k, v projections
     assert len(flows) == len(first)

@@ -8,30 +8,15 @@ import torch
 from hf_models import tiny_inputs, tiny_model
 from op_checks import Apply
 from oracle import every_path
-from small_models import MODELS, setup_model
+from small_models import MODELS, flat_index, record_with_paths
 
 import semiring_autograd as sa
 
 RTOL = 1e-12  # float64 models: products of the same float64 derivatives
 
 
-def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    flat = 0
-    for i, size in zip(index, shape):
-        flat = flat * size + i
-    return flat
-
-
-def _record(name: str, semiring: sa.Semiring):
-    model, x, program = setup_model(name)
-    x = x.clone().requires_grad_()
-    with sa.patch(model, semiring, paths=True):
-        out = model(x)
-    return out, x, program
-
-
 def _enumerated(program, element: int, shape) -> dict[int, list[tuple[float, list]]]:
-    return every_path(program, "out", _flat(element, tuple(shape)), "x")
+    return every_path(program, "out", flat_index(element, tuple(shape)), "x")
 
 
 def _k_largest(values: list[float], k: int) -> list[float]:
@@ -42,7 +27,7 @@ def _k_largest(values: list[float], k: int) -> list[float]:
 def _nodes(path: sa.Path) -> list[tuple[int, float]]:
     """The path's (flat element, local derivative) per edge, outside-patch steps dropped."""
     steps = [s for s in path.steps[1:] if s.module != "(outside sa.patch)"]
-    return [(_flat(s.index, s.shape), s.local_derivative) for s in steps]
+    return [(flat_index(s.index, s.shape), s.local_derivative) for s in steps]
 
 
 def _assert_distinct_enumerated(paths: list[sa.Path], enumerated: list[tuple[float, list]]):
@@ -74,7 +59,7 @@ def test_k_best_satisfies_the_semiring_laws(k: int):
 @pytest.mark.parametrize("k", [1, 3, 7])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_k_best_readout_is_the_k_largest_path_weights(name: str, k: int):
-    out, x, program = _record(name, sa.KBest(k))
+    out, x, program = record_with_paths(name, sa.KBest(k))
     element = (1, 2)
     readout = sa.grad(out[element], x)
     assert readout.shape == (k, *x.shape)
@@ -88,7 +73,7 @@ def test_k_best_readout_is_the_k_largest_path_weights(name: str, k: int):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_k_best_with_a_seed_over_every_output_element(name: str):
     k = 4
-    out, x, program = _record(name, sa.KBest(k))
+    out, x, program = record_with_paths(name, sa.KBest(k))
     seed = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     readout = sa.grad(out, x, seed=seed)
     weights: dict[int, list[float]] = {}
@@ -102,9 +87,9 @@ def test_k_best_with_a_seed_over_every_output_element(name: str):
 
 
 def test_k_best_of_one_is_max_product():
-    out, x, _ = _record("attention", sa.KBest(1))
+    out, x, _ = record_with_paths("attention", sa.KBest(1))
     (best,) = sa.grad(out[2, 1], x)
-    out, x, _ = _record("attention", sa.MaxProduct())
+    out, x, _ = record_with_paths("attention", sa.MaxProduct())
     torch.testing.assert_close(best, sa.grad(out[2, 1], x), rtol=RTOL, atol=0.0)
 
 
@@ -136,7 +121,7 @@ def test_k_best_instances_compare_by_k():
 @pytest.mark.parametrize("name", list(MODELS))
 def test_top_paths_are_the_k_best_enumerated_paths(name, element, semiring):
     k = 5
-    out, x, program = _record(name, semiring)
+    out, x, program = record_with_paths(name, semiring)
     paths = _enumerated(program, element, out.shape)
     for j, found in paths.items():
         got = sa.top_paths(out[element], x, k, index=j)
@@ -158,12 +143,14 @@ def test_top_paths_are_the_k_best_enumerated_paths(name, element, semiring):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_top_paths_returns_every_path_when_k_exceeds_them(name: str):
-    out, x, program = _record(name, sa.MaxProduct())
+    out, x, program = record_with_paths(name, sa.MaxProduct())
     element = (1, 2)
     j = 4
     found = _enumerated(program, element, out.shape)[j]
     got = sa.top_paths(out[element], x, 10_000, index=j)
-    assert len(got) == len(found) == program.count_paths("out", _flat(element, out.shape), "x")[j]
+    assert (
+        len(got) == len(found) == program.count_paths("out", flat_index(element, out.shape), "x")[j]
+    )
     torch.testing.assert_close(
         torch.tensor([p.weight for p in got], dtype=torch.float64),
         torch.tensor(sorted((abs(p) for p, _ in found), reverse=True), dtype=torch.float64),
@@ -177,7 +164,7 @@ def test_top_paths_returns_every_path_when_k_exceeds_them(name: str):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_signed_top_paths_are_the_extreme_signed_products(name: str, which: str):
     k = 6
-    out, x, program = _record(name, sa.SignedMaxProduct())
+    out, x, program = record_with_paths(name, sa.SignedMaxProduct())
     for j, found in _enumerated(program, (1, 2), out.shape).items():
         got = sa.top_paths(out[1, 2], x, k, index=j, which=which)
         want = sorted((p for p, _ in found), reverse=which == "max")[:k]
@@ -242,7 +229,7 @@ def test_top_paths_on_tiny_bert_match_k_best_and_top_path():
 
 
 def test_top_paths_refusals():
-    out, x, _ = _record("mlp", sa.MaxProduct())
+    out, x, _ = record_with_paths("mlp", sa.MaxProduct())
     for k in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="positive int"):
             sa.top_paths(out[1, 2], x, k)
@@ -250,6 +237,6 @@ def test_top_paths_refusals():
         sa.top_paths(out[1, 2], x, 3, which="min")
     with pytest.raises(ValueError, match="scalar output"):
         sa.top_paths(out, x, 3)
-    out, x, _ = _record("mlp", sa.Log())
+    out, x, _ = record_with_paths("mlp", sa.Log())
     with pytest.raises(sa.SemiringAutogradError, match=r"MaxProduct.*KBest"):
         sa.top_paths(out[1, 2], x, 3)

@@ -6,34 +6,19 @@ import pytest
 import torch
 from hf_models import tiny_inputs, tiny_model
 from oracle import best_paths
-from small_models import MODELS, setup_model
+from small_models import MODELS, flat_index, record_with_paths, setup_model
 
 import semiring_autograd as sa
 from semiring_autograd.ops.decompositions import DECOMPOSITIONS
 from semiring_autograd.engine.graph import reachable_nodes
 
 
-def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    flat = 0
-    for i, size in zip(index, shape):
-        flat = flat * size + i
-    return flat
-
-
-def _record(name: str, semiring: sa.Semiring):
-    model, x, program = setup_model(name)
-    x = x.clone().requires_grad_()
-    with sa.patch(model, semiring, paths=True):
-        out = model(x)
-    return out, x, program
-
-
 @pytest.mark.parametrize("element", [(1, 2), (0, 0)])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_top_path_is_the_argmax_of_path_enumeration(name: str, element: tuple[int, int]):
     """Every input element: the same nodes, the same local derivatives, the same weight."""
-    out, x, program = _record(name, sa.MaxProduct())
-    flat_out = _flat(element, tuple(out.shape))
+    out, x, program = record_with_paths(name, sa.MaxProduct())
+    flat_out = flat_index(element, tuple(out.shape))
     finder = sa.PathFinder(out[element], x)
     oracle = best_paths(program, "out", flat_out, "x")
     assert oracle, "the oracle found no path"
@@ -42,7 +27,7 @@ def test_top_path_is_the_argmax_of_path_enumeration(name: str, element: tuple[in
         steps = path.steps[1:]
         if steps and steps[-1].module == "(outside sa.patch)":
             steps = steps[:-1]  # out[element] taken outside the patch: weight-1 edges
-        assert [_flat(s.index, s.shape) for s in steps] == [node[1] for node, _ in trail]
+        assert [flat_index(s.index, s.shape) for s in steps] == [node[1] for node, _ in trail]
         assert [s.shape for s in steps] == [tuple(program.values[n[0]].shape) for n, _ in trail]
         torch.testing.assert_close(
             torch.tensor([s.local_derivative for s in steps], dtype=torch.float64),
@@ -56,9 +41,9 @@ def test_top_path_is_the_argmax_of_path_enumeration(name: str, element: tuple[in
 
 @pytest.mark.parametrize("which", ["max", "min"])
 def test_signed_top_path_is_the_extreme_signed_product(which: str):
-    out, x, program = _record("mlp", sa.SignedMaxProduct())
+    out, x, program = record_with_paths("mlp", sa.SignedMaxProduct())
     finder = sa.PathFinder(out[1, 2], x, which=which)
-    oracle = best_paths(program, "out", _flat((1, 2), tuple(out.shape)), "x", which=which)
+    oracle = best_paths(program, "out", flat_index((1, 2), tuple(out.shape)), "x", which=which)
     readout = sa.grad(out[1, 2], x, retain_graph=True)[0 if which == "max" else 1]
     for j, (product, trail) in oracle.items():
         path = finder.path(j)
@@ -71,7 +56,7 @@ def test_signed_top_path_is_the_extreme_signed_product(which: str):
 
 
 def test_default_index_is_the_best_element_and_path_prints():
-    out, x, _ = _record("attention", sa.MaxProduct())
+    out, x, _ = record_with_paths("attention", sa.MaxProduct())
     path = sa.top_path(out[2, 1], x)
     readout = sa.grad(out[2, 1], x)
     assert path.steps[0].index == tuple(int(i) for i in divmod(int(readout.argmax()), 4))
@@ -193,9 +178,9 @@ def test_boolean_top_path_is_a_witness(name: str):
     product of its |local derivatives|; an element without a path is refused."""
     from oracle import every_path
 
-    out, x, program = _record(name, sa.Boolean())
+    out, x, program = record_with_paths(name, sa.Boolean())
     element = (1, 2)
-    flat_out = _flat(element, tuple(out.shape))
+    flat_out = flat_index(element, tuple(out.shape))
     paths = every_path(program, "out", flat_out, "x")
     finder = sa.PathFinder(out[element], x)
     for j in range(x.numel()):
@@ -206,7 +191,7 @@ def test_boolean_top_path_is_a_witness(name: str):
             continue
         path = finder.path(j)
         steps = [s for s in path.steps[1:] if s.module != "(outside sa.patch)"]
-        got = [(_flat(s.index, s.shape), s.local_derivative) for s in steps]
+        got = [(flat_index(s.index, s.shape), s.local_derivative) for s in steps]
         assert any(
             [e for e, _ in got] == [n[1] for n, _ in trail]
             and all(g == pytest.approx(w, rel=1e-12) for (_, g), (_, w) in zip(got, trail))
