@@ -16,13 +16,14 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from semiring_autograd.ops import primitives, shape_helpers, tensor_helpers
+from semiring_autograd.ops import primitives, shape_helpers, tensor_helpers, window_helpers
 from semiring_autograd.ops.primitives import PRIMITIVES
 
 #: helper name -> the alias generated code imports its module as
 HELPERS = {
     **{name: "H" for name in shape_helpers.HELPERS},
     **{name: "TH" for name in tensor_helpers.HELPERS},
+    **{name: "WH" for name in window_helpers.HELPERS},
 }
 
 BUILTINS = frozenset(
@@ -147,6 +148,7 @@ STRUCTURAL = {
     "transpose": "{a}.transpose({d0}, {d1})",
     "expand": "{a}.expand({shape})",
     "narrow": "{a}.narrow({dim}, {start}, {length})",
+    "index_select": "{a}.index_select({dim}, {index})",
     "flip": "{a}.flip({dims})",
     "roll": "{a}.roll({shifts}, {dims})",
     "cat": "torch.cat(list({parts}), {dim})",

@@ -707,6 +707,213 @@ OPS: list[OpRow] = [
         ],
         _layer_norm_oracle,
     ),
+    # ------------------------------------------------------------------ convolution
+    OpRow(
+        "F.conv1d",
+        lambda x, w, b=None, **kw: F.conv1d(x, w, b, **kw),
+        lambda: [
+            S_(
+                "stride_pad_groups",
+                (randn(2, 4, 7), randn(6, 2, 3), randn(6)),
+                dict(stride=2, padding=1, groups=2),
+            ),
+            S_(
+                "unbatched_same_dilated",
+                (with_zeros(3, 6), randn(2, 3, 2)),
+                dict(padding="same", dilation=2),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.conv2d",
+        lambda x, w, b=None, **kw: F.conv2d(x, w, b, **kw),
+        lambda: [
+            S_(
+                "same_dilated",
+                (randn(1, 3, 5, 6), randn(4, 3, 2, 3)),
+                dict(padding="same", dilation=(1, 2)),
+            ),
+            S_(
+                "depthwise",
+                (with_zeros(1, 2, 4, 4), randn(2, 1, 3, 3), randn(2)),
+                dict(padding=1, groups=2),
+            ),
+            S_("patches", (randn(2, 2, 4, 4), randn(3, 2, 2, 2), randn(3)), dict(stride=2)),
+            S_(
+                "asymmetric_valid",
+                (randn(1, 2, 5, 4), randn(2, 2, 3, 1)),
+                dict(stride=(2, 1), padding="valid"),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.conv3d",
+        lambda x, w, b=None, **kw: F.conv3d(x, w, b, **kw),
+        lambda: [
+            S_(
+                "stride_pad",
+                (randn(1, 2, 3, 4, 4), randn(2, 2, 2, 2, 2), randn(2)),
+                dict(stride=(1, 2, 1), padding=1),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.conv_transpose1d",
+        lambda x, w, b=None, **kw: F.conv_transpose1d(x, w, b, **kw),
+        lambda: [
+            S_(
+                "stride_pad_outpad",
+                (randn(2, 4, 3), randn(4, 3, 3), randn(3)),
+                dict(stride=2, padding=1, output_padding=1),
+            ),
+            S_("unbatched_dilated", (randn(2, 4), randn(2, 2, 2)), dict(dilation=2)),
+        ],
+    ),
+    OpRow(
+        "F.conv_transpose2d",
+        lambda x, w, b=None, **kw: F.conv_transpose2d(x, w, b, **kw),
+        lambda: [
+            S_(
+                "groups_dilated",
+                (randn(1, 4, 3, 3), randn(4, 1, 2, 3), randn(2)),
+                dict(stride=(2, 1), groups=2, dilation=(2, 1)),
+            ),
+            S_("upsample2", (with_zeros(2, 2, 2, 3), randn(2, 3, 2, 2)), dict(stride=2)),
+        ],
+    ),
+    OpRow(
+        "F.conv_transpose3d",
+        lambda x, w, b=None, **kw: F.conv_transpose3d(x, w, b, **kw),
+        lambda: [
+            S_(
+                "stride2_pad",
+                (randn(1, 2, 2, 2, 2), randn(2, 2, 2, 2, 2)),
+                dict(stride=2, padding=1),
+            )
+        ],
+    ),
+    # ------------------------------------------------------------------ pooling, resampling
+    OpRow(
+        "F.max_pool1d",
+        lambda x, **kw: F.max_pool1d(x, **kw),
+        lambda: [
+            S_("overlap_pad", (randn(2, 3, 7),), dict(kernel_size=3, stride=2, padding=1)),
+            S_(
+                "ties_dilated_ceil",
+                (torch.tensor([[[1.0, 2, 2, 0, 2, 1, 2, 2]]], dtype=torch.float64),),
+                dict(kernel_size=2, dilation=2, ceil_mode=True),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.max_pool2d",
+        lambda x, **kw: F.max_pool2d(x, **kw),
+        lambda: [
+            S_("resnet_stem", (randn(1, 2, 5, 5),), dict(kernel_size=3, stride=2, padding=1)),
+            S_(
+                "ties_unbatched",
+                (torch.tensor([[[0.5, 0.5, 1], [0.5, 1, 1], [0, 0, 0]]], dtype=torch.float64),),
+                dict(kernel_size=2, stride=1),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.max_pool3d",
+        lambda x, **kw: F.max_pool3d(x, **kw),
+        lambda: [
+            S_(
+                "2x3x4",
+                (randn(1, 2, 2, 3, 4),),
+                dict(kernel_size=2, stride=(1, 2, 2), ceil_mode=True),
+            )
+        ],
+    ),
+    OpRow(
+        "F.adaptive_max_pool2d",
+        lambda x, **kw: F.adaptive_max_pool2d(x, **kw),
+        lambda: [S_("5x7_to_3x4", (randn(1, 2, 5, 7),), dict(output_size=(3, None)))],
+    ),
+    OpRow(
+        "F.adaptive_max_pool1d",
+        lambda x, **kw: F.adaptive_max_pool1d(x, **kw),
+        lambda: [S_("unbatched", (randn(2, 7),), dict(output_size=3))],
+    ),
+    OpRow(
+        "F.adaptive_max_pool3d",
+        lambda x, **kw: F.adaptive_max_pool3d(x, **kw),
+        lambda: [S_("to_1", (randn(1, 2, 2, 3, 3),), dict(output_size=1))],
+    ),
+    OpRow(
+        "F.avg_pool1d",
+        lambda x, **kw: F.avg_pool1d(x, **kw),
+        lambda: [
+            S_("pad_counted", (randn(2, 2, 7),), dict(kernel_size=3, padding=1)),
+            S_(
+                "pad_not_counted_ceil",
+                (randn(1, 2, 6),),
+                dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.avg_pool2d",
+        lambda x, **kw: F.avg_pool2d(x, **kw),
+        lambda: [
+            S_(
+                "ceil_not_counted",
+                (with_zeros(1, 2, 5, 5),),
+                dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+            ),
+            S_(
+                "divisor_override",
+                (randn(2, 4, 5),),
+                dict(kernel_size=(2, 3), stride=1, divisor_override=4),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.avg_pool3d",
+        lambda x, **kw: F.avg_pool3d(x, **kw),
+        lambda: [S_("pad", (randn(1, 1, 3, 4, 4),), dict(kernel_size=2, padding=1))],
+    ),
+    OpRow(
+        "F.adaptive_avg_pool1d",
+        lambda x, **kw: F.adaptive_avg_pool1d(x, **kw),
+        lambda: [S_("7_to_3", (randn(2, 3, 7),), dict(output_size=3))],
+    ),
+    OpRow(
+        "F.adaptive_avg_pool2d",
+        lambda x, **kw: F.adaptive_avg_pool2d(x, **kw),
+        lambda: [
+            S_("5x7_to_3x4", (randn(1, 2, 5, 7),), dict(output_size=(3, 4))),
+            S_("global", (randn(2, 3, 3, 3),), dict(output_size=1)),
+        ],
+    ),
+    OpRow(
+        "F.adaptive_avg_pool3d",
+        lambda x, **kw: F.adaptive_avg_pool3d(x, **kw),
+        lambda: [S_("grow", (randn(1, 1, 2, 3, 3),), dict(output_size=(3, 2, None)))],
+    ),
+    OpRow(
+        "F.interpolate",
+        lambda x, **kw: F.interpolate(x, **kw),
+        lambda: [
+            S_("nearest_scale", (randn(1, 2, 3, 4),), dict(scale_factor=1.7)),
+            S_("nearest_exact_size", (randn(2, 1, 5),), dict(size=3, mode="nearest-exact")),
+            S_("linear", (randn(1, 2, 6),), dict(size=4, mode="linear")),
+            S_("bilinear_scale", (randn(1, 2, 3, 4),), dict(scale_factor=2.5, mode="bilinear")),
+            S_(
+                "bilinear_corners",
+                (randn(1, 1, 3, 4),),
+                dict(size=(5, 2), mode="bilinear", align_corners=True),
+            ),
+            S_(
+                "trilinear",
+                (randn(1, 1, 2, 2, 3),),
+                dict(scale_factor=(1.5, 2, 1), mode="trilinear", recompute_scale_factor=True),
+            ),
+        ],
+    ),
     # ------------------------------------------------------------------ attention, masking, casts
     OpRow(
         "F.scaled_dot_product_attention",

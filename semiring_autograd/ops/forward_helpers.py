@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 
 def dropout_with_noise(
@@ -24,3 +25,26 @@ def dropout_with_noise(
     noise = torch.empty_like(input).bernoulli_(1 - p)
     noise.div_(1 - p)
     return input * noise, noise
+
+
+def _pool_with_indices(pool):
+    """A forward helper for a max-pooling function whose ``return_indices=True`` form also
+    returns the indices torch selects (flat within each plane)."""
+
+    def forward(input: Tensor, *args) -> tuple[Tensor, Tensor]:
+        return pool(input, *args[:-1], return_indices=True)
+
+    forward.__name__ = f"{pool.__name__}_with_indices"
+    forward.__doc__ = (
+        f"``F.{pool.__name__}`` and the indices of the elements it selects (the first of "
+        "tied maxima, as torch routes the gradient). Returns (output, indices)."
+    )
+    return forward
+
+
+max_pool1d_with_indices = _pool_with_indices(F.max_pool1d)
+max_pool2d_with_indices = _pool_with_indices(F.max_pool2d)
+max_pool3d_with_indices = _pool_with_indices(F.max_pool3d)
+adaptive_max_pool1d_with_indices = _pool_with_indices(F.adaptive_max_pool1d)
+adaptive_max_pool2d_with_indices = _pool_with_indices(F.adaptive_max_pool2d)
+adaptive_max_pool3d_with_indices = _pool_with_indices(F.adaptive_max_pool3d)

@@ -33,6 +33,7 @@ PRIMITIVES = (
     "transpose",
     "expand",
     "narrow",
+    "index_select",
     "flip",
     "roll",
     "getitem_backward",
@@ -134,6 +135,11 @@ def expand(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
 
 def narrow(S: Semiring, a: Value, dim: int, start: int, length: int) -> Value:
     return _each(a, lambda c: c.narrow(dim, start, length))
+
+
+def index_select(S: Semiring, a: Value, dim: int, index: Tensor) -> Value:
+    """The entries of ``a`` at ``index`` along ``dim`` (a gather of messages)."""
+    return _each(a, lambda c: c.index_select(dim, index))
 
 
 def flip(S: Semiring, a: Value, dims: Sequence[int]) -> Value:
