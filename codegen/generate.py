@@ -120,16 +120,19 @@ def render_uncached(yaml_dir: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     functions = env.get_template("functions.py.j2")
     all_targets = targets()
+
+    def condition(source: str) -> str:
+        return rewrite(ast.parse(source, mode="eval"), _CONDITION, set())
+
     for target in all_targets:
 
         def code(op: OpEntry, formula, flavour: Flavour = target.flavour) -> str:
             return rewrite(formula.tree, flavour, op.tensor_params)
 
-        text = functions.render(ops=entries, target=target, code=code, **common)
+        text = functions.render(
+            ops=entries, target=target, code=code, condition=condition, **common
+        )
         out[f"{target.module}.py"] = _format(text)
-
-    def condition(source: str) -> str:
-        return rewrite(ast.parse(source, mode="eval"), _CONDITION, set())
 
     table = env.get_template("ops_table.py.j2").render(ops=entries, condition=condition, **common)
     out["ops_table.py"] = _format(table)

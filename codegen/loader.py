@@ -24,6 +24,7 @@ ENTRY_KEYS = frozenset(
         "accepts",
         "forward",
         "output_differentiability",
+        "returns_aux",
         "opinfo",
     }
 )
@@ -144,6 +145,12 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
     if accepts is not None:
         tree = parse(str(accepts), f"{where} accepts")
         analyse(tree, f"{where} accepts", set(), set(params))
+    returns_aux = raw.get("returns_aux")
+    if returns_aux is not None:
+        if len(out_diff) < 2:
+            raise _fail(where, "'returns_aux:' needs a forward helper's extra output")
+        tree = parse(str(returns_aux), f"{where} returns_aux")
+        analyse(tree, f"{where} returns_aux", set(), set(params))
     intermediates: list[Intermediate] = []
     inter_raw = raw.get("intermediates") or {}
     if not isinstance(inter_raw, dict):
@@ -190,6 +197,7 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         accepts=None if accepts is None else str(accepts),
         forward=None if forward is None else str(forward),
         output_differentiability=[bool(x) for x in out_diff],
+        returns_aux=None if returns_aux is None else str(returns_aux),
         source_file=source_file,
         opinfo=list(opinfo),
     )

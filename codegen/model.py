@@ -73,6 +73,9 @@ class OpEntry:
     accepts: str | None
     forward: str | None
     output_differentiability: list[bool]
+    #: a condition on the arguments under which the op returns (output, aux), as torch's
+    #: ``return_indices=True`` forms do; otherwise it returns the output alone
+    returns_aux: str | None
     source_file: str
     #: PyTorch OpInfo names (``name`` or ``name.variant``) whose samples call this entry
     opinfo: list[str] = field(default_factory=list)

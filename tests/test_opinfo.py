@@ -15,6 +15,11 @@ negative dims, keyword variants, non-contiguous inputs) runs as a one-op module 
   through the stated composition (:mod:`composition_oracles`); raw value and readout,
   rtol 1e-7, atol 1e-9 (``LOOSER`` states the samples held to less, and why).
 
+The max-pooling OpInfos generate the full cross product of their options (up to 1,440
+samples each); ``THINNED`` runs an evenly spaced subset of at most ``THINNED_TO`` of them, and
+``test_thinned_samples_cover_every_option`` checks that the subset still holds every value of
+every option and input shape the full set has.
+
 Every differentiable tensor of a sample (floating point, requiring grad) is an input of
 the module; a tensor passed twice is two inputs. A sample an entry does not accept must be
 refused at forward with an ``UnsupportedOpError``: ``REFUSALS`` lists, per OpInfo, what the
@@ -58,6 +63,14 @@ for _entry in ENTRIES:
     for _name in _entry.opinfo:
         DECLARED.setdefault(_name, []).append(_entry.name)
 COMPOSITIONS = {e.name for e in ENTRIES if not e.granularity.startswith("op")}
+
+#: OpInfos whose samples are a cross product of options, run as an evenly spaced subset
+THINNED = {
+    "nn.functional.max_pool1d",
+    "nn.functional.max_pool2d",
+    "nn.functional.max_pool3d",
+}
+THINNED_TO = 48
 
 #: OpInfo → what the refusal of its samples says (a sample of an OpInfo listed here may
 #: still be accepted; one of an OpInfo not listed must be)
@@ -153,13 +166,21 @@ class Case:
         return tuple(t.detach().requires_grad_() for t in self.tensors)
 
 
+def _samples(name: str) -> list[tuple[int, SampleInput]]:
+    """The OpInfo's samples with their indices (an evenly spaced subset where ``THINNED``)."""
+    samples = list(enumerate(OP_DB[name].sample_inputs("cpu", torch.float64, requires_grad=True)))
+    if name in THINNED:
+        # an odd step, so an option that alternates from sample to sample keeps both values
+        return samples[:: -(-len(samples) // THINNED_TO) | 1]
+    return samples
+
+
 def _cases() -> list[Case]:
     cases = []
     for name in sorted(DECLARED):
-        op = OP_DB.get(name)
-        if op is None:  # reported by test_declared_opinfos_exist
+        if name not in OP_DB:  # reported by test_declared_opinfos_exist
             continue
-        for i, sample in enumerate(op.sample_inputs("cpu", torch.float64, requires_grad=True)):
+        for i, sample in _samples(name):
             found: list[Tensor] = []
             template = _template(([sample.input, *sample.args], dict(sample.kwargs)), found)
             if found:
@@ -287,6 +308,20 @@ def test_declared_opinfos_exist():
     assert not missing, f"opinfo names not in op_db: {missing}"
     no_grad = sorted(n for n in DECLARED if not OP_DB[n].supports_autograd)
     assert not no_grad, f"OpInfos without autograd support: {no_grad}"
+
+
+def _options(sample: SampleInput) -> set[tuple[str, str]]:
+    return {("shape", str(tuple(sample.input.shape))), ("args", str(sample.args))} | {
+        (k, str(v)) for k, v in sample.kwargs.items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(THINNED))
+def test_thinned_samples_cover_every_option(name: str):
+    every = set().union(*(_options(s) for s in OP_DB[name].sample_inputs("cpu", torch.float64)))
+    kept = set().union(*(_options(s) for _, s in _samples(name)))
+    assert kept == every, f"{name}: the subset lacks {sorted(every - kept)}"
+    assert len(_samples(name)) <= THINNED_TO
 
 
 def test_every_entry_declares_opinfo_or_says_why():
