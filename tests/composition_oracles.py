@@ -15,6 +15,54 @@ from torch import Tensor
 from semiring_autograd.semirings import Semiring, Value
 
 
+def _standardize(p: Program, source: str, dims, eps: float) -> None:
+    """n = c·s of μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2) over ``dims``."""
+    p.op("mu", lambda x: x.mean(dims, keepdim=True), source)
+    p.op("c", torch.sub, source, "mu")
+    p.op("v", lambda c: (c * c).mean(dims, keepdim=True), "c")
+    p.op("s", lambda v: (v + eps).pow(-0.5), "v")
+    p.op("n", torch.mul, "c", "s")
+
+
+def _affine(p: Program, source: str, w: Tensor | None, b: Tensor | None, shape) -> None:
+    """y = n·w + b with w, b viewed as ``shape`` (one op, as the entries state)."""
+    if w is not None and b is not None:
+        p.op("y", lambda n, w, b: n * w.reshape(shape) + b.reshape(shape), source, "w", "b")
+    elif w is not None:
+        p.op("y", lambda n, w: n * w.reshape(shape), source, "w")
+    elif b is not None:
+        p.op("y", lambda n, b: n + b.reshape(shape), source, "b")
+    else:
+        p.op("y", torch.clone, source)
+
+
+def normalization_paths(
+    S: Semiring,
+    seed: Tensor | None,
+    x: Tensor,
+    dims,
+    w: Tensor | None = None,
+    b: Tensor | None = None,
+    eps: float = 1e-5,
+    groups: int | None = None,
+    param_shape=None,
+) -> dict[str, Value]:
+    """Normalisation over ``dims`` (of x viewed as (N, groups, −1) when ``groups``), then
+    the affine map with w, b viewed as ``param_shape``:
+    μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2); n = c·s; y = n·w + b."""
+    given = {k: t for k, t in dict(x=x, w=w, b=b).items() if t is not None}
+    p = Program(**given)
+    if groups is None:
+        _standardize(p, "x", dims, eps)
+        _affine(p, "n", w, b, param_shape)
+    else:
+        p.op("grouped", lambda x: x.reshape(x.shape[0], groups, x[0].numel() // groups), "x")
+        _standardize(p, "grouped", -1, eps)
+        p.op("ungrouped", lambda n: n.reshape(x.shape), "n")
+        _affine(p, "ungrouped", w, b, param_shape)
+    return dict(zip(given, p.path_sum(S, "y", seed, list(given))))
+
+
 def layer_norm_paths(
     S: Semiring,
     seed: Tensor | None,
@@ -26,19 +74,49 @@ def layer_norm_paths(
 ) -> dict[str, Value]:
     """μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2); n = c·s; y = n·w + b."""
     dims = tuple(range(-len(normalized_shape), 0))
-    given = {k: t for k, t in dict(x=x, w=w, b=b).items() if t is not None}
+    return normalization_paths(S, seed, x, dims, w, b, eps, param_shape=tuple(normalized_shape))
+
+
+def channel_norm_paths(
+    S: Semiring,
+    seed: Tensor | None,
+    x: Tensor,
+    kind: str,
+    w: Tensor | None = None,
+    b: Tensor | None = None,
+    eps: float = 1e-5,
+    groups: int | None = None,
+) -> dict[str, Value]:
+    """Batch norm with batch statistics (``kind`` "batch": over every dim but the channel),
+    instance norm ("instance": over the spatial dims) or group norm ("group"), w and b per
+    channel."""
+    channel = tuple(s if i == 1 else 1 for i, s in enumerate(x.shape))
+    if kind == "group":
+        return normalization_paths(S, seed, x, None, w, b, eps, groups, channel)
+    dims = (
+        tuple(d for d in range(x.dim()) if d != 1) if kind == "batch" else tuple(range(2, x.dim()))
+    )
+    return normalization_paths(S, seed, x, dims, w, b, eps, param_shape=channel)
+
+
+def rms_norm_paths(
+    S: Semiring,
+    seed: Tensor | None,
+    x: Tensor,
+    normalized_shape: tuple[int, ...],
+    w: Tensor | None = None,
+    eps: float | None = None,
+) -> dict[str, Value]:
+    """m = mean(x²); s = (m + eps)^(−1/2); n = x·s; y = n·w."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    given = {k: t for k, t in dict(x=x, w=w).items() if t is not None}
     p = Program(**given)
-    p.op("mu", lambda x: x.mean(dims, keepdim=True), "x")
-    p.op("c", torch.sub, "x", "mu")
-    p.op("v", lambda c: (c * c).mean(dims, keepdim=True), "c")
-    p.op("s", lambda v: (v + eps).pow(-0.5), "v")
-    p.op("n", torch.mul, "c", "s")
-    if w is not None and b is not None:
-        p.op("y", lambda n, w, b: n * w + b, "n", "w", "b")
-    elif w is not None:
+    p.op("m", lambda x: (x * x).mean(dims, keepdim=True), "x")
+    p.op("s", lambda m: (m + eps).pow(-0.5), "m")
+    p.op("n", torch.mul, "x", "s")
+    if w is not None:
         p.op("y", torch.mul, "n", "w")
-    elif b is not None:
-        p.op("y", torch.add, "n", "b")
     else:
         p.op("y", torch.clone, "n")
     return dict(zip(given, p.path_sum(S, "y", seed, list(given))))

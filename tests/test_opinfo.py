@@ -37,7 +37,12 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from composition_oracles import attention_paths, layer_norm_paths
+from composition_oracles import (
+    attention_paths,
+    channel_norm_paths,
+    layer_norm_paths,
+    rms_norm_paths,
+)
 from op_checks import Apply, assert_value_close, random_cotangent, raw_value
 from oracle import op_oracle
 from torch import Tensor
@@ -257,6 +262,49 @@ def _layer_norm_oracle(
     return _values_by_leaf(S, leaves, named, values)
 
 
+def _detached(a: dict, names: dict[str, str]) -> tuple[dict, dict]:
+    """The oracle's named inputs (bound argument by name) and their detached values."""
+    named = {k: a[arg] for k, arg in names.items()}
+    return named, {k: None if t is None else t.detach() for k, t in named.items()}
+
+
+def _channel_norm_oracle(function: Callable, kind: str) -> Callable[..., list[Value]]:
+    """Path enumeration through a channel normalisation's composition; batch norm with
+    running statistics in evaluation is elementwise (the Jacobian oracle)."""
+
+    def oracle(S: Semiring, case: Case, differentiable: list[int], seeds: list[Tensor]):
+        leaves = case.leaves()
+        a = _bind(inspect.signature(function), case, leaves)
+        if kind == "batch" and not a["training"] and a["running_mean"] is not None:
+            return _jacobian_oracle(S, case, differentiable, seeds)
+        named, detached = _detached(a, {"x": "input", "w": "weight", "b": "bias"})
+        values = channel_norm_paths(
+            S,
+            seeds[0],
+            detached["x"],
+            kind,
+            detached["w"],
+            detached["b"],
+            a["eps"],
+            a.get("num_groups"),
+        )
+        return _values_by_leaf(S, leaves, named, values)
+
+    return oracle
+
+
+def _rms_norm_oracle(
+    S: Semiring, case: Case, differentiable: list[int], seeds: list[Tensor]
+) -> list[Value]:
+    leaves = case.leaves()
+    a = _bind(inspect.signature(F.rms_norm), case, leaves)
+    named, detached = _detached(a, {"x": "input", "w": "weight"})
+    values = rms_norm_paths(
+        S, seeds[0], detached["x"], tuple(a["normalized_shape"]), detached["w"], a["eps"]
+    )
+    return _values_by_leaf(S, leaves, named, values)
+
+
 def _sdpa_signature(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
@@ -287,6 +335,10 @@ def _attention_oracle(
 #: composition entry → its path-enumeration oracle on an OpInfo sample
 COMPOSITION_ORACLES: dict[str, Callable[..., list[Value]]] = {
     "layer_norm": _layer_norm_oracle,
+    "batch_norm.batch_stats": _channel_norm_oracle(F.batch_norm, "batch"),
+    "group_norm": _channel_norm_oracle(F.group_norm, "group"),
+    "instance_norm": _channel_norm_oracle(F.instance_norm, "instance"),
+    "rms_norm": _rms_norm_oracle,
     "scaled_dot_product_attention": _attention_oracle,
 }
 

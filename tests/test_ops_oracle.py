@@ -16,7 +16,12 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from composition_oracles import attention_paths, layer_norm_paths
+from composition_oracles import (
+    attention_paths,
+    channel_norm_paths,
+    layer_norm_paths,
+    rms_norm_paths,
+)
 from op_checks import Apply, assert_value_close, random_cotangent, raw_value
 from oracle import merge_positions, op_oracle
 from torch import Tensor
@@ -109,6 +114,36 @@ def _layer_norm_oracle(
         seed,
         normalized_shape=sample.kwargs["normalized_shape"],
         eps=sample.kwargs.get("eps", 1e-5),
+        **dict(zip(names, sample.inputs)),
+    )
+    return [values[n] for n in names]
+
+
+def _channel_norm_oracle(kind: str) -> Oracle:
+    """Path enumeration through the stated composition (:func:`channel_norm_paths`)."""
+
+    def oracle(
+        S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+    ) -> list[Value]:
+        names = ["x", "w", "b"][: len(sample.inputs)]
+        kw = sample.kwargs
+        values = channel_norm_paths(
+            S, seed, kind=kind, groups=kw.get("groups"), **dict(zip(names, sample.inputs))
+        )
+        return [values[n] for n in names]
+
+    return oracle
+
+
+def _rms_norm_oracle(
+    S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+) -> list[Value]:
+    names = ["x", "w"][: len(sample.inputs)]
+    values = rms_norm_paths(
+        S,
+        seed,
+        normalized_shape=sample.kwargs["normalized_shape"],
+        eps=sample.kwargs.get("eps"),
         **dict(zip(names, sample.inputs)),
     )
     return [values[n] for n in names]
@@ -913,6 +948,57 @@ OPS: list[OpRow] = [
                 dict(scale_factor=(1.5, 2, 1), mode="trilinear", recompute_scale_factor=True),
             ),
         ],
+    ),
+    # ------------------------------------------------------------------ normalisation
+    OpRow(
+        "F.batch_norm(eval)",
+        lambda x, w=None, b=None, **kw: F.batch_norm(
+            x, kw["mean"], kw["var"], w, b, eps=kw.get("eps", 1e-5)
+        ),
+        lambda: [
+            S_(
+                "affine_2d",
+                (randn(2, 3, 2, 2), randn(3), randn(3)),
+                dict(mean=randn(3), var=positive(3)),
+            ),
+            S_("plain_1d", (with_zeros(4, 3),), dict(mean=randn(3), var=positive(3), eps=1e-3)),
+        ],
+    ),
+    OpRow(
+        "F.batch_norm(batch statistics)",
+        lambda x, w=None, b=None, **kw: F.batch_norm(x, None, None, w, b, training=True),
+        lambda: [
+            S_("affine_3d", (randn(3, 2, 2), randn(2), randn(2))),
+            S_("plain_2d", (randn(2, 2, 1, 2),)),
+        ],
+        _channel_norm_oracle("batch"),
+    ),
+    OpRow(
+        "F.group_norm",
+        lambda x, w=None, b=None, **kw: F.group_norm(x, kw["groups"], w, b),
+        lambda: [
+            S_("2_groups_affine", (randn(2, 4, 2), randn(4), randn(4)), dict(groups=2)),
+            S_("1_group_plain", (randn(1, 2, 2, 2),), dict(groups=1)),
+        ],
+        _channel_norm_oracle("group"),
+    ),
+    OpRow(
+        "F.instance_norm",
+        lambda x, w=None, b=None, **kw: F.instance_norm(x, weight=w, bias=b),
+        lambda: [
+            S_("affine_1d", (randn(2, 2, 3), randn(2), randn(2))),
+            S_("plain_2d", (randn(1, 2, 2, 2),)),
+        ],
+        _channel_norm_oracle("instance"),
+    ),
+    OpRow(
+        "F.rms_norm",
+        lambda x, w=None, **kw: F.rms_norm(x, kw["normalized_shape"], w, kw.get("eps")),
+        lambda: [
+            S_("last1_weight", (randn(2, 4), randn(4)), dict(normalized_shape=(4,), eps=1e-6)),
+            S_("last2_default_eps", (randn(2, 2, 3),), dict(normalized_shape=(2, 3))),
+        ],
+        _rms_norm_oracle,
     ),
     # ------------------------------------------------------------------ attention, masking, casts
     OpRow(

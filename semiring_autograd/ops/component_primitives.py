@@ -53,6 +53,10 @@ def loo(S: Semiring, a: Tensor, dim: int) -> Tensor:
     return P.loo(S, (a,), dim)[0]
 
 
+def standardize(S: Semiring, a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> Tensor:
+    return P.standardize(S, (a,), centred, rstd, dims)[0]
+
+
 def index_add(S: Semiring, a: Tensor, index: Tensor, size: int) -> Tensor:
     return S.index_add((a,), index, size)[0]
 

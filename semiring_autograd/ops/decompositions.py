@@ -1,6 +1,6 @@
 """The compositions that define composite ops, written with elementary torch ops.
 
-An op whose YAML granularity is a composition (``layer_norm``, ``scaled_dot_product_attention``)
+An op whose YAML granularity is a composition (the normalisations, ``scaled_dot_product_attention``)
 has one semiring formula for the whole op; its internal nodes are nodes of the gradient graph
 but not tensors of the recorded graph. To name a path through them, :mod:`paths` re-runs the
 op as this composition (each step an op with its own formula) on the recorded inputs. Each
@@ -14,8 +14,23 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .shape_helpers import attention_scale
+from .shape_helpers import attention_scale, channel_shape, group_shape, other_dims
 from .tensor_helpers import mask_scores
+
+
+def _standardized(x: Tensor, dims, eps: float) -> Tensor:
+    """μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2); n = c·s over ``dims``
+    (c² is one edge of weight 2c per element, as the YAML formulas state, not c·c's two)."""
+    c = x - x.mean(dims, keepdim=True)
+    return c * torch.rsqrt(c.pow(2).mean(dims, keepdim=True) + eps)
+
+
+def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, shape) -> Tensor:
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y
 
 
 def layer_norm(
@@ -25,19 +40,63 @@ def layer_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
 ) -> Tensor:
-    """μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2); n = c·s; y = n·w + b
-    (c² is one edge of weight 2c per element, as the YAML formula states, not c·c's two)."""
+    """n standardised over the normalised dims; y = n·w + b."""
     dims = tuple(range(-len(tuple(normalized_shape)), 0))
-    mu = input.mean(dims, keepdim=True)
-    c = input - mu
-    v = c.pow(2).mean(dims, keepdim=True)
-    s = torch.rsqrt(v + eps)
-    y = c * s
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
+    return _affine(_standardized(input, dims, eps), weight, bias, tuple(normalized_shape))
+
+
+def batch_norm_batch_stats(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """n standardised over every dim but the channel; y = n·w + b per channel (the running
+    statistics are left as they are)."""
+    y = _standardized(input, other_dims(input.dim()), eps)
+    return _affine(y, weight, bias, channel_shape(input.shape))
+
+
+def group_norm(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """n standardised over each sample's group of channels; y = n·w + b per channel."""
+    grouped = input.reshape(group_shape(input.shape, num_groups))
+    y = _standardized(grouped, -1, eps).reshape(input.shape)
+    return _affine(y, weight, bias, channel_shape(input.shape))
+
+
+def instance_norm(
+    input: Tensor,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """n standardised over each sample's channel; y = n·w + b per channel."""
+    y = _standardized(input, tuple(range(2, input.dim())), eps)
+    return _affine(y, weight, bias, channel_shape(input.shape))
+
+
+def rms_norm(
+    input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None
+) -> Tensor:
+    """m = mean(x²); s = (m + eps)^(−1/2); n = x·s; y = n·w."""
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    y = input * torch.rsqrt(input.pow(2).mean(dims, keepdim=True) + eps)
+    return y if weight is None else y * weight
 
 
 def scaled_dot_product_attention(
@@ -69,5 +128,9 @@ def _repeat_heads(x: Tensor, groups: int) -> Tensor:
 
 DECOMPOSITIONS: dict[str, Callable[..., Tensor]] = {
     "layer_norm": layer_norm,
+    "batch_norm.batch_stats": batch_norm_batch_stats,
+    "group_norm": group_norm,
+    "instance_norm": instance_norm,
+    "rms_norm": rms_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
 }

@@ -42,6 +42,13 @@ def loo(a: Tensor, dim: int) -> Tensor:
     return a.sum(dim, keepdim=True) - a
 
 
+def standardize(a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> Tensor:
+    count = max(centred.numel() // max(rstd.numel(), 1), 1)
+    g_s = (a * centred).sum(dims, keepdim=True)
+    g_c = a * rstd + g_s * (-0.5 * rstd.pow(3)) * (2.0 * centred / count)
+    return g_c - g_c.sum(dims, keepdim=True) / count
+
+
 def index_add(a: Tensor, index: Tensor, size: int) -> Tensor:
     return a.new_zeros((size, *a.shape[1:])).index_add(0, index.reshape(-1), a)
 

@@ -95,7 +95,28 @@ def head_groups_shape(
     return (*batch, kv_heads, heads // kv_heads, kv_shape[-2], last)
 
 
+def channel_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape a per-channel vector takes to broadcast over ``(N, C, *spatial)`` (a 1-D
+    input, which torch's batch norm accepts only empty, keeps its shape)."""
+    if len(shape) < 2:
+        return tuple(shape)
+    return tuple(s if i == 1 else 1 for i, s in enumerate(shape))
+
+
+def group_shape(shape: Sequence[int], groups: int) -> tuple[int, int, int]:
+    """``(N, C, *spatial)`` viewed as (N, groups, the rest of each sample's group)."""
+    return (shape[0], groups, math.prod(shape[1:]) // groups if groups else 0)
+
+
+def other_dims(ndim: int, dim: int = 1) -> tuple[int, ...]:
+    """Every dim of an ``ndim``-dim tensor but ``dim``."""
+    return tuple(d for d in range(ndim) if d != dim)
+
+
 HELPERS = (
+    "channel_shape",
+    "other_dims",
+    "group_shape",
     "normalize_dims",
     "keepdim_shape",
     "reduced_numel",
