@@ -128,6 +128,38 @@ _COMPOSITES = {
             torch.randn(4, generator=g),
         ),
     ),
+    "batch_norm.batch_stats": (
+        lambda x, w, b: torch.nn.functional.batch_norm(x, None, None, w, b, training=True),
+        lambda x, w, b: DECOMPOSITIONS["batch_norm.batch_stats"](x, None, None, w, b, True),
+        lambda g: (
+            torch.randn(3, 2, 2, generator=g),
+            torch.randn(2, generator=g),
+            torch.randn(2, generator=g),
+        ),
+    ),
+    "group_norm": (
+        lambda x, w, b: torch.nn.functional.group_norm(x, 2, w, b),
+        lambda x, w, b: DECOMPOSITIONS["group_norm"](x, 2, w, b),
+        lambda g: (
+            torch.randn(2, 4, 2, generator=g),
+            torch.randn(4, generator=g),
+            torch.randn(4, generator=g),
+        ),
+    ),
+    "instance_norm": (
+        lambda x, w, b: torch.nn.functional.instance_norm(x, weight=w, bias=b),
+        lambda x, w, b: DECOMPOSITIONS["instance_norm"](x, weight=w, bias=b),
+        lambda g: (
+            torch.randn(2, 2, 3, generator=g),
+            torch.randn(2, generator=g),
+            torch.randn(2, generator=g),
+        ),
+    ),
+    "rms_norm": (
+        lambda x, w: torch.nn.functional.rms_norm(x, (4,), w),
+        lambda x, w: DECOMPOSITIONS["rms_norm"](x, (4,), w),
+        lambda g: (torch.randn(3, 4, generator=g), torch.randn(4, generator=g)),
+    ),
     "scaled_dot_product_attention": (
         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=_MASK, enable_gqa=True
@@ -150,6 +182,10 @@ class _Apply(torch.nn.Module):
 
     def forward(self, *xs):
         return self.fn(*xs)
+
+
+def test_every_decomposition_is_checked():
+    assert set(_COMPOSITES) == set(DECOMPOSITIONS)
 
 
 @pytest.mark.parametrize("S", [c() for c in sa.BUILTIN_SEMIRINGS], ids=lambda s: type(s).__name__)
