@@ -1000,6 +1000,108 @@ OPS: list[OpRow] = [
         ],
         _rms_norm_oracle,
     ),
+    # ------------------------------------------------------------------ losses
+    OpRow(
+        "F.cross_entropy",
+        lambda x, *rest, **kw: F.cross_entropy(x, rest[0] if rest else kw.pop("labels"), **kw),
+        lambda: [
+            S_("mean", (randn(3, 4),), dict(labels=torch.tensor([1, 0, 3]))),
+            S_(
+                "none_ignore_2d",
+                (randn(2, 3, 2),),
+                dict(labels=torch.tensor([[0, -100], [2, 1]]), reduction="none"),
+            ),
+            S_(
+                "weight_smoothing",
+                (randn(3, 4),),
+                dict(labels=torch.tensor([3, 3, 0]), weight=positive(4), label_smoothing=0.2),
+            ),
+            S_(
+                "probabilities",
+                (randn(2, 3), torch.rand(2, 3, generator=_GEN, dtype=torch.float64)),
+                dict(reduction="sum"),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.nll_loss",
+        lambda x, **kw: F.nll_loss(x, kw.pop("labels"), **kw),
+        lambda: [
+            S_(
+                "mean_weight",
+                (randn(3, 4),),
+                dict(labels=torch.tensor([1, 0, 1]), weight=positive(4)),
+            ),
+            S_("unbatched", (randn(4),), dict(labels=torch.tensor(2))),
+        ],
+    ),
+    OpRow(
+        "F.mse_loss",
+        lambda x, t, **kw: F.mse_loss(x, t, **kw),
+        lambda: [
+            S_("mean", (randn(2, 3), randn(2, 3))),
+            S_(
+                "none_equal",
+                (
+                    torch.tensor([1.0, 2.0], dtype=torch.float64),
+                    torch.tensor([1.0, 0.5], dtype=torch.float64),
+                ),
+                dict(reduction="none"),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.l1_loss",
+        lambda x, t, **kw: F.l1_loss(x, t, **kw),
+        lambda: [
+            S_(
+                "sum_tie",
+                (
+                    torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64),
+                    torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64),
+                ),
+                dict(reduction="sum"),
+            )
+        ],
+    ),
+    OpRow(
+        "F.smooth_l1_loss",
+        lambda x, t, **kw: F.smooth_l1_loss(x, t, **kw),
+        lambda: [S_("beta", (randn(2, 4), randn(2, 4)), dict(beta=0.7))],
+    ),
+    OpRow(
+        "F.huber_loss",
+        lambda x, t, **kw: F.huber_loss(x, t, **kw),
+        lambda: [S_("none", (randn(3, 2), randn(3, 2)), dict(delta=0.5, reduction="none"))],
+    ),
+    OpRow(
+        "F.binary_cross_entropy_with_logits",
+        lambda x, t, **kw: F.binary_cross_entropy_with_logits(x, t, **kw),
+        lambda: [
+            S_(
+                "pos_weight",
+                (randn(3, 2), torch.rand(3, 2, generator=_GEN, dtype=torch.float64)),
+                dict(pos_weight=positive(2)),
+            ),
+            S_(
+                "weight_none",
+                (randn(4), torch.rand(4, generator=_GEN, dtype=torch.float64)),
+                dict(weight=positive(4), reduction="none"),
+            ),
+        ],
+    ),
+    OpRow(
+        "F.kl_div",
+        lambda x, t, **kw: F.kl_div(x, t, **kw),
+        lambda: [
+            S_(
+                "batchmean",
+                (randn(2, 3), torch.rand(2, 3, generator=_GEN, dtype=torch.float64)),
+                dict(reduction="batchmean"),
+            ),
+            S_("log_target", (randn(2, 3), randn(2, 3)), dict(log_target=True, reduction="sum")),
+        ],
+    ),
     # ------------------------------------------------------------------ attention, masking, casts
     OpRow(
         "F.scaled_dot_product_attention",

@@ -5,6 +5,9 @@ pass) and holds the semiring value (a tuple of component tensors) inside. The en
 two paths with ``aten.add``, which becomes the semiring's merge (⊕). Ops whose backward only moves, copies or
 sums gradients (views, ``select_backward``, ``expand``, ``sum`` …) are structural: their
 meaning is the same in every semiring, so they run per component (sums become ⊕).
+A score read from a patched model's output after the ``with`` block adds native backward
+nodes: a loss's backward op, softmax's and log_softmax's, and elementwise scalings inside
+the nodes of ``ELEMENTWISE_NODES`` run on messages with their semiring meaning.
 Any other aten op reaching a message raises :class:`ForeignOpError`.
 """
 
@@ -17,6 +20,7 @@ from torch import Tensor
 
 from ..errors import ForeignOpError, SemiringMismatchError
 from ..semirings.base import Semiring, Value, message_dtype
+from .primitives import as_message, loo
 from .tensor_helpers import element_positions, gather_positions
 
 aten = torch.ops.aten
@@ -287,6 +291,114 @@ def _scatter_add(func, base, dim, index, src):
     return _scatter_into(func, base, positions, src)
 
 
+# ----- native backward ops of a score read from a patched model's output ---------------
+#: autograd nodes whose backward scales each element's gradient by its local derivative
+#: (a diagonal Jacobian, broadcast copies summed by the engine): ``grad * w``, ``grad / w``
+#: and ``-grad`` there are ⊗ lift(w), ⊗ lift(1/w) and ⊗ lift(−1) on messages
+ELEMENTWISE_NODES = frozenset(
+    {
+        "MulBackward0",
+        "MulBackward1",
+        "DivBackward0",
+        "DivBackward1",
+        "NegBackward0",
+        "SubBackward0",
+        "SubBackward1",
+        "RsubBackward0",
+        "RsubBackward1",
+        "AbsBackward0",
+        "MeanBackward0",
+        "MeanBackward1",
+        "ExpBackward0",
+        "LogBackward0",
+        "BinaryCrossEntropyWithLogitsBackward0",
+        "MseLossBackward0",
+        "SmoothL1LossBackward0",
+        "HuberLossBackward0",
+    }
+)
+
+
+def _scaled(func, msg: Message, w: Tensor | float) -> Message:
+    """``msg`` ⊗ lift(w) elementwise (broadcasting), where the backward node allows it."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        raise ForeignOpError(f"aten op '{func}' was applied to {_NOT_A_GRADIENT}")
+    if node.name() not in ELEMENTWISE_NODES:
+        raise ForeignOpError(
+            f"aten op '{func}' scaled a semiring message in the backward node {node.name()}, "
+            "whose local derivatives are not read off elementwise. Compute this score inside "
+            "`sa.patch(model, semiring)`, or add a YAML entry for its op."
+        )
+    S = msg.semiring
+    weight = as_message(w, (msg.dtype, msg.device))
+    value = S.mul_lift(msg.value, weight)
+    shape = torch.broadcast_shapes(msg.shape, weight.shape)
+    return Message(S, _in_precision(value, msg.dtype), shape, msg.dtype, msg.device)
+
+
+def _mul(func, a, b):
+    if isinstance(a, Message) and isinstance(b, Message):
+        raise ForeignOpError(f"aten op '{func}' multiplied two semiring messages")
+    return _scaled(func, a, b) if isinstance(a, Message) else _scaled(func, b, a)
+
+
+def _div(func, a, b, **kwargs):
+    if not isinstance(a, Message) or isinstance(b, Message) or kwargs.get("rounding_mode"):
+        raise ForeignOpError(f"aten op '{func}' divided by a semiring message")
+    return _scaled(func, a, 1.0 / b)
+
+
+def _div_inplace(func, a, b):
+    out = _div(func, a, b)
+    a.value = out.value
+    return a
+
+
+def _neg(func, msg):
+    return _scaled(func, msg, -1.0)
+
+
+def _loss_backward(func, grad, input, *args, **kwargs):
+    """A loss's native backward (``nll_loss_backward``, ``mse_loss_backward`` …): each
+    input element feeds one loss element, so the backward of a unit cotangent is each
+    edge's weight; the message at each element is its loss element's message ⊗ lift(it)."""
+    if not isinstance(grad, Message):
+        raise ForeignOpError(f"aten op '{func}' received a semiring message as a tensor input")
+    unit = func(
+        torch.ones(grad.shape, dtype=grad.dtype, device=grad.device), input, *args, **kwargs
+    )
+    if grad.dim() == 0:
+        view = (1,) * unit.dim()
+    elif grad.shape == unit.shape:
+        view = tuple(unit.shape)
+    else:  # a loss per row of classes: (N, *d) over (N, C, *d)
+        view = (*grad.shape[:1], 1, *grad.shape[1:])
+    S = grad.semiring
+    spread = tuple(c.reshape(view).expand(unit.shape) for c in grad.value)
+    value = S.mul_lift(spread, as_message(unit, (grad.dtype, grad.device)))
+    return Message(S, _in_precision(value, unit.dtype), unit.shape, unit.dtype, unit.device)
+
+
+def _softmax_backward(func, grad, output, dim, input_dtype):
+    """softmax's backward on messages: edges y_i(δ_ij − y_j), as its YAML formula."""
+    S, ref = grad.semiring, (grad.dtype, grad.device)
+    y = as_message(output, ref)
+    value = S.add(
+        S.mul_lift(grad.value, y * (1 - y)),
+        S.mul_lift(loo(S, S.mul_lift(grad.value, y), dim), -y),
+    )
+    return Message(S, _in_precision(value, input_dtype), grad.shape, input_dtype, grad.device)
+
+
+def _log_softmax_backward(func, grad, output, dim, input_dtype):
+    """log_softmax's backward on messages: edges δ_ij − p_j, as its YAML formula."""
+    S, ref = grad.semiring, (grad.dtype, grad.device)
+    p = as_message(output, ref).exp()
+    value = S.add(S.mul_lift(grad.value, 1 - p), S.mul_lift(loo(S, grad.value, dim), -p))
+    return Message(S, _in_precision(value, input_dtype), grad.shape, input_dtype, grad.device)
+
+
 _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.add.Tensor: _add,
     aten.add_.Tensor: _add_inplace,
@@ -317,6 +429,19 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten._to_copy.default: _to_copy,
     aten.index_put.default: _index_put,
     aten.scatter_add.default: _scatter_add,
+    aten.mul.Tensor: _mul,
+    aten.mul.Scalar: _mul,
+    aten.div.Tensor: _div,
+    aten.div.Scalar: _div,
+    aten.div_.Scalar: _div_inplace,
+    aten.neg.default: _neg,
+    aten.nll_loss_backward.default: _loss_backward,
+    aten.nll_loss2d_backward.default: _loss_backward,
+    aten.mse_loss_backward.default: _loss_backward,
+    aten.smooth_l1_loss_backward.default: _loss_backward,
+    aten.huber_loss_backward.default: _loss_backward,
+    aten._softmax_backward_data.default: _softmax_backward,
+    aten._log_softmax_backward_data.default: _log_softmax_backward,
 }
 
 

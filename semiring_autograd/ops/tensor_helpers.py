@@ -9,6 +9,7 @@ return the primal's dtype, so Real-semiring formulas stay in it as torch.autogra
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -165,7 +166,46 @@ def _ones_view(x: Tensor) -> Tensor:
     return torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
 
 
+@dataclass(frozen=True)
+class LossEdges:
+    """A loss's edges: each element of its input and target (broadcast against each other)
+    feeds one element of the loss — its own, its row's, or the reduced loss."""
+
+    shape: tuple[int, ...]  # the shape input and target are read at
+    view: tuple[int, ...]  # the loss's shape, with 1s where it broadcasts over ``shape``
+    input: Tensor  # each input element's local derivative, of ``shape``
+    target: Tensor | None  # the same for a floating target (None for class indices)
+
+
+def loss_edges(loss, input: Tensor, target: Tensor, broadcast: bool, **kwargs) -> LossEdges:
+    """The edges of ``loss(input, target, **kwargs)`` as torch.autograd computes them: since
+    each element feeds one loss element, the vector-Jacobian product with a cotangent of
+    ones reads off each edge's weight (``broadcast``: input and target are broadcast
+    against each other first, so each copy is an element of its own)."""
+    with torch._C.DisableTorchFunction(), torch.enable_grad():
+        shape = tuple(input.shape)
+        if broadcast:
+            shape = tuple(torch.broadcast_shapes(input.shape, target.shape))
+        x = input.detach().expand(shape).clone().requires_grad_()
+        wants_target = target.is_floating_point()
+        t = target.detach()
+        if wants_target:
+            t = t.expand(shape if broadcast else t.shape).clone().requires_grad_()
+        out = loss(x, t, **kwargs)
+        leaves = [x, t] if wants_target else [x]
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+    if out.dim() == 0:
+        view = (1,) * len(shape)
+    elif tuple(out.shape) == shape:
+        view = shape
+    else:  # a loss per row of classes: (N, *d) over (N, C, *d)
+        view = (*out.shape[:1], 1, *out.shape[1:])
+    derivatives = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
+    return LossEdges(shape, view, derivatives[0], derivatives[1] if wants_target else None)
+
+
 HELPERS = (
+    "loss_edges",
     "repeat_heads",
     "attention_probs",
     "gather_positions",
