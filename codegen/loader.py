@@ -25,6 +25,7 @@ ENTRY_KEYS = frozenset(
         "forward",
         "output_differentiability",
         "returns_aux",
+        "aux_type",
         "opinfo",
     }
 )
@@ -151,6 +152,11 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
             raise _fail(where, "'returns_aux:' needs a forward helper's extra output")
         tree = parse(str(returns_aux), f"{where} returns_aux")
         analyse(tree, f"{where} returns_aux", set(), set(params))
+    aux_type = raw.get("aux_type")
+    if aux_type is not None:
+        if returns_aux is None:
+            raise _fail(where, "'aux_type:' types the (output, aux) pair 'returns_aux:' returns")
+        _check_torch_path(where, aux_type)
     intermediates: list[Intermediate] = []
     inter_raw = raw.get("intermediates") or {}
     if not isinstance(inter_raw, dict):
@@ -198,6 +204,7 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         forward=None if forward is None else str(forward),
         output_differentiability=[bool(x) for x in out_diff],
         returns_aux=None if returns_aux is None else str(returns_aux),
+        aux_type=aux_type,
         source_file=source_file,
         opinfo=list(opinfo),
     )

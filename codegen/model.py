@@ -76,6 +76,8 @@ class OpEntry:
     #: a condition on the arguments under which the op returns (output, aux), as torch's
     #: ``return_indices=True`` forms do; otherwise it returns the output alone
     returns_aux: str | None
+    #: the type of that pair (a torch.return_types struct sequence), or a plain tuple
+    aux_type: str | None
     source_file: str
     #: PyTorch OpInfo names (``name`` or ``name.variant``) whose samples call this entry
     opinfo: list[str] = field(default_factory=list)

@@ -92,6 +92,23 @@ def _is_inplace(func: Any, kwargs: dict) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+_AUGMENTED = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div"}
+
+
+def _out_of_place(func: Any, kwargs: dict) -> Any:
+    """The out-of-place counterpart of an in-place tensor method (``x.add_`` → ``x.add``,
+    ``x += y`` → ``x.add``), or None."""
+    name = getattr(func, "__name__", "")
+    if kwargs.get("out") is not None:
+        return None
+    base = _AUGMENTED.get(name) or (
+        name[:-1] if name.endswith("_") and not name.endswith("__") else None
+    )
+    if base is None or getattr(torch.Tensor, name, None) is not func:
+        return None
+    return getattr(torch.Tensor, base, None)
+
+
 def _running() -> list["PatchHandle"]:
     """This thread's patches whose model's forward is running."""
     running = getattr(_THREAD, "running", None)
@@ -193,7 +210,17 @@ class _SemiringMode(TorchFunctionMode):
             handle.annotate(out, op, replay)
             return out
         if _is_inplace(func, kwargs):
-            raise handle.unsupported(func, "it writes into a tensor in place")
+            counterpart = _out_of_place(func, kwargs)
+            if counterpart is None or not handle.registry.candidates(counterpart):
+                raise handle.unsupported(func, "it writes into a tensor in place")
+            # the op out of place, under its formula, on a copy of the target (the formula
+            # may keep it for backward); then the result written into the target as torch
+            # writes it. The copies are identity edges.
+            target = args[0]
+            result = self.__torch_function__(
+                counterpart, types, (target.clone(), *args[1:]), kwargs
+            )
+            return target.copy_(result)
         out = func(*args, **kwargs)
         if not _differentiable_output(out):
             return out  # e.g. x.type() returning a string: nothing enters the gradient graph

@@ -48,3 +48,28 @@ max_pool3d_with_indices = _pool_with_indices(F.max_pool3d)
 adaptive_max_pool1d_with_indices = _pool_with_indices(F.adaptive_max_pool1d)
 adaptive_max_pool2d_with_indices = _pool_with_indices(F.adaptive_max_pool2d)
 adaptive_max_pool3d_with_indices = _pool_with_indices(F.adaptive_max_pool3d)
+
+
+def topk(input: Tensor, k: int, dim: int, largest: bool, sorted: bool) -> tuple[Tensor, Tensor]:
+    """``torch.topk``: (values, indices)."""
+    return tuple(torch.topk(input, k, dim, largest, sorted))
+
+
+def sort(input: Tensor, dim: int, descending: bool, stable: bool) -> tuple[Tensor, Tensor]:
+    """``torch.sort``: (values, indices)."""
+    return tuple(torch.sort(input, dim=dim, descending=descending, stable=bool(stable)))
+
+
+def max_dim(input: Tensor, dim: int, keepdim: bool) -> tuple[Tensor, Tensor]:
+    """``torch.max(input, dim)``: (values, indices of the first maximum)."""
+    return tuple(torch.max(input, dim, keepdim))
+
+
+def min_dim(input: Tensor, dim: int, keepdim: bool) -> tuple[Tensor, Tensor]:
+    """``torch.min(input, dim)``: (values, indices of the first minimum)."""
+    return tuple(torch.min(input, dim, keepdim))
+
+
+def kthvalue(input: Tensor, k: int, dim: int, keepdim: bool) -> tuple[Tensor, Tensor]:
+    """``torch.kthvalue``: (values, indices)."""
+    return tuple(torch.kthvalue(input, k, dim, keepdim))

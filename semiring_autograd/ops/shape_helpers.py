@@ -113,7 +113,15 @@ def other_dims(ndim: int, dim: int = 1) -> tuple[int, ...]:
     return tuple(d for d in range(ndim) if d != dim)
 
 
+def repeat_blocks(shape: Sequence[int], repeats: Sequence[int]) -> tuple[int, ...]:
+    """For ``x.repeat(*repeats)``: the output's shape split into (copies, size) pairs, dim
+    by dim (``x`` read with leading size-1 dims up to ``len(repeats)``)."""
+    padded = (1,) * (len(repeats) - len(shape)) + tuple(shape)
+    return tuple(n for r, s in zip(repeats, padded) for n in (r, s))
+
+
 HELPERS = (
+    "repeat_blocks",
     "channel_shape",
     "other_dims",
     "group_shape",

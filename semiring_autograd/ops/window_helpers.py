@@ -382,13 +382,32 @@ def _interpolation_table(
     length: int, size: int | None, scale: float | None, mode: str, align_corners, recompute, dtype
 ) -> Table:
     """One dim's taps of F.interpolate, read off the op itself: interpolating the rows of
-    the identity gives the (out, length) matrix of weights (separable modes only)."""
-    eye = torch.eye(length, dtype=dtype).unsqueeze(0)
+    the identity gives the (out, length) matrix of weights (the modes are separable;
+    bicubic, which torch has only in 2-D, runs with a second dim of size 1, read with
+    weight exactly 1)."""
     one_d = "linear" if mode in ("linear", "bilinear", "trilinear") else mode
-    extra = {} if one_d.startswith("nearest") else {"align_corners": align_corners}
-    matrix = torch.nn.functional.interpolate(
-        eye, size=size, scale_factor=scale, mode=one_d, recompute_scale_factor=recompute, **extra
-    )[0].T
+    extra = (
+        {} if one_d.startswith("nearest") or one_d == "area" else {"align_corners": align_corners}
+    )
+    eye = torch.eye(length, dtype=dtype).unsqueeze(0)
+    if one_d == "bicubic":
+        matrix = torch.nn.functional.interpolate(
+            eye.unsqueeze(-1),
+            size=None if size is None else (size, 1),
+            scale_factor=None if scale is None else (scale, 1.0),
+            mode=one_d,
+            recompute_scale_factor=recompute,
+            **extra,
+        )[0, :, :, 0].T
+    else:
+        matrix = torch.nn.functional.interpolate(
+            eye,
+            size=size,
+            scale_factor=scale,
+            mode=one_d,
+            recompute_scale_factor=recompute,
+            **extra,
+        )[0].T
     nonzero = matrix != 0
     count = nonzero.sum(1)
     taps = int(count.max()) if matrix.numel() else 0
@@ -409,7 +428,7 @@ def interpolation_windows(
     align_corners: bool | None,
     recompute_scale_factor: bool | None,
 ) -> Windows:
-    """The taps and weights of ``F.interpolate`` in a nearest or (bi/tri)linear mode over
+    """The taps and weights of ``F.interpolate`` (any mode but antialiased ones) over
     the spatial dims of an input (N, C, *spatial); weights in the input's precision
     (float32 for half and bfloat16), as torch computes them."""
     dims = len(input_shape) - 2

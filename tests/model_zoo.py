@@ -1,0 +1,273 @@
+"""Tiny random-weight Hugging Face models of many architecture families, for the sweep.
+
+Each :class:`Family` builds a model from a small config (nothing is downloaded) and the
+float input the readout is taken with respect to: input embeddings for text models, pixel
+values for vision models, log-mel features or raw audio for speech models. ``score`` reads
+one scalar from the model's output.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+tf.logging.set_verbosity_error()
+
+VOCAB = 48
+SEQ = 5
+IMAGE = 32
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    build: Callable[[], nn.Module]
+    #: "text" (inputs_embeds), "seq2seq" (inputs_embeds and decoder_inputs_embeds),
+    #: "image" (pixel_values), "audio_features" (input_features), "audio" (input_values)
+    kind: str
+    #: extra keyword arguments of the forward
+    extra: Callable[[], dict[str, Any]] = dict
+
+
+def _text(config_cls, model_cls, **kw) -> Callable[[], nn.Module]:
+    defaults = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=32,
+    )
+    return lambda: model_cls(config_cls(**{**defaults, **kw}))
+
+
+def _decoder(config_cls, model_cls, **kw) -> Callable[[], nn.Module]:
+    return _text(config_cls, model_cls, num_attention_heads=4, num_key_value_heads=2, **kw)
+
+
+_VIT = dict(
+    image_size=IMAGE,
+    patch_size=8,
+    num_channels=3,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=24,
+)
+
+FAMILIES: list[Family] = [
+    # ----- encoders
+    Family("bert", _text(tf.BertConfig, tf.BertModel), "text"),
+    Family("roberta", _text(tf.RobertaConfig, tf.RobertaModel), "text"),
+    Family("albert", _text(tf.AlbertConfig, tf.AlbertModel, embedding_size=8), "text"),
+    Family("electra", _text(tf.ElectraConfig, tf.ElectraModel, embedding_size=16), "text"),
+    Family("deberta-v2", _text(tf.DebertaV2Config, tf.DebertaV2Model), "text"),
+    Family(
+        "distilbert",
+        lambda: tf.DistilBertModel(
+            tf.DistilBertConfig(
+                vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=24,
+                max_position_embeddings=32,
+            )
+        ),
+        "text",
+    ),
+    # ----- decoders
+    Family(
+        "gpt2",
+        lambda: tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32)
+        ),
+        "text",
+    ),
+    Family("gpt-neox", _text(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "text"),
+    Family(
+        "gpt-j",
+        lambda: tf.GPTJForCausalLM(
+            tf.GPTJConfig(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32, rotary_dim=4)
+        ),
+        "text",
+    ),
+    Family(
+        "opt",
+        _text(tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=24, word_embed_proj_dim=16),
+        "text",
+    ),
+    Family("llama", _decoder(tf.LlamaConfig, tf.LlamaForCausalLM), "text"),
+    Family("mistral", _decoder(tf.MistralConfig, tf.MistralForCausalLM), "text"),
+    Family("qwen2", _decoder(tf.Qwen2Config, tf.Qwen2ForCausalLM), "text"),
+    Family("qwen3", _decoder(tf.Qwen3Config, tf.Qwen3ForCausalLM, head_dim=4), "text"),
+    Family("gemma", _decoder(tf.GemmaConfig, tf.GemmaForCausalLM, head_dim=4), "text"),
+    Family("gemma2", _decoder(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=4), "text"),
+    Family(
+        "gemma3", _decoder(tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, head_dim=4), "text"
+    ),
+    Family("phi", _text(tf.PhiConfig, tf.PhiForCausalLM), "text"),
+    Family("phi3", _decoder(tf.Phi3Config, tf.Phi3ForCausalLM, pad_token_id=0), "text"),
+    Family("olmo2", _decoder(tf.Olmo2Config, tf.Olmo2ForCausalLM), "text"),
+    Family(
+        "bloom",
+        lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=2)),
+        "text",
+    ),
+    Family(
+        "falcon",
+        lambda: tf.FalconForCausalLM(
+            tf.FalconConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+        ),
+        "text",
+    ),
+    Family(
+        "mixtral",
+        _decoder(
+            tf.MixtralConfig,
+            tf.MixtralForCausalLM,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_implementation="eager",
+        ),
+        "text",
+    ),
+    # ----- encoder-decoders
+    Family(
+        "t5",
+        lambda: tf.T5Model(
+            tf.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_heads=2)
+        ),
+        "seq2seq",
+    ),
+    Family(
+        "bart",
+        lambda: tf.BartModel(
+            tf.BartConfig(
+                vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+                decoder_ffn_dim=24, max_position_embeddings=32,
+            )
+        ),
+        "seq2seq",
+    ),
+    # ----- vision
+    Family("vit", lambda: tf.ViTModel(tf.ViTConfig(**_VIT)), "image"),
+    Family("deit", lambda: tf.DeiTModel(tf.DeiTConfig(**_VIT)), "image"),
+    Family("beit", lambda: tf.BeitModel(tf.BeitConfig(**_VIT, use_relative_position_bias=True)), "image"),
+    Family("dinov2", lambda: tf.Dinov2Model(tf.Dinov2Config(**_VIT)), "image"),
+    Family(
+        "yolos",
+        lambda: tf.YolosModel(tf.YolosConfig(**{**_VIT, "image_size": [IMAGE, IMAGE]}, num_detection_tokens=2)),
+        "image",
+    ),
+    Family(
+        "clip-vision",
+        lambda: tf.CLIPVisionModel(tf.CLIPVisionConfig(**_VIT)),
+        "image",
+    ),
+    Family(
+        "siglip-vision",
+        # the tower without the attention-pooling head (nn.MultiheadAttention), as PaliGemma
+        lambda: tf.SiglipVisionModel(tf.SiglipVisionConfig(**_VIT, vision_use_head=False)),
+        "image",
+    ),
+    Family(
+        "swin",
+        lambda: tf.SwinModel(
+            tf.SwinConfig(
+                image_size=IMAGE, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2],
+                window_size=4,
+            )
+        ),
+        "image",
+    ),
+    Family(
+        "convnext",
+        lambda: tf.ConvNextModel(
+            tf.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2)
+        ),
+        "image",
+    ),
+    Family(
+        "resnet",
+        lambda: tf.ResNetModel(
+            tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])
+        ),
+        "image",
+    ),
+    Family(
+        "segformer",
+        lambda: tf.SegformerForSemanticSegmentation(
+            tf.SegformerConfig(
+                num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                num_attention_heads=[1, 2], decoder_hidden_size=16, patch_sizes=[7, 3],
+                strides=[4, 2], mlp_ratios=[2, 2], num_labels=3,
+            )
+        ),
+        "image",
+    ),
+    # ----- speech
+    Family(
+        "whisper",
+        lambda: tf.WhisperModel(
+            tf.WhisperConfig(
+                vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=1,
+                decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                encoder_ffn_dim=24, decoder_ffn_dim=24, max_source_positions=8,
+                max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                decoder_start_token_id=1,
+            )
+        ),
+        "audio_features",
+    ),
+    Family(
+        "wav2vec2",
+        lambda: tf.Wav2Vec2Model(
+            tf.Wav2Vec2Config(
+                hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4),
+                num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+            )
+        ),
+        "audio",
+    ),
+]
+
+
+def build(family: Family, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """The family's model, seeded, in evaluation mode and ``dtype``."""
+    torch.manual_seed(0)
+    return family.build().to(dtype).eval()
+
+
+def model_input(family: Family, model: nn.Module, dtype: torch.dtype) -> tuple[str, Tensor, dict]:
+    """(keyword of the input the readout is taken w.r.t., that input, other keywords)."""
+    gen = torch.Generator().manual_seed(1)
+    config = model.config
+    if family.kind in ("text", "seq2seq"):
+        ids = torch.randint(1, VOCAB, (2, SEQ), generator=gen)
+        x = model.get_input_embeddings()(ids).detach()
+        other: dict[str, Any] = {}
+        if family.kind == "seq2seq":
+            other["decoder_inputs_embeds"] = x[:, :3].clone()
+        return "inputs_embeds", x, other
+    if family.kind == "image":
+        channels = getattr(config, "num_channels", 3)
+        x = torch.randn(1, channels, IMAGE, IMAGE, generator=gen, dtype=dtype)
+        return "pixel_values", x, {}
+    if family.kind == "audio_features":
+        frames = 2 * config.max_source_positions
+        x = torch.randn(1, config.num_mel_bins, frames, generator=gen, dtype=dtype)
+        return "input_features", x, {"decoder_input_ids": torch.tensor([[1, 2, 3]])}
+    x = torch.randn(1, 64, generator=gen, dtype=dtype)
+    return "input_values", x, {}
+
+
+def score(output: Any) -> Tensor:
+    """One scalar of the model's main output: an element of its last position."""
+    main = output[0] if isinstance(output, (tuple, list)) else next(iter(output.values()))
+    return main.reshape(-1)[-3]
