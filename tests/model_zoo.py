@@ -73,7 +73,11 @@ FAMILIES: list[Family] = [
         "distilbert",
         lambda: tf.DistilBertModel(
             tf.DistilBertConfig(
-                vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=24,
+                vocab_size=VOCAB,
+                dim=16,
+                n_layers=2,
+                n_heads=2,
+                hidden_dim=24,
                 max_position_embeddings=32,
             )
         ),
@@ -91,7 +95,9 @@ FAMILIES: list[Family] = [
     Family(
         "gpt-j",
         lambda: tf.GPTJForCausalLM(
-            tf.GPTJConfig(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32, rotary_dim=4)
+            tf.GPTJConfig(
+                vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32, rotary_dim=4
+            )
         ),
         "text",
     ),
@@ -106,21 +112,23 @@ FAMILIES: list[Family] = [
     Family("qwen3", _decoder(tf.Qwen3Config, tf.Qwen3ForCausalLM, head_dim=4), "text"),
     Family("gemma", _decoder(tf.GemmaConfig, tf.GemmaForCausalLM, head_dim=4), "text"),
     Family("gemma2", _decoder(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=4), "text"),
-    Family(
-        "gemma3", _decoder(tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, head_dim=4), "text"
-    ),
+    Family("gemma3", _decoder(tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, head_dim=4), "text"),
     Family("phi", _text(tf.PhiConfig, tf.PhiForCausalLM), "text"),
     Family("phi3", _decoder(tf.Phi3Config, tf.Phi3ForCausalLM, pad_token_id=0), "text"),
     Family("olmo2", _decoder(tf.Olmo2Config, tf.Olmo2ForCausalLM), "text"),
     Family(
         "bloom",
-        lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=2)),
+        lambda: tf.BloomForCausalLM(
+            tf.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=2)
+        ),
         "text",
     ),
     Family(
         "falcon",
         lambda: tf.FalconForCausalLM(
-            tf.FalconConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+            tf.FalconConfig(
+                vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2
+            )
         ),
         "text",
     ),
@@ -147,9 +155,15 @@ FAMILIES: list[Family] = [
         "bart",
         lambda: tf.BartModel(
             tf.BartConfig(
-                vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
-                encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
-                decoder_ffn_dim=24, max_position_embeddings=32,
+                vocab_size=VOCAB,
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=24,
+                decoder_ffn_dim=24,
+                max_position_embeddings=32,
             )
         ),
         "seq2seq",
@@ -157,11 +171,17 @@ FAMILIES: list[Family] = [
     # ----- vision
     Family("vit", lambda: tf.ViTModel(tf.ViTConfig(**_VIT)), "image"),
     Family("deit", lambda: tf.DeiTModel(tf.DeiTConfig(**_VIT)), "image"),
-    Family("beit", lambda: tf.BeitModel(tf.BeitConfig(**_VIT, use_relative_position_bias=True)), "image"),
+    Family(
+        "beit",
+        lambda: tf.BeitModel(tf.BeitConfig(**_VIT, use_relative_position_bias=True)),
+        "image",
+    ),
     Family("dinov2", lambda: tf.Dinov2Model(tf.Dinov2Config(**_VIT)), "image"),
     Family(
         "yolos",
-        lambda: tf.YolosModel(tf.YolosConfig(**{**_VIT, "image_size": [IMAGE, IMAGE]}, num_detection_tokens=2)),
+        lambda: tf.YolosModel(
+            tf.YolosConfig(**{**_VIT, "image_size": [IMAGE, IMAGE]}, num_detection_tokens=2)
+        ),
         "image",
     ),
     Family(
@@ -179,7 +199,11 @@ FAMILIES: list[Family] = [
         "swin",
         lambda: tf.SwinModel(
             tf.SwinConfig(
-                image_size=IMAGE, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2],
+                image_size=IMAGE,
+                patch_size=4,
+                embed_dim=8,
+                depths=[1, 1],
+                num_heads=[2, 2],
                 window_size=4,
             )
         ),
@@ -203,9 +227,16 @@ FAMILIES: list[Family] = [
         "segformer",
         lambda: tf.SegformerForSemanticSegmentation(
             tf.SegformerConfig(
-                num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
-                num_attention_heads=[1, 2], decoder_hidden_size=16, patch_sizes=[7, 3],
-                strides=[4, 2], mlp_ratios=[2, 2], num_labels=3,
+                num_encoder_blocks=2,
+                depths=[1, 1],
+                sr_ratios=[2, 1],
+                hidden_sizes=[8, 16],
+                num_attention_heads=[1, 2],
+                decoder_hidden_size=16,
+                patch_sizes=[7, 3],
+                strides=[4, 2],
+                mlp_ratios=[2, 2],
+                num_labels=3,
             )
         ),
         "image",
@@ -215,25 +246,60 @@ FAMILIES: list[Family] = [
         "whisper",
         lambda: tf.WhisperModel(
             tf.WhisperConfig(
-                vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=1,
-                decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-                encoder_ffn_dim=24, decoder_ffn_dim=24, max_source_positions=8,
-                max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                vocab_size=VOCAB,
+                num_mel_bins=8,
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=24,
+                decoder_ffn_dim=24,
+                max_source_positions=8,
+                max_target_positions=16,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
                 decoder_start_token_id=1,
             )
         ),
         "audio_features",
     ),
+    # ----- more vision: pooling and group norm, depthwise convolutions, squeeze-excitation
     Family(
-        "wav2vec2",
-        lambda: tf.Wav2Vec2Model(
-            tf.Wav2Vec2Config(
-                hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
-                conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4),
-                num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        "poolformer",
+        lambda: tf.PoolFormerModel(
+            tf.PoolFormerConfig(
+                hidden_sizes=[8, 16],
+                depths=[1, 1],
+                num_encoder_blocks=2,
+                patch_sizes=[7, 3],
+                strides=[4, 2],
+                padding=[2, 1],
             )
         ),
-        "audio",
+        "image",
+    ),
+    Family(
+        "mobilenet-v2",
+        lambda: tf.MobileNetV2Model(tf.MobileNetV2Config(image_size=IMAGE, depth_multiplier=0.25)),
+        "image",
+    ),
+    Family(
+        "efficientnet",
+        lambda: tf.EfficientNetModel(
+            tf.EfficientNetConfig(
+                image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320
+            )
+        ),
+        "image",
+    ),
+    Family(
+        "regnet",
+        lambda: tf.RegNetModel(
+            tf.RegNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4)
+        ),
+        "image",
     ),
 ]
 

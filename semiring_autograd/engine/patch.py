@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PatchError, SemiringMismatchError, UnsupportedOpError
+from . import custom_functions
 from .checkpointing import checkpoint_frame, recompute_under
 from .graph import NodeInfo, set_node_info
 from ..ops.spec import OpSpec
@@ -107,6 +108,17 @@ def _out_of_place(func: Any, kwargs: dict) -> Any:
     if base is None or getattr(torch.Tensor, name, None) is not func:
         return None
     return getattr(torch.Tensor, base, None)
+
+
+def _traces_custom_function(cls: type) -> bool:
+    """Whether ``Function.apply`` of ``cls`` runs as the ops of its forward now: inside a
+    patched forward of this thread that records semiring formulas, for a Function that is
+    neither this library's (generated) nor torch's."""
+    running = getattr(_THREAD, "running", None)
+    if not running or running[-1].torch_graph:
+        return False
+    module = getattr(cls, "__module__", "") or ""
+    return not module.startswith(("torch.", "generated.", "semiring_autograd."))
 
 
 def _running() -> list["PatchHandle"]:
@@ -314,6 +326,7 @@ class PatchHandle:
             self._depth += 1
             if self._depth == 1:
                 self._mode.__enter__()
+                custom_functions.install(_traces_custom_function)
                 self._active = True
                 _running().append(self)
             try:
@@ -329,6 +342,7 @@ class PatchHandle:
         if self._active:
             self._active = False
             self._mode.__exit__(None, None, None)
+            custom_functions.uninstall()
             _running().remove(self)
 
     def _unwrap(self) -> None:

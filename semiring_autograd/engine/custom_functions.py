@@ -1,0 +1,100 @@
+"""Custom ``torch.autograd.Function``\\ s inside a patched model run as the ops of their forward.
+
+A custom Function's backward is Python code on real gradients, not a semiring formula (BLOOM's
+``GeLUFunction``, memory-saving activations). While a patched model's forward runs in this
+thread, ``Function.apply`` of such a Function calls its ``forward`` with grad enabled, so the
+semiring mode records the ops it runs and the semiring backward differentiates them; the
+Function's own backward is not used (a warning names each such Function once). Under
+``sa.Real()``, which records torch's own graph, and outside a running patch, ``apply`` is
+torch's. The hook is installed while any patched forward runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.autograd.function import _is_setup_context_defined
+from torch.utils._pytree import tree_flatten, tree_map
+
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
+_LOCK = threading.Lock()
+_installed = 0
+_warned: set[type] = set()
+#: whether a Function class runs as ops now (set by the patch: a patched forward running
+#: in this thread, not under sa.Real(), and not a Function of this library or of torch)
+_should_trace: Callable[[type], bool] = lambda cls: False  # noqa: E731
+
+
+class _ForwardContext:
+    """The ``ctx`` a Function's forward receives when it runs as plain ops: what it saves
+    is kept for nobody; outputs it marks non-differentiable are detached."""
+
+    def __init__(self, args: tuple) -> None:
+        self.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        self.saved_tensors: tuple = ()
+        self.non_differentiable: set[int] = set()
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+    def save_for_forward(self, *tensors: Any) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        self.non_differentiable.update(id(t) for t in tensors)
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """Run ``cls.forward`` as ops (see the module docstring)."""
+    if cls not in _warned:
+        _warned.add(cls)
+        warnings.warn(
+            f"sa.patch: the custom autograd.Function {cls.__qualname__} runs as the ops of its "
+            "forward, each under its semiring formula; its own backward is not used",
+            stacklevel=3,
+        )
+    if _is_setup_context_defined(cls.setup_context):
+        out = cls.forward(*args, **kwargs)
+        ctx = _ForwardContext(args)
+    else:
+        ctx = _ForwardContext(args)
+        out = cls.forward(ctx, *args, **kwargs)
+    if ctx.non_differentiable:
+        out = tree_map(lambda t: t.detach() if id(t) in ctx.non_differentiable else t, out)
+    return out
+
+
+def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    if torch.is_grad_enabled() and _should_trace(cls):
+        leaves, _ = tree_flatten((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+            return _traced_apply(cls, *args, **kwargs)
+    return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+
+
+def install(should_trace: Callable[[type], bool]) -> None:
+    """Route ``Function.apply`` through :func:`_apply`, tracing the classes
+    ``should_trace`` names (installs nest: each needs its :func:`uninstall`)."""
+    global _installed, _should_trace
+    with _LOCK:
+        _should_trace = should_trace
+        if _installed == 0:
+            torch.autograd.Function.apply = classmethod(_apply)
+        _installed += 1
+
+
+def uninstall() -> None:
+    global _installed
+    with _LOCK:
+        _installed -= 1
+        if _installed == 0:
+            torch.autograd.Function.apply = _ORIGINAL_APPLY
