@@ -1,11 +1,12 @@
 """Semiring backward vs native backward: time and peak-memory ratios, as a markdown table.
 
-For every case (BERT-base, GPT-2-small, MLP 784-500-10) and every built-in semiring (Real
+For every case (BERT-base, GPT-2-small, MLP 784-500-10, ResNet-18 and ViT-B/16 shapes)
+and every built-in semiring (Real
 twice: ``sa.Real()``, torch's own graph, and ``Real-formulas``, the generated formulas),
 one run measures, on the same inputs (same seed):
 
 - native: forward + ``torch.autograd.grad`` of one output scalar w.r.t. the input
-  embeddings (the MLP: w.r.t. its input batch);
+  embeddings (the MLP: w.r.t. its input batch; the vision models: w.r.t. the pixels);
 - semiring: patched forward + ``sa.grad`` of the same scalar w.r.t. the same tensor.
 
 Each (case, mode) runs in its own subprocess, twice: once for time (first call reported
@@ -38,7 +39,7 @@ from typing import Callable
 
 import torch
 
-CASES = ("bert", "gpt2", "mlp")
+CASES = ("bert", "gpt2", "mlp", "resnet18", "vit")
 MODES = (
     "native",
     "Real",
@@ -54,6 +55,8 @@ CASE_TITLES = {
     "bert": "BERT-base (random weights), sequence 128, batch 1",
     "gpt2": "GPT-2-small (random weights), sequence 128, batch 1",
     "mlp": "MLP 784-500-10, batch 32",
+    "resnet18": "ResNet-18 shape (random weights), 224×224 image, batch 1",
+    "vit": "ViT-B/16 shape (random weights), 224×224 image, batch 1",
 }
 
 
@@ -80,6 +83,18 @@ def build(case: str, device: str) -> Workload:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if case in ("resnet18", "vit"):
+        if case == "resnet18":
+            config = transformers.ResNetConfig(
+                layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512]
+            )
+            model = transformers.ResNetForImageClassification(config)
+        else:
+            config = transformers.ViTConfig(attn_implementation="sdpa")
+            model = transformers.ViTForImageClassification(config)
+        model = model.to(device).eval()
+        leaf = torch.randn(1, 3, 224, 224, device=device, requires_grad=True)
+        return Workload(model, leaf, lambda: model(pixel_values=leaf).logits[0, 1])
     if case == "bert":
         config = transformers.BertConfig(attn_implementation="sdpa")
         model = transformers.BertForSequenceClassification(config)

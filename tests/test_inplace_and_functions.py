@@ -148,3 +148,21 @@ def test_real_records_the_functions_own_backward():
         out = model(x)
     with pytest.raises(AssertionError, match="own backward ran"):
         sa.grad(out.sum(), x)
+
+
+@pytest.mark.parametrize("semiring", [sa.MaxProduct(), sa.SignedMaxProduct()], ids=repr)
+def test_paths_cross_inplace_writes(semiring):
+    """A top path and the k best paths run through an in-place op's copy and write-back:
+    the same weights as through the model written out of place."""
+    found = []
+    for inplace in (True, False):
+        model = _Residual(inplace=inplace)
+        x = _x().requires_grad_()
+        with sa.patch(model, semiring, paths=True):
+            out = model(x)
+        best = sa.top_path(out[1, 2], x)
+        three = sa.top_paths(out[1, 2], x, 3)
+        found.append(([best.weight], [p.weight for p in three]))
+    (best_a, three_a), (best_b, three_b) = found
+    assert best_a == pytest.approx(best_b, rel=1e-12)
+    assert three_a == pytest.approx(three_b, rel=1e-12)

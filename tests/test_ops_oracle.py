@@ -949,6 +949,69 @@ OPS: list[OpRow] = [
             ),
         ],
     ),
+    OpRow(
+        "F.unfold",
+        lambda x, **kw: F.unfold(x, **kw),
+        lambda: [
+            S_(
+                "pad_stride_dilation",
+                (randn(1, 2, 4, 5),),
+                dict(kernel_size=(2, 3), padding=1, stride=(2, 1), dilation=(1, 2)),
+            )
+        ],
+    ),
+    OpRow(
+        "F.fold",
+        lambda x, **kw: F.fold(x, **kw),
+        lambda: [
+            S_(
+                "overlap_pad",
+                (randn(2, 2 * 4, 15),),
+                dict(output_size=(4, 5), kernel_size=2, padding=1, stride=(1, 2)),
+            ),
+            S_(
+                "unbatched",
+                (randn(3, 2),),
+                dict(output_size=(3, 3), kernel_size=(3, 1), stride=(1, 2)),
+            ),
+        ],
+    ),
+    OpRow(
+        "x.unfold",
+        lambda x, **kw: x.unfold(**kw),
+        lambda: [S_("overlap", (randn(2, 7),), dict(dimension=1, size=3, step=2))],
+    ),
+    OpRow(
+        "F.glu",
+        lambda x, **kw: F.glu(x, **kw),
+        lambda: [S_("dim0", (randn(4, 3),), dict(dim=0))],
+    ),
+    OpRow(
+        "F.prelu",
+        lambda x, w: F.prelu(x, w),
+        lambda: [
+            S_("per_channel", (with_zeros(2, 3, 2), positive(3))),
+            S_("shared", (randn(4), positive(1))),
+        ],
+    ),
+    OpRow(
+        "torch.index_select",
+        lambda x, **kw: torch.index_select(x, **kw),
+        lambda: [S_("repeats", (randn(3, 4),), dict(dim=1, index=torch.tensor([3, 0, 3])))],
+    ),
+    OpRow(
+        "F.interpolate(bicubic, area)",
+        lambda x, **kw: F.interpolate(x, **kw),
+        lambda: [
+            S_("bicubic", (randn(1, 1, 3, 4),), dict(size=(5, 3), mode="bicubic")),
+            S_(
+                "bicubic_corners",
+                (randn(1, 2, 2, 3),),
+                dict(scale_factor=1.5, mode="bicubic", align_corners=True),
+            ),
+            S_("area", (randn(1, 2, 5, 7),), dict(size=(2, 3), mode="area")),
+        ],
+    ),
     # ------------------------------------------------------------------ normalisation
     OpRow(
         "F.batch_norm(eval)",

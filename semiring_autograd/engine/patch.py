@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PatchError, SemiringMismatchError, UnsupportedOpError
@@ -111,14 +111,16 @@ def _out_of_place(func: Any, kwargs: dict) -> Any:
 
 
 def _traces_custom_function(cls: type) -> bool:
-    """Whether ``Function.apply`` of ``cls`` runs as the ops of its forward now: inside a
-    patched forward of this thread that records semiring formulas, for a Function that is
-    neither this library's (generated) nor torch's."""
+    """Whether ``Function.apply`` of ``cls`` runs as the ops of its forward now: called by
+    the model's code (the semiring mode on the stack: the generated Functions are applied
+    from the mode's handler, where it is off) in a patched forward of this thread that
+    records semiring formulas, for a Function that is not torch's."""
     running = getattr(_THREAD, "running", None)
     if not running or running[-1].torch_graph:
         return False
-    module = getattr(cls, "__module__", "") or ""
-    return not module.startswith(("torch.", "generated.", "semiring_autograd."))
+    if running[-1]._mode not in _get_current_function_mode_stack():
+        return False
+    return not (getattr(cls, "__module__", "") or "").startswith("torch.")
 
 
 def _running() -> list["PatchHandle"]:

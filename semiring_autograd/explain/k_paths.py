@@ -32,7 +32,7 @@ from torch import Tensor
 from ..engine.graph import node_info
 from ..errors import SemiringAutogradError
 from ..ops.decompositions import DECOMPOSITIONS
-from .paths import Key, Path, PathFinder, Step, composition_steps, edge_note
+from .paths import WRITE_BACK_NODES, Key, Path, PathFinder, Step, composition_steps, edge_note
 
 #: a path's steps as a linked list, newest first: (step, rest) or None
 Cells = tuple[Step, Any] | None
@@ -171,7 +171,10 @@ class KPathSearch:
         for node, position in finder.consumers.get(state.key, []):
             info = node_info(node)
             if info is None or info.replay is None:
-                children += self._tail(state, node, position)
+                if node.name() not in WRITE_BACK_NODES:
+                    children += self._tail(state, node, position)
+                elif WRITE_BACK_NODES[node.name()] == position:
+                    children.append(self._through_write_back(state, node))
             elif info.op in DECOMPOSITIONS:
                 self._enter(state, node, position)
             else:
@@ -211,6 +214,15 @@ class KPathSearch:
             )
             children.append((p, child))
         return children
+
+    def _through_write_back(self, state: _State, node) -> tuple[float, _State]:
+        """An in-place op's copy or write-back: the same element, no step."""
+        child = _State(
+            state.finder, (node, 0), state.element, state.product, state.cells, state.frames
+        )
+        hi, lo = self._suffix(state.finder, child.key)
+        product = torch.tensor(state.product, dtype=torch.float64)
+        return float(self._priority(product, hi[state.element], lo[state.element])), child
 
     def _tail(self, state: _State, node, position: int) -> list[tuple[float, _State]]:
         """Native structural ops outside ``sa.patch`` up to the output (weight-1 edges):

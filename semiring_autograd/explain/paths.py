@@ -170,6 +170,13 @@ class _Sub(nn.Module):
         return self.replay.call(dict(enumerate(inputs)), fn=self.decomposition)
 
 
+#: native nodes an in-place op inside the patch leaves between its recorded op and the
+#: tensor it wrote (the copy of its target, the write-back), and the input position each
+#: passes on element by element (the write-back's other input, the overwritten tensor,
+#: carries no path)
+WRITE_BACK_NODES = {"CloneBackward0": 0, "CopyBackwards": 1}
+
+
 def _replay_of(node: Any):
     info = node_info(node)
     return None if info is None else info.replay
@@ -329,6 +336,9 @@ class PathFinder:
         while key != self.root:
             node, position = self._winning_consumer(key, element, which)
             if _replay_of(node) is None:
+                if WRITE_BACK_NODES.get(node.name()) == position:
+                    key = (node, 0)
+                    continue
                 steps.append(self._tail(node))
                 break
             if node_info(node).op in DECOMPOSITIONS:

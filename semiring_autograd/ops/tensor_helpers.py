@@ -100,6 +100,19 @@ def index_positions(shape: torch.Size, device: torch.device, index: object) -> T
     return element_positions(shape, device)[index].reshape(-1)
 
 
+def selected_positions(shape: torch.Size, dim: int, index: Tensor) -> Tensor:
+    """For ``out = input.index_select(dim, index)``: the flat position in ``input`` that
+    each element of ``out`` (flattened) was read from."""
+    positions = element_positions(shape, index.device)
+    return positions.index_select(dim, index.reshape(-1)).reshape(-1)
+
+
+def window_view_positions(shape: torch.Size, dim: int, size: int, step: int) -> Tensor:
+    """For ``out = input.unfold(dim, size, step)`` (sliding windows): the flat position in
+    ``input`` that each element of ``out`` (flattened) reads."""
+    return element_positions(shape, torch.device("cpu")).unfold(dim, size, step).reshape(-1)
+
+
 def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -> Tensor:
     """For ``result`` = the max (or min) of ``input`` over ``dims``: 1/(number of elements
     equal to it) at those elements, 0 elsewhere — how torch.autograd splits an amax/amin
@@ -206,6 +219,8 @@ def loss_edges(loss, input: Tensor, target: Tensor, broadcast: bool, **kwargs) -
 
 HELPERS = (
     "loss_edges",
+    "selected_positions",
+    "window_view_positions",
     "repeat_heads",
     "attention_probs",
     "gather_positions",

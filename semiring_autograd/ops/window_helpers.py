@@ -366,6 +366,26 @@ def adaptive_windows(
     return _windows(tables, spatial, math.prod(input_shape[:-dims]))
 
 
+def fold_windows(
+    input_shape: Sequence[int],
+    output_size: int | Sequence[int],
+    kernel_size: int | Sequence[int],
+    dilation: int | Sequence[int],
+    padding: int | Sequence[int],
+    stride: int | Sequence[int],
+    device: torch.device,
+) -> Windows:
+    """The windows of ``F.fold`` (columns ``(N, C·K, L)``, or unbatched ``(C·K, L)``, summed
+    into ``(N, C, *output_size)``): the output element each column entry lands on."""
+    size = _tuple(output_size, 2)
+    taps = math.prod(_tuple(kernel_size, 2))
+    batch = input_shape[0] if len(input_shape) == 3 else 1
+    channels = input_shape[-2] // taps
+    return pool_windows(
+        (batch, channels, *size), 2, kernel_size, stride, padding, dilation, False, device
+    )
+
+
 def plane_positions(indices: Tensor, input_shape: Sequence[int], dims: int) -> Tensor:
     """Flat input positions of the elements that ``indices`` (torch's max-pooling indices,
     flat within each plane of the last ``dims`` dims) select, for every output element."""
@@ -461,5 +481,6 @@ HELPERS = (
     "avg_pool_windows",
     "adaptive_windows",
     "plane_positions",
+    "fold_windows",
     "interpolation_windows",
 )
