@@ -174,7 +174,7 @@ class _Sub(nn.Module):
 #: tensor it wrote (the copy of its target, the write-back), and the input position each
 #: passes on element by element (the write-back's other input, the overwritten tensor,
 #: carries no path)
-WRITE_BACK_NODES = {"CloneBackward0": 0, "CopyBackwards": 1}
+WRITE_BACK_NODES = {"CloneBackward0": 0, "torch::autograd::CopyBackwards": 1}
 
 
 def _replay_of(node: Any):
