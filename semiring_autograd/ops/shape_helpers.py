@@ -120,8 +120,14 @@ def repeat_blocks(shape: Sequence[int], repeats: Sequence[int]) -> tuple[int, ..
     return tuple(n for r, s in zip(repeats, padded) for n in (r, s))
 
 
+def leading_block(shape: Sequence[int]) -> tuple[slice, ...]:
+    """The index of the leading block of ``shape`` inside a larger tensor."""
+    return tuple(slice(0, n) for n in shape)
+
+
 HELPERS = (
     "repeat_blocks",
+    "leading_block",
     "channel_shape",
     "other_dims",
     "group_shape",

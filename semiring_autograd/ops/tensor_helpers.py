@@ -113,6 +113,28 @@ def window_view_positions(shape: torch.Size, dim: int, size: int, step: int) -> 
     return element_positions(shape, torch.device("cpu")).unfold(dim, size, step).reshape(-1)
 
 
+def written(shape: torch.Size, positions: Tensor) -> Tensor:
+    """A bool tensor of ``shape``, true at the flat ``positions`` an op writes."""
+    hit = torch.zeros(math.prod(shape), dtype=torch.bool, device=positions.device)
+    return hit.index_fill(0, positions, True).reshape(tuple(shape))
+
+
+def put_positions(
+    shape: torch.Size, device: torch.device, indices: Sequence
+) -> tuple[Tensor, torch.Size]:
+    """For ``input.index_put(indices, values)``: the flat positions written, in the order of
+    ``input[indices]``, and that shape (a None index is a whole dim)."""
+    where = tuple(slice(None) if i is None else i for i in indices)
+    read = element_positions(shape, device)[where]
+    return read.reshape(-1), read.shape
+
+
+def mask_positions(mask: Tensor, shape: torch.Size) -> Tensor:
+    """For ``input.masked_scatter(mask, source)``: the flat positions of ``input`` the mask
+    selects, in the order they take source's elements."""
+    return element_positions(shape, mask.device)[mask.expand(tuple(shape))].reshape(-1)
+
+
 def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -> Tensor:
     """For ``result`` = the max (or min) of ``input`` over ``dims``: 1/(number of elements
     equal to it) at those elements, 0 elsewhere — how torch.autograd splits an amax/amin
@@ -219,6 +241,9 @@ def loss_edges(loss, input: Tensor, target: Tensor, broadcast: bool, **kwargs) -
 
 HELPERS = (
     "loss_edges",
+    "written",
+    "put_positions",
+    "mask_positions",
     "selected_positions",
     "window_view_positions",
     "repeat_heads",
