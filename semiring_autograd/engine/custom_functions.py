@@ -23,8 +23,8 @@ _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 _LOCK = threading.Lock()
 _installed = 0
 _warned: set[type] = set()
-#: whether a Function class runs as ops now (set by the patch: a patched forward running
-#: in this thread, not under sa.Real(), and not a Function of this library or of torch)
+#: whether a Function class runs as ops now (set by the patch: applied from the code of a
+#: patched forward running in this thread, not under sa.Real(), not a Function of torch)
 _should_trace: Callable[[type], bool] = lambda cls: False  # noqa: E731
 
 
@@ -62,11 +62,10 @@ def _traced_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             "forward, each under its semiring formula; its own backward is not used",
             stacklevel=3,
         )
+    ctx = _ForwardContext(args)
     if _is_setup_context_defined(cls.setup_context):
         out = cls.forward(*args, **kwargs)
-        ctx = _ForwardContext(args)
     else:
-        ctx = _ForwardContext(args)
         out = cls.forward(ctx, *args, **kwargs)
     if ctx.non_differentiable:
         out = tree_map(lambda t: t.detach() if id(t) in ctx.non_differentiable else t, out)
