@@ -16,7 +16,13 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from semiring_autograd.ops import primitives, shape_helpers, tensor_helpers, window_helpers
+from semiring_autograd.ops import (
+    einsum_helpers,
+    primitives,
+    shape_helpers,
+    tensor_helpers,
+    window_helpers,
+)
 from semiring_autograd.ops.primitives import PRIMITIVES
 
 #: helper name -> the alias generated code imports its module as
@@ -24,6 +30,7 @@ HELPERS = {
     **{name: "H" for name in shape_helpers.HELPERS},
     **{name: "TH" for name in tensor_helpers.HELPERS},
     **{name: "WH" for name in window_helpers.HELPERS},
+    **{name: "EH" for name in einsum_helpers.HELPERS},
 }
 
 BUILTINS = frozenset(

@@ -181,9 +181,6 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         }
     except FormulaError as exc:
         raise DerivativesError(str(exc)) from exc
-    for key, f in formulas.items():
-        if params[key].is_tensor_list and key in f.reads.full:
-            raise _fail(where, f"a Tensor[] parameter may only be read through shapes({key})")
     by_name = {f.target: f for f in intermediates}
     for f in [*intermediates, *formulas.values()]:
         for name in f.names_read:
@@ -228,12 +225,14 @@ def _plan_saves(entry: OpEntry, where: str) -> None:
             metas |= source.reads.meta
             shapes |= source.reads.shapes
     tensors = entry.tensor_params
+    lists = {p.name for p in entry.schema.params if p.is_tensor_list}
     order = [p.name for p in entry.schema.params] + ["result", "aux"]
-    saved = [n for n in order if n in readers and (n in tensors or n in ("result", "aux"))]
+    saved = [n for n in order if n in readers and (n in tensors | lists or n in ("result", "aux"))]
     if entry.multi_output and "result" in saved:
         raise _fail(where, "a multi-output op may read its result only through shapes(result)")
     entry.saved = [
-        SavedValue(n, "output" if n == "result" else n, tuple(sorted(readers[n]))) for n in saved
+        SavedValue(n, "output" if n == "result" else n, tuple(sorted(readers[n])), n in lists)
+        for n in saved
     ]
     entry.metas = [SavedMeta(n, attr) for n, attr in sorted(metas)]
     entry.shapes = sorted(shapes)

@@ -49,6 +49,13 @@ class SavedValue:
     name: str
     source: str
     readers: tuple[str, ...]
+    #: a tensor list (``Tensor[]``, ``Tensor...``): saved as its elements, read back as a list
+    many: bool = False
+
+    @property
+    def target(self) -> str:
+        """Its name where backward unpacks ``ctx.saved_tensors``."""
+        return f"*{self.name}" if self.many else self.name
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ PARAM_TYPES = (
     "Tensor",
     "Tensor?",
     "Tensor[]",
+    "Tensor...",
     "Scalar",
     "int",
     "int?",
@@ -53,7 +54,9 @@ class Param:
 
     @property
     def is_tensor_list(self) -> bool:
-        return self.type == "Tensor[]"
+        """A list of tensors: ``Tensor[]`` (one argument) or ``Tensor...`` (the remaining
+        positional arguments, or one list of them)."""
+        return self.type in ("Tensor[]", "Tensor...")
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,16 @@ def parse_schema(text: str) -> Schema:
         if default is not None:
             value = _parse_default(text, pname, default)
         params.append(Param(pname, ptype, value, kwonly))
-    if not params or params[0].type not in ("Tensor", "Tensor[]"):
-        raise SchemaError(f"{text!r}: the first parameter must be a Tensor or Tensor[]")
+    if not params or not (
+        params[0].is_tensor or params[0].is_tensor_list or params[0].type == "str"
+    ):
+        raise SchemaError(f"{text!r}: the first parameter must be a Tensor, a Tensor list or a str")
+    if not any(p.is_tensor or p.is_tensor_list for p in params):
+        raise SchemaError(f"{text!r}: no Tensor parameter")
     if sum(p.is_tensor_list for p in params) > 1:
-        raise SchemaError(f"{text!r}: at most one Tensor[] parameter is supported")
+        raise SchemaError(f"{text!r}: at most one Tensor[] or Tensor... parameter is supported")
+    if any(p.type == "Tensor..." for p in params[:-1]):
+        raise SchemaError(f"{text!r}: a Tensor... parameter must be the last")
     return Schema(name, overload or "", tuple(params), returns, text)
 
 

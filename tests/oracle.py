@@ -3,7 +3,7 @@
 Two oracles, both built only from a semiring's own ``zero``/``one``/``lift``/``add``/``mul``
 applied elementwise, with explicit Python loops where terms are combined:
 
-* :func:`op_oracle` — one op: the dense Jacobian of ``out = fn(*args)`` (torch.autograd,
+* :func:`op_oracle` — one op: the Jacobian of ``out = fn(*args)`` (torch.autograd,
   float64) gives an edge out_i → arg_j for every non-zero entry; the result at arg_j is
   ⊕_i lift(seed_i) ⊗ lift(J[i, j]) (⊗ and lift elementwise over the edges, the ⊕ folded
   term by term).
@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
-from torch.autograd.functional import jacobian
 
 from semiring_autograd.semirings import Semiring, Value
 
@@ -29,31 +29,170 @@ Node = tuple[str, int]
 """A scalar node of the gradient graph: (tensor name, flat element index)."""
 
 
-def _as_tuple(x: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    return x if isinstance(x, tuple) else (x,)
+#: rows (vector-Jacobian products) or columns (Jacobian-vector products) per block: bounds
+#: the oracle's memory to a block of the Jacobian at a time
+BLOCK = 256
+#: columns (forward mode) are used where the output has this many times more elements than
+#: the arguments: one forward-mode product per argument element instead of one backward per
+#: output element
+TALL = 8
+
+Entries = tuple[Tensor, Tensor, Tensor]
+"""Non-zero Jacobian entries of one argument: (rows, cols, values), rows indexing the flat
+output, cols the flat argument."""
+
+
+def jacobian_entries(fn: Callable[..., Tensor], args: Sequence[Tensor]) -> list[Entries]:
+    """Per argument, the non-zero entries of the Jacobian of ``fn(*args)`` (torch.autograd).
+
+    Computed block by block: by rows (batched vector-Jacobian products) or, where the
+    output is more than ``TALL`` times larger than the arguments and every op has a
+    forward-mode derivative, by columns (Jacobian-vector products). A NaN local derivative
+    spreads along its row or column (0 · NaN) to entries that are no edge; where a block
+    holds NaN, which of its entries are edges is read from the Jacobian at a point where
+    the derivatives are finite (every floating argument x moved to |x| + 0.5): a NaN there
+    where that Jacobian is 0 is no edge."""
+    inputs = tuple(a.detach() for a in args)
+    rows = _Rows(fn, inputs)
+    if rows.out_numel > TALL * sum(inputs[k].numel() for k in rows.wrt):
+        try:
+            return _entries(_Columns, fn, inputs)
+        except NotImplementedError as exc:  # an op without a forward-mode derivative
+            if "forward AD" not in str(exc):
+                raise
+    return _entries(_Rows, fn, inputs, rows)
 
 
 def dense_jacobians(fn: Callable[..., Tensor], args: Sequence[Tensor]) -> list[Tensor]:
-    """Per argument, the Jacobian of ``fn(*args)`` as a (out.numel(), arg.numel()) matrix.
-
-    Jacobian rows are vector-Jacobian products, so a NaN local derivative spreads along its
-    row (0 · NaN) to entries that are no edge. Where a row holds NaN, which of its entries
-    are edges is read from the Jacobian at a point where the derivatives are finite (every
-    floating argument x moved to |x| + 0.5): a NaN there where that Jacobian is 0 is no
-    edge."""
-    inputs = tuple(a.detach() for a in args)
-    jacs = _raw_jacobians(fn, inputs)
-    if not any(torch.isnan(j).any() for j in jacs):
-        return jacs
-    moved = tuple(a.abs() + 0.5 if a.dtype.is_floating_point else a for a in inputs)
-    pattern = _raw_jacobians(fn, moved)
-    return [torch.where(torch.isnan(j) & (p == 0), 0.0, j) for j, p in zip(jacs, pattern)]
+    """Per argument, the Jacobian of ``fn(*args)`` as a (out.numel(), arg.numel()) matrix
+    (NaN entries that are no edge set to 0, as :func:`jacobian_entries`)."""
+    out_numel = fn(*(a.detach() for a in args)).numel()
+    dense = []
+    for a, (rows, cols, values) in zip(args, jacobian_entries(fn, args)):
+        jac = torch.zeros(out_numel, a.numel(), dtype=values.dtype)
+        jac[rows, cols] = values
+        dense.append(jac)
+    return dense
 
 
-def _raw_jacobians(fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> list[Tensor]:
-    out_numel = fn(*inputs).numel()
-    jacs = _as_tuple(jacobian(fn, inputs))
-    return [j.reshape(out_numel, a.numel()) for j, a in zip(jacs, inputs)]
+def _entries(
+    source: type[_Blocks], fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], blocks=None
+) -> list[Entries]:
+    blocks = blocks or source(fn, inputs)
+    pattern = None
+    found: list[list[Entries]] = [[] for _ in inputs]
+    for key in blocks.keys():
+        part = blocks(key)
+        if any(torch.isnan(block).any() for *_, block in part):
+            if pattern is None:
+                moved = tuple(a.abs() + 0.5 if a.dtype.is_floating_point else a for a in inputs)
+                pattern = source(fn, moved)
+            part = [
+                (k, row, col, torch.where(torch.isnan(block) & (edges == 0), 0.0, block))
+                for (k, row, col, block), (*_, edges) in zip(part, pattern(key))
+            ]
+        for k, first_row, first_col, block in part:
+            rows, cols = torch.nonzero(block, as_tuple=True)
+            found[k].append((rows + first_row, cols + first_col, block[rows, cols]))
+    empty = torch.zeros(0, dtype=torch.long)
+    none = (empty, empty, torch.zeros(0, dtype=blocks.out.dtype))
+    return [tuple(torch.cat(p) for p in zip(*parts)) if parts else none for parts in found]
+
+
+Block = tuple[int, int, int, Tensor]
+"""(argument index, first row, first column, dense block of its Jacobian)."""
+
+
+class _Blocks:
+    """Blocks of the Jacobian of ``fn(*inputs)`` at fixed inputs; floating inputs are the
+    differentiable ones."""
+
+    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> None:
+        self.fn = fn
+        self.inputs = tuple(a.clone().requires_grad_(a.dtype.is_floating_point) for a in inputs)
+        self.wrt = [k for k, a in enumerate(self.inputs) if a.requires_grad]
+        self.out = fn(*self.inputs)
+        self.out_numel = self.out.numel()
+
+    def keys(self) -> list:
+        raise NotImplementedError
+
+    def __call__(self, key) -> list[Block]:
+        raise NotImplementedError
+
+
+class _Rows(_Blocks):
+    """Blocks of ``BLOCK`` rows: batched vector-Jacobian products of unit cotangents on one
+    recorded graph (row by row where some op's backward has no batching rule)."""
+
+    batched = True
+
+    def keys(self) -> list[int]:
+        return list(range(0, self.out_numel, BLOCK)) if self.out.requires_grad else []
+
+    def __call__(self, first: int) -> list[Block]:
+        n = min(BLOCK, self.out_numel - first)
+        unit = torch.zeros(n, self.out_numel, dtype=self.out.dtype)
+        unit[torch.arange(n), torch.arange(first, first + n)] = 1
+        grads = self._vjp(unit.reshape(n, *self.out.shape))
+        return [(k, first, 0, self._block(g, n, self.inputs[k])) for k, g in zip(self.wrt, grads)]
+
+    def _block(self, g: Tensor | None, n: int, a: Tensor) -> Tensor:
+        if g is None:
+            return torch.zeros(n, a.numel(), dtype=self.out.dtype)
+        return g.reshape(n, a.numel()).to(self.out.dtype)
+
+    def _vjp(self, cotangents: Tensor) -> tuple[Tensor | None, ...]:
+        wrt = [self.inputs[k] for k in self.wrt]
+        if self.batched:
+            try:
+                return torch.autograd.grad(
+                    self.out,
+                    wrt,
+                    cotangents,
+                    retain_graph=True,
+                    allow_unused=True,
+                    is_grads_batched=True,
+                )
+            except RuntimeError as exc:  # an op's backward without a batching rule
+                if "vmap" not in str(exc) and "batch" not in str(exc).lower():
+                    raise
+                self.batched = False
+        rows = [
+            torch.autograd.grad(self.out, wrt, c, retain_graph=True, allow_unused=True)
+            for c in cotangents
+        ]
+        return tuple(
+            None if rows[0][k] is None else torch.stack([r[k] for r in rows])
+            for k in range(len(wrt))
+        )
+
+
+class _Columns(_Blocks):
+    """Blocks of up to ``BLOCK`` columns of one argument: one forward-mode Jacobian-vector
+    product of a unit tangent per column."""
+
+    def keys(self) -> list[tuple[int, int]]:
+        return [(k, first) for k in self.wrt for first in range(0, self.inputs[k].numel(), BLOCK)]
+
+    def __call__(self, key: tuple[int, int]) -> list[Block]:
+        k, first = key
+        n = min(BLOCK, self.inputs[k].numel() - first)
+        primals = [a.detach() for a in self.inputs]
+        columns = []
+        for j in range(first, first + n):
+            tangent = torch.zeros(primals[k].numel(), dtype=primals[k].dtype)
+            tangent[j] = 1
+            with fwAD.dual_level():
+                duals = [a.clone() for a in primals]  # fn may write to its arguments
+                duals[k] = fwAD.make_dual(primals[k], tangent.reshape(primals[k].shape))
+                column = fwAD.unpack_dual(self.fn(*duals)).tangent
+                columns.append(
+                    torch.zeros(self.out_numel, dtype=self.out.dtype)
+                    if column is None
+                    else column.reshape(-1).to(self.out.dtype)
+                )
+        return [(k, 0, first, torch.stack(columns, dim=1))]
 
 
 def _start_value(semiring: Semiring, seed: Tensor | None, index: int, like: Tensor) -> Value:
@@ -84,27 +223,26 @@ def op_oracle(
     entry (and non-zero seed): ⊗ elementwise over the terms, then each input element's
     terms ⊕-folded one after another.
     """
-    jacs = dense_jacobians(fn, args)
     like = args[0].detach()
     flat_seed = None if seed is None else seed.detach().reshape(-1).to(like.dtype)
     results = []
-    for arg, jac in zip(args, jacs):
-        rows, cols = torch.nonzero(jac, as_tuple=True)
+    for arg, (rows, cols, values) in zip(args, jacobian_entries(fn, args)):
         if flat_seed is not None:
             kept = flat_seed[rows] != 0
-            rows, cols = rows[kept], cols[kept]
+            rows, cols, values = rows[kept], cols[kept], values[kept]
         if flat_seed is None:
             starts = semiring.one(rows.shape, like)
         else:
             starts = semiring.lift(flat_seed[rows])
-        terms = semiring.mul(starts, semiring.lift(jac[rows, cols]))
+        terms = semiring.mul(starts, semiring.lift(values))
         results.append(_fold_by_target(semiring, terms, cols, arg))
     return results
 
 
 def _fold_by_target(semiring: Semiring, terms: Value, targets: Tensor, like: Tensor) -> Value:
     """⊕ of the terms of each element of ``like`` (``targets[t]``: the flat element term t
-    goes to), folded one term after another; the zero where an element has none."""
+    goes to), folded pairwise: the i-th term of every element with its (i + half)-th, until
+    one is left; the zero where an element has none (⊕ is associative and commutative)."""
     n = like.numel()
     counts = (
         torch.bincount(targets, minlength=n)
@@ -120,10 +258,14 @@ def _fold_by_target(semiring: Semiring, terms: Value, targets: Tensor, like: Ten
     table = tuple(t.clone() for t in table)
     for t, c in zip(table, terms):
         t[rank, targets] = c[order].to(t.dtype)
-    acc = tuple(t[0] for t in table)
-    for r in range(1, depth):
-        acc = semiring.add(acc, tuple(t[r] for t in table))
-    return tuple(c.reshape(like.shape) for c in acc)
+    while table[0].shape[0] > 1:
+        half = (table[0].shape[0] + 1) // 2
+        rest = table[0].shape[0] - half
+        merged = semiring.add(
+            tuple(t[:rest] for t in table), tuple(t[half : half + rest] for t in table)
+        )
+        table = tuple(torch.cat([m, t[rest:half]]) for m, t in zip(merged, table))
+    return tuple(t[0].reshape(like.shape) for t in table)
 
 
 def merge_positions(

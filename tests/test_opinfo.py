@@ -18,9 +18,7 @@ negative dims, keyword variants, non-contiguous inputs) runs as a one-op module 
 The max-pooling OpInfos generate the full cross product of their options (up to 1,440
 samples each); ``THINNED`` runs an evenly spaced subset of at most ``THINNED_TO`` of them, and
 ``test_thinned_samples_cover_every_option`` checks that the subset still holds every value of
-every option and input shape the full set has. Four large 3-d convolution samples
-(``HEAVY``) run under Real, MaxProduct and Log only: their oracle takes up to a minute per
-semiring.
+every option and input shape the full set has.
 
 Every differentiable tensor of a sample (floating point, requiring grad) is an input of
 the module; a tensor passed twice is two inputs. A sample an entry does not accept must be
@@ -106,22 +104,8 @@ SEMIRINGS = (
 #: is checked in test_ops_oracle (its sdpa rows), test_compositions and test_k_best
 #: (a tiny BERT against top_paths)
 LEFT_OUT = {("nn.functional.scaled_dot_product_attention", sa.KBest(3))}
-#: samples whose Jacobian oracle takes 10–60 s per semiring (10⁵–10⁶ non-zero entries, one
-#: semiring term each): run under Real (against torch.autograd), MaxProduct and Log only;
-#: every other semiring runs the same conv formula on the other samples of these OpInfos
-HEAVY = {
-    "nn.functional.conv_transpose3d[2]",
-    "nn.functional.conv_transpose3d[3]",
-    "nn.functional.conv3d[12]",
-    "nn.functional.conv3d[13]",
-}
-HEAVY_SEMIRINGS = {"Real(formulas=True)", "MaxProduct()", "Log()"}
-
-
 def _runs(case: "Case", S: Semiring) -> bool:
-    if (case.opinfo, S) in LEFT_OUT:
-        return False
-    return case.id not in HEAVY or repr(S) in HEAVY_SEMIRINGS
+    return (case.opinfo, S) not in LEFT_OUT
 
 
 # ----------------------------------------------------------------------------- samples as calls
@@ -384,10 +368,6 @@ def _options(sample: SampleInput) -> set[tuple[str, str]]:
     return {("shape", str(tuple(sample.input.shape))), ("args", str(sample.args))} | {
         (k, str(v)) for k, v in sample.kwargs.items()
     }
-
-
-def test_heavy_samples_exist():
-    assert HEAVY <= {c.id for c in CASES}
 
 
 @pytest.mark.parametrize("name", sorted(THINNED))

@@ -189,6 +189,19 @@ def _sdpa_oracle(
     return [values["m" if n == "attn_mask" else n] for n in names]
 
 
+def _setitem(
+    x: Tensor, v: Tensor | None = None, *, index: Any, target: tuple | None = None, number=None
+) -> Tensor:
+    """``y[index] = v`` on a copy of x; with ``target``, on a constant zeros of that shape
+    (x is then the value written); with ``number``, a Python number is written."""
+    if target is not None:
+        y, v = torch.zeros(target, dtype=x.dtype), x
+    else:
+        y = x.clone()
+    y[index] = number if number is not None else v
+    return y
+
+
 def _cast_round_trip(x: Tensor, **kw: Any) -> Tensor:
     """float64 → (a cast under test) → float64, so input and output dtypes agree."""
     y = {
@@ -456,6 +469,35 @@ OPS: list[OpRow] = [
             S_("dim1", (randn(3, 4),), dict(dim=1)),
             S_("dim0_3d", (randn(4, 2, 3),), dict(dim=0)),
             S_("0d", (randn(1).reshape(()),), dict(dim=0)),
+        ],
+    ),
+    OpRow(
+        "torch.cumprod",
+        lambda x, **kw: torch.cumprod(x, **kw),
+        lambda: [
+            S_("dim1", (randn(3, 4),), dict(dim=1)),
+            S_("zeros_dim0_3d", (with_zeros(4, 2, 3),), dict(dim=0)),
+            S_("two_zeros_in_a_row", (torch.tensor([1.5, 0.0, -2.0, 0.0, 0.5]),), dict(dim=0)),
+            S_("0d", (randn(1).reshape(()),), dict(dim=0)),
+        ],
+    ),
+    OpRow(
+        "torch.einsum",
+        lambda *xs, eq: torch.einsum(eq, *xs),
+        lambda: [
+            S_("matmul", (randn(3, 4), randn(4, 2)), dict(eq="ij,jk->ik")),
+            S_("batched_heads", (randn(2, 3, 4), randn(2, 5, 4)), dict(eq="bqd,bkd->bqk")),
+            S_("implicit_transpose", (randn(3, 4), randn(4, 2)), dict(eq="ij,jk")),
+            S_("outer", (randn(3), randn(4)), dict(eq="i,j->ij")),
+            S_("summed_alone", (randn(3, 4), randn(4, 2)), dict(eq="ij,jk->k")),
+            S_("three_operands", (randn(2, 3), randn(3, 4), randn(4, 2)), dict(eq="ij,jk,kl->il")),
+            S_("shared_label_3", (randn(3), randn(3), randn(3)), dict(eq="i,i,i->")),
+            S_("trace", (randn(3, 3),), dict(eq="ii")),
+            S_("diagonal_with_other", (randn(3, 3), randn(3, 2)), dict(eq="ii,ij->ij")),
+            S_("ellipsis_broadcast", (randn(2, 3, 4), randn(4, 5)), dict(eq="...ij,...jk->...ik")),
+            S_("size1_broadcast", (randn(1, 4), randn(3, 4)), dict(eq="bi,bi->b")),
+            S_("permute_only", (randn(2, 3, 4),), dict(eq="abc->cab")),
+            S_("with_zeros", (with_zeros(3, 4), with_zeros(4, 3)), dict(eq="ij,jk->ik")),
         ],
     ),
     OpRow(
@@ -1267,6 +1309,35 @@ OPS: list[OpRow] = [
         "x.gather",
         lambda x, **kw: x.gather(1, kw["index"]),
         lambda: [S_("2x3", (randn(2, 3),), dict(index=torch.tensor([[1, 1], [0, 2]])))],
+    ),
+    OpRow(
+        "x[index] = v",
+        _setitem,
+        lambda: [
+            S_("column_from_one", (randn(3, 4), randn(1)), dict(index=(slice(None), 1))),
+            S_(
+                "basic_block", (randn(3, 4), randn(2, 2)), dict(index=(slice(1, 3), slice(0, 4, 2)))
+            ),
+            S_("advanced", (randn(4, 3), randn(2, 3)), dict(index=torch.tensor([2, 0]))),
+            S_(
+                "advanced_pairs",
+                (randn(4, 3), randn(2)),
+                dict(index=(torch.tensor([0, 3]), torch.tensor([2, 1]))),
+            ),
+            S_(
+                "mask",
+                (randn(3, 4), randn(())),
+                dict(index=torch.tensor([[True, False, True, False]] * 3)),
+            ),
+            S_(
+                "ellipsis_leading_one",
+                (randn(2, 3, 4), randn(1, 1, 4)),
+                dict(index=(Ellipsis, 0, slice(None))),
+            ),
+            S_("into_constant", (randn(2),), dict(index=(slice(None), 2), target=(2, 3))),
+            S_("python_number", (randn(3, 4),), dict(index=(0,), number=2.5)),
+            S_("cast_float32_value", (randn(3, 4), randn(4).float()), dict(index=1)),
+        ],
     ),
     OpRow(
         "casts",

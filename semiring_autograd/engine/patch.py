@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PatchError, SemiringMismatchError, UnsupportedOpError
-from . import custom_functions
+from . import custom_functions, inplace
 from .checkpointing import checkpoint_frame, recompute_under
 from .graph import NodeInfo, set_node_info
 from ..ops.spec import OpSpec
@@ -82,32 +82,6 @@ def _differentiable_output(out: Any) -> bool:
         and (x.is_floating_point() or x.is_complex())
         for x in leaves
     )
-
-
-def _is_inplace(func: Any, kwargs: dict) -> bool:
-    name = getattr(func, "__name__", "")
-    if kwargs.get("out") is not None:
-        return True
-    if name in ("__setitem__",) or (name.startswith("__i") and name.endswith("__")):
-        return name not in ("__init__", "__iter__", "__index__", "__int__")
-    return name.endswith("_") and not name.endswith("__")
-
-
-_AUGMENTED = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div"}
-
-
-def _out_of_place(func: Any, kwargs: dict) -> Any:
-    """The out-of-place counterpart of an in-place tensor method (``x.add_`` → ``x.add``,
-    ``x += y`` → ``x.add``), or None."""
-    name = getattr(func, "__name__", "")
-    if kwargs.get("out") is not None:
-        return None
-    base = _AUGMENTED.get(name) or (
-        name[:-1] if name.endswith("_") and not name.endswith("__") else None
-    )
-    if base is None or getattr(torch.Tensor, name, None) is not func:
-        return None
-    return getattr(torch.Tensor, base, None)
 
 
 def _traces_custom_function(cls: type) -> bool:
@@ -184,6 +158,10 @@ class UnpatchedCall:
         )
 
 
+def _route(handler: Callable, types: tuple, func: Any, *args: Any, **kwargs: Any) -> Any:
+    return handler(func, types, args, kwargs)
+
+
 class _SemiringMode(TorchFunctionMode):
     def __init__(self, handle: "PatchHandle"):
         super().__init__()
@@ -223,18 +201,12 @@ class _SemiringMode(TorchFunctionMode):
                 out = fn(call, **bound)
             handle.annotate(out, op, replay)
             return out
-        if _is_inplace(func, kwargs):
-            counterpart = _out_of_place(func, kwargs)
+        if inplace.is_inplace(func, kwargs):
+            counterpart = inplace.out_of_place(func, kwargs)
             if counterpart is None or not handle.registry.candidates(counterpart):
                 raise handle.unsupported(func, "it writes into a tensor in place")
-            # the op out of place, under its formula, on a copy of the target (the formula
-            # may keep it for backward); then the result written into the target as torch
-            # writes it. The copies are identity edges.
-            target = args[0]
-            result = self.__torch_function__(
-                counterpart, types, (target.clone(), *args[1:]), kwargs
-            )
-            return target.copy_(result)
+            route = functools.partial(_route, self.__torch_function__, types)
+            return inplace.write(func, args, kwargs, route)
         out = func(*args, **kwargs)
         if not _differentiable_output(out):
             return out  # e.g. x.type() returning a string: nothing enters the gradient graph

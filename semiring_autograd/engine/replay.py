@@ -39,8 +39,9 @@ class Replay:
         """The replay of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as
         ``bound``; ``names`` maps ``id`` of the model's parameters to their qualified names."""
         leaves, spec = tree_flatten((args, kwargs))
-        ordered = [bound[p.name] for p in op.params if p.type != "Tensor[]"]
-        ordered += [t for p in op.params if p.type == "Tensor[]" for t in bound[p.name]]
+        lists = ("Tensor[]", "Tensor...")
+        ordered = [bound[p.name] for p in op.params if p.type not in lists]
+        ordered += [t for p in op.params if p.type in lists for t in bound[p.name]]
         taken: set[int] = set()
         positions = []
         for value in ordered:

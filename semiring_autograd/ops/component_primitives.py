@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..semirings.base import Semiring
 from . import primitives as P
+from .einsum_helpers import Contraction
 from .primitives import Ref, as_message
 
 
@@ -39,6 +40,10 @@ def sum_to(S: Semiring, a: Tensor, shape: Sequence[int]) -> Tensor:
 
 def matmul(S: Semiring, a: Tensor, b: Tensor) -> Tensor:
     return S.matmul((a,), (b,))[0]
+
+
+def contract(S: Semiring, a: Tensor, b: Tensor, spec: Contraction) -> Tensor:
+    return P.contract(S, (a,), (b,), spec)[0]
 
 
 def matmul_lift(S: Semiring, a: Tensor, w: Tensor, ref: Ref) -> Tensor:

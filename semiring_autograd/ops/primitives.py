@@ -8,6 +8,7 @@ the codegen validates formulas against.
 
 from __future__ import annotations
 
+import math
 from numbers import Number
 from typing import Any, Sequence
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..semirings.base import Semiring, Value, message_dtype
+from .einsum_helpers import Contraction, contraction_dims
 
 Ref = tuple[torch.dtype, torch.device]
 
@@ -26,6 +28,7 @@ PRIMITIVES = (
     "sum",
     "sum_to",
     "matmul",
+    "contract",
     "loo",
     "standardize",
     "index_add",
@@ -88,6 +91,38 @@ def sum_to(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
 def matmul(S: Semiring, a: Value, b: Value) -> Value:
     """⊕_k a[..., i, k] ⊗ b[..., k, j]."""
     return S.matmul(a, b)
+
+
+def contract(S: Semiring, a: Value, b: Value, spec: Contraction) -> Value:
+    """``out[c] = ⊕ a[spec.a] ⊗ b[spec.b]`` over the labels not in ``spec.out``: an einsum
+    of two operands in the semiring, run as one semiring batched matmul (labels only one
+    operand has and the output lacks are ⊕-reduced first; output labels neither has are a
+    broadcast)."""
+    size = spec.size
+    a = _each(a, lambda c: c.expand(size(spec.a)))
+    b = _each(b, lambda c: c.expand(size(spec.b)))
+    if spec.summed(spec.a, spec.b):
+        a = S.sum(a, spec.summed(spec.a, spec.b))
+    if spec.summed(spec.b, spec.a):
+        b = S.sum(b, spec.summed(spec.b, spec.a))
+    batch, left, inner, right = spec.layout()
+    n, rows, inner_n, cols = (math.prod(size(labels)) for labels in (batch, left, inner, right))
+    a = _each(
+        a, lambda c: c.permute(contraction_dims(spec.kept(spec.a, spec.b), batch + left + inner))
+    )
+    b = _each(
+        b, lambda c: c.permute(contraction_dims(spec.kept(spec.b, spec.a), batch + inner + right))
+    )
+    a = reshape(S, a, (n, rows, inner_n))
+    b = reshape(S, b, (n, inner_n, cols))
+    present = batch + left + right
+    order = "".join(label for label in spec.out if label in present)
+    out = reshape(S, S.matmul(a, b), size(present))
+    out = permute(S, out, contraction_dims(present, order))
+    if order != spec.out:
+        ones = [size(label)[0] if label in order else 1 for label in spec.out]
+        out = expand(S, reshape(S, out, ones), size(spec.out))
+    return out
 
 
 def matmul_lift(S: Semiring, a: Value, w: Tensor, ref: Ref) -> Value:

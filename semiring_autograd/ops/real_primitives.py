@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from .einsum_helpers import Contraction
+
 Ref = tuple[torch.dtype, torch.device]
 
 
@@ -36,6 +38,15 @@ def sum_to(a: Tensor, shape: Sequence[int]) -> Tensor:
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     return a @ b
+
+
+def contract(a: Tensor, b: Tensor, spec: Contraction) -> Tensor:
+    present = "".join(label for label in spec.out if label in spec.a + spec.b)
+    out = torch.einsum(f"{spec.a},{spec.b}->{present}", a, b)
+    if present == spec.out:
+        return out
+    ones = [spec.size(label)[0] if label in present else 1 for label in spec.out]
+    return out.reshape(ones).expand(spec.size(spec.out))
 
 
 def loo(a: Tensor, dim: int) -> Tensor:

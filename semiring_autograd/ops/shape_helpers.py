@@ -125,7 +125,16 @@ def leading_block(shape: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(0, n) for n in shape)
 
 
+def column_shape(shape: Sequence[int], dim: int) -> tuple[int, ...]:
+    """``shape`` with ``dim`` and the last dim swapped, then a trailing 1: the shape that
+    makes the swapped dim a column (for ⊕ over it against an (…, n, n) edge matrix)."""
+    out = list(shape)
+    out[dim], out[-1] = out[-1], out[dim]
+    return (*out, 1)
+
+
 HELPERS = (
+    "column_shape",
     "repeat_blocks",
     "leading_block",
     "channel_shape",

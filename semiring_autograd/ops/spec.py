@@ -40,7 +40,7 @@ class OpSpec:
         bound: dict[str, Any] = {}
         args = list(args)
         for p in self.params:
-            if p.type == "int...":
+            if p.type in ("int...", "Tensor..."):
                 if p.name in kwargs:
                     value = kwargs[p.name]
                 else:
@@ -84,6 +84,7 @@ _CHECKS: dict[str, Callable[[object], bool]] = {
     "Any": lambda v: True,
     "Tensor": lambda v: isinstance(v, Tensor),
     "Tensor[]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v),
+    "Tensor...": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v),
     "Scalar": lambda v: isinstance(v, Number) and not isinstance(v, Tensor),
     "int": _is_int,
     "int[]": _is_int_list,

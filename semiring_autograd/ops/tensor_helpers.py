@@ -172,6 +172,17 @@ def cumsum_edges(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.ones(n, n, dtype=dtype, device=device).tril()
 
 
+def cumprod_edges(input: Tensor, dim: int, dtype: torch.dtype | None) -> Tensor:
+    """The edges of ``input.cumprod(dim, dtype=dtype)`` read from its output side, with
+    ``dim`` swapped to the last place: [..., i, j] = Π_{k ≤ i, k ≠ j} x_k for j ≤ i (output
+    i's derivative in x_j), else 0."""
+    x = input.transpose(dim, -1).to(dtype or input.dtype)
+    n = x.shape[-1]
+    others = x.unsqueeze(-2).expand(*x.shape[:-1], n, n).clone()  # [..., j, k] = x_k
+    others.diagonal(dim1=-2, dim2=-1).fill_(1)  # x_j left out of row j
+    return others.cumprod(-1).transpose(-1, -2).tril()
+
+
 def pow_base_derivative(base: Tensor, exponent: Tensor) -> Tensor:
     """d base**y / d base = y · base^(y − 1) elementwise, 0 where y = 0 (as torch.autograd)."""
     return torch.where(exponent == 0, 0.0, exponent * base.pow(exponent - 1))
@@ -240,6 +251,7 @@ def loss_edges(loss, input: Tensor, target: Tensor, broadcast: bool, **kwargs) -
 
 
 HELPERS = (
+    "cumprod_edges",
     "loss_edges",
     "written",
     "put_positions",
