@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import hashlib
+import multiprocessing
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -70,6 +73,20 @@ def _format(source: str) -> str:
         return black.format_file_contents(source, fast=True, mode=black.Mode(line_length=100))
     except black.NothingChanged:
         return source
+
+
+def _format_all(sources: list[str]) -> list[str]:
+    """:func:`_format` of each source, in worker processes where the machine has several
+    cores (black formats one file on one core; the generic module alone takes seconds)."""
+    workers = min(len(sources), os.cpu_count() or 1)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_format(s) for s in sources]
+    # the largest files first, so that no worker is left with a large one at the end
+    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        formatted = dict(zip(order, pool.map(_format, [sources[i] for i in order])))
+    return [formatted[i] for i in range(len(sources))]
 
 
 def _environment() -> jinja2.Environment:
@@ -129,15 +146,16 @@ def render_uncached(yaml_dir: Path) -> dict[str, str]:
         def code(op: OpEntry, formula, flavour: Flavour = target.flavour) -> str:
             return rewrite(formula.tree, flavour, op.tensor_params)
 
-        text = functions.render(
+        out[f"{target.module}.py"] = functions.render(
             ops=entries, target=target, code=code, condition=condition, **common
         )
-        out[f"{target.module}.py"] = _format(text)
-
-    table = env.get_template("ops_table.py.j2").render(ops=entries, condition=condition, **common)
-    out["ops_table.py"] = _format(table)
-    init = env.get_template("package_init.py.j2").render(targets=all_targets, **common)
-    out["__init__.py"] = _format(init)
+    out["ops_table.py"] = env.get_template("ops_table.py.j2").render(
+        ops=entries, condition=condition, **common
+    )
+    out["__init__.py"] = env.get_template("package_init.py.j2").render(
+        targets=all_targets, **common
+    )
+    out = dict(zip(out, _format_all(list(out.values()))))
     by_file: dict[str, list[OpEntry]] = {}
     for e in entries:
         by_file.setdefault(e.source_file, []).append(e)

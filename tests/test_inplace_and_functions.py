@@ -27,8 +27,9 @@ def _x() -> torch.Tensor:
 
 
 class _Residual(nn.Module):
-    """h = W x; h += x; h *= σ(x); h /= h.sum(-1); h.masked_fill_; an index_add_ of h's rows
-    into zeros (the mixture-of-experts pattern); written in place or out of place."""
+    """h = W x; h += x; h *= σ(x); h /= h.sum(-1); h.masked_fill_; writes ``h[i] = v`` by a
+    basic, a boolean and an advanced index; an index_add_ of h's rows into zeros (the
+    mixture-of-experts pattern); written in place or out of place."""
 
     def __init__(self, inplace: bool):
         super().__init__()
@@ -45,6 +46,9 @@ class _Residual(nn.Module):
             h /= h.sum(-1, keepdim=True)
             h.sub_(s, alpha=0.5)
             h.masked_fill_(x > 1.5, 0.0)
+            h[:, 0] = s[:, 1]
+            h[x < -1.0] = 0.25
+            h[torch.tensor([2, 0]), 3:] = x[:2, :1] * 2
             out = torch.zeros(2, 4, dtype=x.dtype)
             out.index_add_(0, torch.tensor([1, 0, 1]), h)
         else:
@@ -53,6 +57,10 @@ class _Residual(nn.Module):
             h = h / h.sum(-1, keepdim=True)
             h = h.sub(s, alpha=0.5)
             h = h.masked_fill(x > 1.5, 0.0)
+            h = torch.cat([s[:, 1:2], h[:, 1:]], 1)
+            h = h.masked_fill(x < -1.0, 0.25)
+            last = torch.cat([(x[:2, :1] * 2)[1:], h[1:2, 3:], (x[:2, :1] * 2)[:1]])
+            h = torch.cat([h[:, :3], last], 1)
             out = torch.zeros(2, 4, dtype=x.dtype).index_add(0, torch.tensor([1, 0, 1]), h)
         return out
 
