@@ -132,8 +132,8 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             name = node.id
-            if name in bound_locals or name in MODULES or name in BUILTINS:
-                continue
+            if name in bound_locals or name in MODULES or (name in BUILTINS and name not in known):
+                continue  # a parameter named like a builtin (clamp's min, max) is the parameter
             if name in PRIMITIVES or name in HELPERS or name == "shapes":
                 continue
             if name not in known:

@@ -13,6 +13,7 @@ PARAM_TYPES = (
     "Tensor[]",
     "Tensor...",
     "Scalar",
+    "Scalar?",
     "int",
     "int?",
     "int[]",

@@ -55,6 +55,11 @@ def with_zeros(*shape: int) -> Tensor:
     return x
 
 
+def _tied(*shape: int) -> Tensor:
+    """Values on a grid of step 0.5 in [-1, 1]: ties between inputs and with bounds."""
+    return torch.randint(-2, 3, shape, generator=_GEN).to(torch.float64) * 0.5
+
+
 @dataclass(frozen=True)
 class Sample:
     name: str
@@ -469,6 +474,37 @@ OPS: list[OpRow] = [
             S_("dim1", (randn(3, 4),), dict(dim=1)),
             S_("dim0_3d", (randn(4, 2, 3),), dict(dim=0)),
             S_("0d", (randn(1).reshape(()),), dict(dim=0)),
+        ],
+    ),
+    OpRow(
+        "torch.maximum",
+        lambda x, y: torch.maximum(x, y),
+        lambda: [
+            S_("ties_broadcast", (_tied(3, 4), _tied(4))),
+            S_("0d_other", (randn(3, 4), randn(1).reshape(()))),
+        ],
+    ),
+    OpRow(
+        "torch.min(x, y)",
+        lambda x, y: torch.min(x, y),
+        lambda: [S_("ties_broadcast", (_tied(3, 1), _tied(3, 4)))],
+    ),
+    OpRow(
+        "x.clamp",
+        lambda x, *bounds, **kw: x.clamp(*bounds, **kw),
+        lambda: [
+            S_("numbers_at_bounds", (_tied(3, 4),), dict(min=-0.5, max=0.5)),
+            S_("min_only", (_tied(3, 4),), dict(min=0.0)),
+            S_("tensors_broadcast", (_tied(3, 4), _tied(4) - 0.5, _tied(3, 1) + 0.5)),
+            S_("tensors_min_above_max", (randn(3, 4), randn(4) + 1.0, randn(4) - 1.0)),
+        ],
+    ),
+    OpRow(
+        "torch.clamp_min / clamp_max",
+        lambda x, b, **kw: torch.clamp_min(x, b) if kw["low"] else torch.clamp_max(x, b),
+        lambda: [
+            S_("min_tensor", (_tied(3, 4), _tied(4)), dict(low=True)),
+            S_("max_tensor", (_tied(3, 4), _tied(4)), dict(low=False)),
         ],
     ),
     OpRow(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Number
 from typing import Sequence
 
 import torch
@@ -145,6 +146,42 @@ def tie_share(input: Tensor, result: Tensor, dims: int | Sequence[int] | None) -
     return hit / hit.sum(dim=reduced, keepdim=True) if reduced else hit
 
 
+def extreme_share(input: Tensor, other: Tensor, largest: bool) -> Tensor:
+    """For ``torch.maximum(input, other)`` (``largest``; else ``minimum``): input's share of
+    each output's gradient as torch.autograd gives it — 1 where input is taken or either is
+    NaN, 1/2 at a tie, 0 where other is taken (broadcast to the output's shape)."""
+    dtype = torch.result_type(input, other)
+    taken_by_other = input < other if largest else input > other
+    share = torch.ones(
+        torch.broadcast_shapes(input.shape, other.shape), dtype=dtype, device=input.device
+    )
+    return share.masked_fill(input == other, 0.5).masked_fill(taken_by_other, 0.0)
+
+
+def clamp_passes(input: Tensor, min: Tensor | Number | None, max: Tensor | Number | None) -> Tensor:
+    """1 where ``input.clamp(min, max)`` passes input's gradient (min ≤ x ≤ max; a missing
+    bound is no condition), else 0, as torch.autograd; broadcast to the output's shape."""
+    passes = torch.ones_like(input, dtype=torch.bool)
+    if min is not None:
+        passes = passes & (input >= min)
+    if max is not None:
+        passes = passes & (input <= max)
+    return passes.to(input.dtype if input.is_floating_point() else torch.get_default_dtype())
+
+
+def clamp_bound_passes(input: Tensor, min: Tensor | None, max: Tensor | None, bound: str) -> Tensor:
+    """1 where ``input.clamp(min, max)`` takes the tensor bound ``bound`` ("min" or "max") as
+    torch.autograd passes it a gradient — min where x < min (and min < max when both are
+    given), max where x > max (or max < min) — else 0; broadcast to the output's shape."""
+    if bound == "min":
+        taken = input < min if max is None else (input < min) & (min < max)
+        like = min
+    else:
+        taken = input > max if min is None else (input > max) | (max < min)
+        like = max
+    return taken.to(torch.result_type(input, like))
+
+
 def diagonal_positions(
     shape: torch.Size, offset: int, dim1: int, dim2: int, device: torch.device
 ) -> Tensor:
@@ -251,6 +288,9 @@ def loss_edges(loss, input: Tensor, target: Tensor, broadcast: bool, **kwargs) -
 
 
 HELPERS = (
+    "extreme_share",
+    "clamp_passes",
+    "clamp_bound_passes",
     "cumprod_edges",
     "loss_edges",
     "written",
