@@ -62,6 +62,12 @@ def write(func: Any, args: tuple, kwargs: dict, route: Route) -> Any:
     return target.copy_(route(out_of_place(func, kwargs), target.clone(), *args[1:], **kwargs))
 
 
+def is_view_write_refusal(exc: RuntimeError) -> bool:
+    """Whether torch refused an in-place write because its target is a view returned by a
+    custom Function (a generated one: the output of a patched view op)."""
+    return "is a view and is being modified inplace" in str(exc) and "custom Function" in str(exc)
+
+
 def _as_index_put(
     target: Tensor, index: Any, value: Any, route: Route
 ) -> tuple[tuple[Tensor, ...], Tensor]:

@@ -206,7 +206,19 @@ class _SemiringMode(TorchFunctionMode):
             if counterpart is None or not handle.registry.candidates(counterpart):
                 raise handle.unsupported(func, "it writes into a tensor in place")
             route = functools.partial(_route, self.__torch_function__, types)
-            return inplace.write(func, args, kwargs, route)
+            try:
+                return inplace.write(func, args, kwargs, route)
+            except RuntimeError as exc:  # torch refuses the write before making it
+                if not inplace.is_view_write_refusal(exc):
+                    raise
+                raise UnsupportedOpError(
+                    f"{_name_of(func)} (in module '{handle.current_module}') writes in place "
+                    f"into a view that a patched op returned (a slice such as y[:, :2], a "
+                    f"transpose, a split part …) under sa.patch(..., {handle.semiring!r}): "
+                    "its generated Function cannot be rewritten around the write. Write out of "
+                    "place (torch.cat, index_put, where) or write into a copy of the view "
+                    "(.clone()) and use that copy."
+                ) from exc
         out = func(*args, **kwargs)
         if not _differentiable_output(out):
             return out  # e.g. x.type() returning a string: nothing enters the gradient graph
