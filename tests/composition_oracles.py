@@ -122,6 +122,22 @@ def rms_norm_paths(
     return dict(zip(given, p.path_sum(S, "y", seed, list(given))))
 
 
+def weight_norm_paths(
+    S: Semiring, seed: Tensor | None, v: Tensor, g: Tensor, dim: int
+) -> dict[str, Value]:
+    """n = ‖v‖ over every dim but ``dim`` (all for −1); s = g / n; w = v·s."""
+    dims = (
+        tuple(range(v.dim()))
+        if dim == -1
+        else tuple(d for d in range(v.dim()) if d != dim % v.dim())
+    )
+    p = Program(v=v, g=g)
+    p.op("n", lambda v: torch.linalg.vector_norm(v, 2, dims, True), "v")
+    p.op("s", torch.div, "g", "n")
+    p.op("w", torch.mul, "v", "s")
+    return dict(zip(("v", "g"), p.path_sum(S, "w", seed, ["v", "g"])))
+
+
 def attention_paths(
     S: Semiring,
     seed: Tensor | None,

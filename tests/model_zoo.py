@@ -52,6 +52,18 @@ def _decoder(config_cls, model_cls, **kw) -> Callable[[], nn.Module]:
     return _text(config_cls, model_cls, num_attention_heads=4, num_key_value_heads=2, **kw)
 
 
+_SPEECH = dict(
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=24,
+    conv_dim=(8, 8),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_conv_pos_embeddings=4,
+    num_conv_pos_embedding_groups=2,
+    vocab_size=16,
+)
 _VIT = dict(
     image_size=IMAGE,
     patch_size=8,
@@ -301,6 +313,9 @@ FAMILIES: list[Family] = [
         ),
         "image",
     ),
+    # ----- raw-audio speech encoders: conv feature extractor, weight-normed positional conv
+    Family("wav2vec2", lambda: tf.Wav2Vec2Model(tf.Wav2Vec2Config(**_SPEECH)), "audio"),
+    Family("hubert", lambda: tf.HubertModel(tf.HubertConfig(**_SPEECH)), "audio"),
 ]
 
 

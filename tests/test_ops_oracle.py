@@ -21,6 +21,7 @@ from composition_oracles import (
     channel_norm_paths,
     layer_norm_paths,
     rms_norm_paths,
+    weight_norm_paths,
 )
 from op_checks import Apply, assert_value_close, random_cotangent, raw_value
 from oracle import merge_positions, op_oracle
@@ -152,6 +153,14 @@ def _rms_norm_oracle(
         **dict(zip(names, sample.inputs)),
     )
     return [values[n] for n in names]
+
+
+def _weight_norm_oracle(
+    S: Semiring, f: Callable[..., Tensor], sample: Sample, seed: Tensor | None, ref_out: Tensor
+) -> list[Value]:
+    """Path enumeration through the stated composition (:func:`weight_norm_paths`)."""
+    values = weight_norm_paths(S, seed, *sample.inputs, dim=sample.kwargs["dim"])
+    return [values["v"], values["g"]]
 
 
 def _layer_norm(
@@ -506,6 +515,16 @@ OPS: list[OpRow] = [
             S_("min_tensor", (_tied(3, 4), _tied(4)), dict(low=True)),
             S_("max_tensor", (_tied(3, 4), _tied(4)), dict(low=False)),
         ],
+    ),
+    OpRow(
+        "torch._weight_norm",
+        lambda v, g, *, dim: torch._weight_norm(v, g, dim),
+        lambda: [
+            S_("dim0", (randn(3, 2, 2), positive(3, 1, 1)), dict(dim=0)),
+            S_("dim2_conv", (randn(2, 2, 3), positive(1, 1, 3)), dict(dim=2)),
+            S_("whole", (randn(2, 3), positive(1).reshape(())), dict(dim=-1)),
+        ],
+        _weight_norm_oracle,
     ),
     OpRow(
         "torch.cumprod",

@@ -171,6 +171,11 @@ _COMPOSITES = {
             torch.randn(*s, generator=g) for s in ((1, 4, 3, 2), (1, 2, 4, 2), (1, 2, 4, 3))
         ),
     ),
+    "_weight_norm": (
+        lambda v, g: torch._weight_norm(v, g, 2),
+        lambda v, g: DECOMPOSITIONS["_weight_norm"](v, g, 2),
+        lambda g: (torch.randn(2, 3, 4, generator=g), torch.rand(1, 1, 4, generator=g) + 0.5),
+    ),
 }
 _MASK = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0], [0, 1, 1, 1]], dtype=torch.bool)
 

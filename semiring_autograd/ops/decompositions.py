@@ -14,7 +14,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .shape_helpers import attention_scale, channel_shape, group_shape, other_dims
+from .shape_helpers import (
+    attention_scale,
+    channel_shape,
+    group_shape,
+    other_dims,
+    weight_norm_dims,
+)
 from .tensor_helpers import mask_scores
 
 
@@ -126,7 +132,15 @@ def _repeat_heads(x: Tensor, groups: int) -> Tensor:
     return expanded.reshape(*shape[:-3], shape[-3] * groups, *shape[-2:])
 
 
+def weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Tensor:
+    """n = ‖v‖ over every dim but ``dim`` (all for −1); s = g / n; w = v·s. The norm runs as
+    sqrt(Σ v²), one path per element of v whose edges multiply to v/n."""
+    n = v.pow(2).sum(weight_norm_dims(v.dim(), dim), keepdim=True).sqrt()
+    return v * (g / n)
+
+
 DECOMPOSITIONS: dict[str, Callable[..., Tensor]] = {
+    "_weight_norm": weight_norm,
     "layer_norm": layer_norm,
     "batch_norm.batch_stats": batch_norm_batch_stats,
     "group_norm": group_norm,

@@ -133,8 +133,17 @@ def column_shape(shape: Sequence[int], dim: int) -> tuple[int, ...]:
     return (*out, 1)
 
 
+def weight_norm_dims(ndim: int, dim: int) -> tuple[int, ...]:
+    """The dims ``torch._weight_norm(v, g, dim)`` takes v's norm over: every dim but ``dim``
+    (all of them for ``dim = -1``)."""
+    if dim == -1:
+        return tuple(range(ndim))
+    return tuple(d for d in range(ndim) if d != dim % ndim)
+
+
 HELPERS = (
     "column_shape",
+    "weight_norm_dims",
     "repeat_blocks",
     "leading_block",
     "channel_shape",
