@@ -211,7 +211,8 @@ class _Rewriter(ast.NodeTransformer):
             )
         lifted = _lift_argument(node)
         if lifted is not None and self.flavour.kind != "plain":
-            return self._fused(node.func.id, self.visit(node.args[0]), self.visit(lifted))
+            extra = [self.visit(x) for x in node.args[2:]]
+            return self._fused(node.func.id, self.visit(node.args[0]), self.visit(lifted), extra)
         node = self.generic_visit(node)
         if not isinstance(node.func, ast.Name):
             return node
@@ -227,14 +228,15 @@ class _Rewriter(ast.NodeTransformer):
             return _call("P", fname, args, node.keywords)
         return self._one_component(node, fname)
 
-    def _fused(self, fname: str, x: ast.AST, w: ast.AST) -> ast.AST:
-        """``mul(x, lift(w))`` and ``matmul(x, lift(w))`` as one primitive: semirings skip
-        work lift would do (log|w| only to exp it, a signed point's four corners)."""
+    def _fused(self, fname: str, x: ast.AST, w: ast.AST, extra: list[ast.AST]) -> ast.AST:
+        """``mul(x, lift(w))``, ``matmul(x, lift(w))`` and ``contract(x, lift(w), spec)`` as
+        one primitive: semirings skip work lift would do (log|w| only to exp it, a signed
+        point's four corners)."""
         if self.flavour.kind == "generic":
-            return _call("P", f"{fname}_lift", [_S, x, w, _REF])
+            return _call("P", f"{fname}_lift", [_S, x, w, *extra, _REF])
         mul_lift = self.flavour.inline.mul_lift
-        if fname == "matmul" or mul_lift is None:
-            return _call("C", f"{fname}_lift", [_S, x, w, _REF])
+        if fname != "mul" or mul_lift is None:
+            return _call("C", f"{fname}_lift", [_S, x, w, *extra, _REF])
         message = _call("C", "as_message", [w, _REF])
         return _expression(mul_lift.format(a=_source(x), w=_source(message)))
 
@@ -290,11 +292,11 @@ def _expression(source: str) -> ast.AST:
 
 
 def _lift_argument(node: ast.Call) -> ast.AST | None:
-    """For ``mul(x, lift(w))`` or ``matmul(x, lift(w))``: the node ``w``; else None."""
+    """For ``mul(x, lift(w))``, ``matmul(x, lift(w))`` or ``contract(x, lift(w), spec)``:
+    the node ``w``; else None."""
     if (
         isinstance(node.func, ast.Name)
-        and node.func.id in ("mul", "matmul")
-        and len(node.args) == 2
+        and len(node.args) == {"mul": 2, "matmul": 2, "contract": 3}.get(node.func.id)
         and isinstance(node.args[1], ast.Call)
         and isinstance(node.args[1].func, ast.Name)
         and node.args[1].func.id == "lift"

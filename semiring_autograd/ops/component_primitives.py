@@ -46,6 +46,10 @@ def contract(S: Semiring, a: Tensor, b: Tensor, spec: Contraction) -> Tensor:
     return P.contract(S, (a,), (b,), spec)[0]
 
 
+def contract_lift(S: Semiring, a: Tensor, w: Tensor, spec: Contraction, ref: Ref) -> Tensor:
+    return P.contract_lift(S, (a,), w, spec, ref)[0]
+
+
 def matmul_lift(S: Semiring, a: Tensor, w: Tensor, ref: Ref) -> Tensor:
     return S.matmul_lift((a,), as_message(w, ref))[0]
 

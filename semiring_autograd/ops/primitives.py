@@ -98,13 +98,27 @@ def contract(S: Semiring, a: Value, b: Value, spec: Contraction) -> Value:
     of two operands in the semiring, run as one semiring batched matmul (labels only one
     operand has and the output lacks are ⊕-reduced first; output labels neither has are a
     broadcast)."""
+    if spec.summed(spec.b, spec.a):
+        b = S.sum(_each(b, lambda c: c.expand(spec.size(spec.b))), spec.summed(spec.b, spec.a))
+    return _contract(S, a, b, spec, S.matmul)
+
+
+def contract_lift(S: Semiring, a: Value, w: Tensor, spec: Contraction, ref: Ref) -> Value:
+    """contract(a, lift(w)), which the generator emits for that pattern: the matmul runs as
+    the semiring's ``matmul_lift`` (no lift of w where w has labels of its own to ⊕ first)."""
+    if spec.summed(spec.b, spec.a):
+        return contract(S, a, lift(S, w, ref), spec)
+    return _contract(S, a, (w,), spec, lambda x, y: S.matmul_lift(x, as_message(y[0], ref)))
+
+
+def _contract(S: Semiring, a: Value, b: tuple, spec: Contraction, matmul) -> Value:
+    """:func:`contract` once ``b`` has no labels of its own left: ``matmul`` multiplies the
+    (batch, left, inner) and (batch, inner, right) blocks."""
     size = spec.size
     a = _each(a, lambda c: c.expand(size(spec.a)))
-    b = _each(b, lambda c: c.expand(size(spec.b)))
+    b = _each(b, lambda c: c.expand(size(spec.kept(spec.b, spec.a))))
     if spec.summed(spec.a, spec.b):
         a = S.sum(a, spec.summed(spec.a, spec.b))
-    if spec.summed(spec.b, spec.a):
-        b = S.sum(b, spec.summed(spec.b, spec.a))
     batch, left, inner, right = spec.layout()
     n, rows, inner_n, cols = (math.prod(size(labels)) for labels in (batch, left, inner, right))
     a = _each(
@@ -113,11 +127,11 @@ def contract(S: Semiring, a: Value, b: Value, spec: Contraction) -> Value:
     b = _each(
         b, lambda c: c.permute(contraction_dims(spec.kept(spec.b, spec.a), batch + inner + right))
     )
-    a = reshape(S, a, (n, rows, inner_n))
-    b = reshape(S, b, (n, inner_n, cols))
+    a = _each(a, lambda c: c.reshape(n, rows, inner_n))
+    b = _each(b, lambda c: c.reshape(n, inner_n, cols))
     present = batch + left + right
     order = "".join(label for label in spec.out if label in present)
-    out = reshape(S, S.matmul(a, b), size(present))
+    out = reshape(S, matmul(a, b), size(present))
     out = permute(S, out, contraction_dims(present, order))
     if order != spec.out:
         ones = [size(label)[0] if label in order else 1 for label in spec.out]
