@@ -39,9 +39,8 @@ class Replay:
         """The replay of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as
         ``bound``; ``names`` maps ``id`` of the model's parameters to their qualified names."""
         leaves, spec = tree_flatten((args, kwargs))
-        lists = ("Tensor[]", "Tensor...")
-        ordered = [bound[p.name] for p in op.params if p.type not in lists]
-        ordered += [t for p in op.params if p.type in lists for t in bound[p.name]]
+        ordered = [bound[p.name] for p in op.params if not p.is_tensor_list]
+        ordered += [t for p in op.params if p.is_tensor_list for t in bound[p.name]]
         taken: set[int] = set()
         positions = []
         for value in ordered:

@@ -38,8 +38,17 @@ class Contraction:
     sizes: tuple[tuple[str, int], ...]
 
     @property
-    def equation(self) -> str:
-        return f"{self.a},{self.b}->{self.out}"
+    def present(self) -> str:
+        """The output's labels that an operand has, in the output's order."""
+        return "".join(label for label in self.out if label in self.a + self.b)
+
+    @property
+    def spread(self) -> tuple[int, ...]:
+        """The output's shape with 1 for each label neither operand has: a result over
+        :attr:`present` reshaped to it expands to the output."""
+        return tuple(
+            n if label in self.present else 1 for label, n in zip(self.out, self.size(self.out))
+        )
 
     def size(self, labels: str) -> tuple[int, ...]:
         return label_sizes(self.sizes, labels)

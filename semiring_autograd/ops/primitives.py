@@ -129,13 +129,10 @@ def _contract(S: Semiring, a: Value, b: tuple, spec: Contraction, matmul) -> Val
     )
     a = _each(a, lambda c: c.reshape(n, rows, inner_n))
     b = _each(b, lambda c: c.reshape(n, inner_n, cols))
-    present = batch + left + right
-    order = "".join(label for label in spec.out if label in present)
-    out = reshape(S, matmul(a, b), size(present))
-    out = permute(S, out, contraction_dims(present, order))
-    if order != spec.out:
-        ones = [size(label)[0] if label in order else 1 for label in spec.out]
-        out = expand(S, reshape(S, out, ones), size(spec.out))
+    out = reshape(S, matmul(a, b), size(batch + left + right))
+    out = permute(S, out, contraction_dims(batch + left + right, spec.present))
+    if spec.present != spec.out:
+        out = expand(S, reshape(S, out, spec.spread), size(spec.out))
     return out
 
 

@@ -41,12 +41,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def contract(a: Tensor, b: Tensor, spec: Contraction) -> Tensor:
-    present = "".join(label for label in spec.out if label in spec.a + spec.b)
-    out = torch.einsum(f"{spec.a},{spec.b}->{present}", a, b)
-    if present == spec.out:
+    out = torch.einsum(f"{spec.a},{spec.b}->{spec.present}", a, b)
+    if spec.present == spec.out:
         return out
-    ones = [spec.size(label)[0] if label in present else 1 for label in spec.out]
-    return out.reshape(ones).expand(spec.size(spec.out))
+    return out.reshape(spec.spread).expand(spec.size(spec.out))
 
 
 def loo(a: Tensor, dim: int) -> Tensor:

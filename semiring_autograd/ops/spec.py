@@ -19,6 +19,11 @@ class ParamSpec:
     default: Any
     kwonly: bool
 
+    @property
+    def is_tensor_list(self) -> bool:
+        """``Tensor[]`` or ``Tensor...``: its bound value is a list of tensors."""
+        return self.type in ("Tensor[]", "Tensor...")
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -76,6 +81,10 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_tensor_list(v: object) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v)
+
+
 def _is_int_list(v: object) -> bool:
     return _is_int(v) or (isinstance(v, (list, tuple, torch.Size)) and all(_is_int(x) for x in v))
 
@@ -83,8 +92,8 @@ def _is_int_list(v: object) -> bool:
 _CHECKS: dict[str, Callable[[object], bool]] = {
     "Any": lambda v: True,
     "Tensor": lambda v: isinstance(v, Tensor),
-    "Tensor[]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v),
-    "Tensor...": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v),
+    "Tensor[]": _is_tensor_list,
+    "Tensor...": _is_tensor_list,
     "Scalar": lambda v: isinstance(v, Number) and not isinstance(v, Tensor),
     "int": _is_int,
     "int[]": _is_int_list,
