@@ -189,7 +189,7 @@ class _SemiringMode(TorchFunctionMode):
             if frame is not None:  # a checkpointed region: recompute it under the semiring
                 recompute_under(frame, functools.partial(_SemiringMode, handle))
             replay = (
-                Replay.record(func, args, kwargs, op, bound, handle.parameter_names)
+                Replay.record(func, args, kwargs, op, bound, handle.parameter_name)
                 if handle.paths
                 else None
             )
@@ -244,9 +244,10 @@ class PatchHandle:
         self.semiring = semiring
         self.registry = registry
         self.paths = paths
-        #: id of each parameter → its qualified name (path steps name the parameters they cross)
-        self.parameter_names = (
-            {id(p): name for name, p in model.named_parameters()} if paths else {}
+        #: id of each parameter → (the parameter, its qualified name), for path steps to name
+        #: the parameters they cross; holding the parameter keeps its id from being reused
+        self._parameters: dict[int, tuple[torch.Tensor, str]] = (
+            {id(p): (p, name) for name, p in model.named_parameters()} if paths else {}
         )
         #: torch records its own graph of each op (sa.Real(); see the semiring registry)
         self.torch_graph = records_torch_graph(semiring)
@@ -255,8 +256,9 @@ class PatchHandle:
         self._depth = 0
         self._active = False
         self._removed = False
-        #: qualified names of the model's modules whose forward is running, innermost last
-        self._stack: list[str] = []
+        #: (qualified name, module) of the model's modules whose forward is running, innermost
+        #: last; the model is named by its class
+        self._stack: list[tuple[str, nn.Module]] = []
         #: (module, its own ``forward`` instance attribute before the patch, or _ABSENT)
         self._wrapped: list[tuple[nn.Module, Any]] = []
         # every module's forward is wrapped (an instance attribute): the wrappers name the
@@ -267,9 +269,9 @@ class PatchHandle:
                 before = module.__dict__.get("forward", _ABSENT)
                 forward = module.forward
                 if module is model:
-                    wrapper = self._model_forward(forward, name or type(module).__name__)
+                    wrapper = self._model_forward(forward, name or type(module).__name__, module)
                 else:
-                    wrapper = self._named_forward(forward, name)
+                    wrapper = self._named_forward(forward, name, module)
                 wrapper.__semiring_autograd_patch__ = self  # type: ignore[attr-defined]
                 module.__dict__["forward"] = wrapper
                 self._wrapped.append((module, before))
@@ -277,15 +279,17 @@ class PatchHandle:
             self._unwrap()
             raise
 
-    def _named_forward(self, forward: Callable, name: str) -> Callable:
-        """``forward`` that names its module while it runs (in the patching thread)."""
+    def _named_forward(self, forward: Callable, name: str, module: nn.Module) -> Callable:
+        """``forward`` of ``module`` that puts it on the stack of running modules, named
+        ``name``, while it runs (in the patching thread)."""
         stack = self._stack
+        entry = (name, module)
 
         @functools.wraps(forward)
         def named_forward(*args: Any, **kwargs: Any) -> Any:
             if self._removed or threading.get_ident() != self.thread:
                 return forward(*args, **kwargs)
-            stack.append(name)
+            stack.append(entry)
             try:
                 return forward(*args, **kwargs)
             finally:
@@ -293,9 +297,9 @@ class PatchHandle:
 
         return named_forward
 
-    def _model_forward(self, forward: Callable, name: str) -> Callable:
+    def _model_forward(self, forward: Callable, name: str, module: nn.Module) -> Callable:
         """The model's ``forward``, run with the semiring mode on (in the patching thread)."""
-        named = self._named_forward(forward, name)
+        named = self._named_forward(forward, name, module)
 
         @functools.wraps(forward)
         def patched_forward(*args: Any, **kwargs: Any) -> Any:
@@ -388,7 +392,21 @@ class PatchHandle:
 
     @property
     def current_module(self) -> str:
-        return self._stack[-1] if self._stack else type(self.model).__name__
+        return self._stack[-1][0] if self._stack else type(self.model).__name__
+
+    def parameter_name(self, tensor: torch.Tensor) -> str | None:
+        """The qualified name of ``tensor`` as a parameter of the model: one the model held
+        when patched, else one that a running module holds now (an offloading hook, such as
+        accelerate's, puts freshly loaded parameters into its module for each forward),
+        innermost module first; ``None`` for a tensor that is neither."""
+        known = self._parameters.get(id(tensor))
+        if known is not None:
+            return known[1]
+        for name, module in reversed(self._stack):
+            for own, p in module._parameters.items():
+                if p is tensor:
+                    return own if module is self.model else f"{name}.{own}"
+        return None
 
     def unsupported(self, func: Any, why: str) -> UnsupportedOpError:
         name = _name_of(func)

@@ -34,10 +34,10 @@ class Replay:
         kwargs: dict,
         op,
         bound: dict,
-        names: dict[int, str] | None = None,
+        name_of: Callable[[Tensor], str | None] | None = None,
     ):
         """The replay of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as
-        ``bound``; ``names`` maps ``id`` of the model's parameters to their qualified names."""
+        ``bound``; ``name_of`` gives a parameter's qualified name in the model (or None)."""
         leaves, spec = tree_flatten((args, kwargs))
         ordered = [bound[p.name] for p in op.params if not p.is_tensor_list]
         ordered += [t for p in op.params if p.is_tensor_list for t in bound[p.name]]
@@ -50,9 +50,9 @@ class Replay:
             taken.add(i)
             positions.append(i)
         rng = torch.get_rng_state() if op.forward_helper else None
-        names = names or {}
+        named = name_of or (lambda tensor: None)
         parameters = tuple(
-            names.get(id(leaves[i])) if isinstance(leaves[i], torch.nn.Parameter) else None
+            named(leaves[i]) if isinstance(leaves[i], torch.nn.Parameter) else None
             for i in positions
         )
         return cls(func, leaves, spec, tuple(positions), rng, parameters)

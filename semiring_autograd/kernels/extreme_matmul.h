@@ -1,16 +1,13 @@
 // Max-times and signed max/min-times matrix products for the CPU, in register blocks, and
-// one-pass elementwise kernels.
-//
-// Part of semiring_autograd. Compiled on first use by kernels/__init__.py with the system
-// C++ compiler (-O3 -march=native -fno-trapping-math, -fopenmp where it builds) and loaded
-// with ctypes; no Python or torch headers. -fno-trapping-math lets selects between two
-// computed values vectorise (no FP trap is ever enabled, so no result changes).
+// one-pass elementwise and per-row kernels, on raw pointers. Included by operators.cpp, which
+// registers them as torch operators; no torch headers here. Built with -fno-trapping-math,
+// which lets selects between two computed values vectorise (no FP trap is ever enabled, so
+// no result changes).
 //
 // max_times and signed_times work on contiguous row-major operands with a batch dimension:
 //   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
 //   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
-//   batches bt in [b0, b1), on `threads` OpenMP threads (without OpenMP, the caller runs
-//   disjoint (batch, column) ranges on threads of its own). lift_times reads strided
+//   batches bt in [b0, b1), on `threads` OpenMP threads. lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add, zero_where_no_path and ratio_where_positive
 //   are elementwise;
@@ -20,6 +17,9 @@
 // a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
 // skip the terms that provably cannot change a max or a min (see kept_terms); the results
 // are the same to the bit.
+
+#pragma once
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -1154,133 +1154,3 @@ void entropy_reduce_rows(const T* x, const T* r, T* out_l, T* out_r, uint8_t* ba
 }
 
 }  // namespace
-
-extern "C" {
-
-int block_width_f32() { return C * Vec<float>::lanes; }
-int block_width_f64() { return C * Vec<double>::lanes; }
-
-#ifdef _OPENMP
-int uses_openmp() { return 1; }
-#else
-int uses_openmp() { return 0; }
-#endif
-
-void max_times_f32(const float* a, const float* b, float* out, int64_t m, int64_t k, int64_t n,
-                   int64_t b0, int64_t b1, int64_t c0, int64_t c1, float init, int abs_b,
-                   int threads) {
-    max_times<float>(a, b, out, m, k, n, b0, b1, c0, c1, init, abs_b, threads);
-}
-
-void max_times_f64(const double* a, const double* b, double* out, int64_t m, int64_t k,
-                   int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, double init,
-                   int abs_b, int threads) {
-    max_times<double>(a, b, out, m, k, n, b0, b1, c0, c1, init, abs_b, threads);
-}
-
-void signed_times_f32(const float* ahi, const float* alo, const float* bhi, const float* blo,
-                      float* hi, float* lo, int64_t m, int64_t k, int64_t n, int64_t b0,
-                      int64_t b1, int64_t c0, int64_t c1, int threads) {
-    if (blo)
-        signed_times<float, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
-    else
-        signed_times<float, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
-}
-
-void signed_times_f64(const double* ahi, const double* alo, const double* bhi,
-                      const double* blo, double* hi, double* lo, int64_t m, int64_t k,
-                      int64_t n, int64_t b0, int64_t b1, int64_t c0, int64_t c1, int threads) {
-    if (blo)
-        signed_times<double, false>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
-    else
-        signed_times<double, true>(ahi, alo, bhi, blo, hi, lo, m, k, n, b0, b1, c0, c1, threads);
-}
-
-void lift_times_f32(const float* p, int64_t pbs, int64_t prs, int64_t pqs, const float* xh,
-                    const float* xl, int64_t xbs, int64_t xqs, int64_t xjs, float* hi,
-                    float* lo, int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1,
-                    int64_t c0, int64_t c1, int zero_empty, int threads) {
-    lift_times<float>(p, pbs, prs, pqs, xh, xl, xbs, xqs, xjs, hi, lo, m, k, n, b0, b1, c0, c1,
-                      zero_empty, threads);
-}
-
-void lift_times_f64(const double* p, int64_t pbs, int64_t prs, int64_t pqs, const double* xh,
-                    const double* xl, int64_t xbs, int64_t xqs, int64_t xjs, double* hi,
-                    double* lo, int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1,
-                    int64_t c0, int64_t c1, int zero_empty, int threads) {
-    lift_times<double>(p, pbs, prs, pqs, xh, xl, xbs, xqs, xjs, hi, lo, m, k, n, b0, b1, c0, c1,
-                       zero_empty, threads);
-}
-
-void signed_mul_lift_f32(const float* ah, const float* al, const float* w, float* hi, float* lo,
-                         int64_t count, int threads) {
-    signed_mul_lift<float>(ah, al, w, hi, lo, count, threads);
-}
-
-void signed_mul_lift_f64(const double* ah, const double* al, const double* w, double* hi,
-                         double* lo, int64_t count, int threads) {
-    signed_mul_lift<double>(ah, al, w, hi, lo, count, threads);
-}
-
-void entropy_weights_f32(const float* w, float* out, int64_t count, int64_t i0, int64_t i1,
-                         int64_t b0, int64_t b1, int threads) {
-    entropy_weights<float>(w, out, count, i0, i1, b0, b1, threads);
-}
-
-void entropy_weights_f64(const double* w, double* out, int64_t count, int64_t i0, int64_t i1,
-                         int64_t b0, int64_t b1, int threads) {
-    entropy_weights<double>(w, out, count, i0, i1, b0, b1, threads);
-}
-
-void entropy_mul_lift_f32(const float* la, const float* r, const float* w, float* la_out,
-                          float* r_out, int64_t count, int threads) {
-    entropy_mul_lift<float>(la, r, w, la_out, r_out, count, threads);
-}
-
-void entropy_mul_lift_f64(const double* la, const double* r, const double* w, double* la_out,
-                          double* r_out, int64_t count, int threads) {
-    entropy_mul_lift<double>(la, r, w, la_out, r_out, count, threads);
-}
-
-void entropy_add_f32(const float* la, const float* ra, const float* lb, const float* rb,
-                     float* lo, float* ro, int64_t count, int threads) {
-    entropy_add<float>(la, ra, lb, rb, lo, ro, count, threads);
-}
-
-void entropy_add_f64(const double* la, const double* ra, const double* lb, const double* rb,
-                     double* lo, double* ro, int64_t count, int threads) {
-    entropy_add<double>(la, ra, lb, rb, lo, ro, count, threads);
-}
-
-// The row kernels share one signature: (x, r, two outputs, a flag per row, the row length,
-// the row range, threads).
-#define ROW_KERNEL(name, T, suffix)                                                          \
-    void name##_##suffix(const T* x, const T* r, T* out, T* out2, uint8_t* flags, int64_t n, \
-                         int64_t r0, int64_t r1, int threads) {                               \
-        name<T>(x, r, out, out2, flags, n, r0, r1, threads);                                 \
-    }
-ROW_KERNEL(loo_log, float, f32)
-ROW_KERNEL(loo_log, double, f64)
-ROW_KERNEL(log_space_rows, float, f32)
-ROW_KERNEL(log_space_rows, double, f64)
-ROW_KERNEL(entropy_reduce_rows, float, f32)
-ROW_KERNEL(entropy_reduce_rows, double, f64)
-#undef ROW_KERNEL
-
-void zero_where_no_path_f32(float* r, const float* la, int64_t count, int threads) {
-    zero_where_no_path<float>(r, la, count, threads);
-}
-
-void zero_where_no_path_f64(double* r, const double* la, int64_t count, int threads) {
-    zero_where_no_path<double>(r, la, count, threads);
-}
-
-void ratio_where_positive_f32(float* num, const float* den, int64_t count, int threads) {
-    ratio_where_positive<float>(num, den, count, threads);
-}
-
-void ratio_where_positive_f64(double* num, const double* den, int64_t count, int threads) {
-    ratio_where_positive<double>(num, den, count, threads);
-}
-
-}  // extern "C"

@@ -1,0 +1,287 @@
+// The CPU kernels of extreme_matmul.h as torch operators in the `semiring_autograd` namespace.
+//
+// Part of semiring_autograd. Built on first use by kernels/build.py through
+// torch.utils.cpp_extension (-O3 -march=native -fno-trapping-math -fopenmp). The schemas are
+// defined in Python (kernels/operators.py, with fake implementations and the CUDA kernels);
+// this file registers the CPU kernels for them. Float32 and float64 only; the Python callers
+// check dtypes, devices and shapes before they call.
+//
+// Threads: a call with less than PARALLEL_WORK multiply-reduce steps (an elementwise entry
+// counts ENTRY_COST steps) runs on one thread, a larger one on torch's intra-op threads
+// (at::get_num_threads()): built with OpenMP, the kernels share the OpenMP runtime torch
+// loaded, so the team is torch's own threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "extreme_matmul.h"
+
+namespace {
+
+constexpr int64_t PARALLEL_WORK = int64_t(1) << 18;
+constexpr int64_t ENTRY_COST = 8;
+
+int threads_for(int64_t work) {
+    return work < PARALLEL_WORK ? 1 : std::max(1, at::get_num_threads());
+}
+
+// the column block of max_times and signed_times (operators.block_width states it for the
+// fake implementations; tests/test_kernels.py checks that the two agree)
+template <typename T>
+constexpr int64_t width() {
+    return C * Vec<T>::lanes;
+}
+
+int64_t block_width(at::ScalarType dtype) {
+    return dtype == at::kDouble ? width<double>() : width<float>();
+}
+
+// b (batch, k, n) contiguous, its columns padded with `fill` to a multiple of the block width
+at::Tensor pad_columns(const at::Tensor& b, int64_t w, double fill) {
+    const int64_t n = b.size(-1), padded = (n + w - 1) / w * w;
+    if (padded == n) return b.contiguous();
+    auto out = at::full({b.size(0), b.size(1), padded}, fill, b.options());
+    out.narrow(-1, 0, n).copy_(b);
+    return out;
+}
+
+at::Tensor trim(const at::Tensor& out, int64_t n) {
+    return out.size(-1) == n ? out : out.narrow(-1, 0, n);
+}
+
+#define FLOATING(dtype, ...)                                           \
+    [&] {                                                              \
+        if ((dtype) == at::kDouble) {                                  \
+            using T = double;                                          \
+            return __VA_ARGS__();                                      \
+        }                                                              \
+        TORCH_CHECK((dtype) == at::kFloat, "semiring_autograd kernels: float32 or float64, got ", \
+                    (dtype));                                          \
+        using T = float;                                               \
+        return __VA_ARGS__();                                          \
+    }()
+
+at::Tensor max_times_op(const at::Tensor& a_, const at::Tensor& b_, double init, bool abs_b) {
+    const auto a = a_.contiguous();
+    const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b_.size(-1);
+    const auto b = pad_columns(b_, block_width(a.scalar_type()), NAN);
+    const int64_t padded = b.size(-1);
+    auto out = at::empty({batch, m, padded}, a.options());
+    FLOATING(a.scalar_type(), [&] {
+        const int64_t blocks = padded / width<T>();
+        max_times<T>(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), m, k, padded, 0, batch,
+                     0, blocks, T(init), abs_b, threads_for(batch * m * k * padded));
+    });
+    return trim(out, n);
+}
+
+std::tuple<at::Tensor, at::Tensor> signed_times_op(const at::Tensor& a_hi_,
+                                                   const at::Tensor& a_lo_,
+                                                   const at::Tensor& b_hi_,
+                                                   const std::optional<at::Tensor>& b_lo_) {
+    const auto a_hi = a_hi_.contiguous(), a_lo = a_lo_.contiguous();
+    const int64_t batch = a_hi.size(0), m = a_hi.size(1), k = a_hi.size(2), n = b_hi_.size(-1);
+    const int64_t w = block_width(a_hi.scalar_type());
+    const auto b_hi = pad_columns(b_hi_, w, NAN);
+    const auto b_lo = b_lo_ ? pad_columns(*b_lo_, w, NAN) : at::Tensor();
+    const int64_t padded = b_hi.size(-1);
+    auto hi = at::empty({batch, m, padded}, a_hi.options());
+    auto lo = at::empty({batch, m, padded}, a_hi.options());
+    FLOATING(a_hi.scalar_type(), [&] {
+        const int64_t blocks = padded / width<T>();
+        const int threads = threads_for(batch * m * k * padded * (b_lo.defined() ? 4 : 2));
+        if (b_lo.defined())
+            signed_times<T, false>(a_hi.data_ptr<T>(), a_lo.data_ptr<T>(), b_hi.data_ptr<T>(),
+                                   b_lo.data_ptr<T>(), hi.data_ptr<T>(), lo.data_ptr<T>(), m, k,
+                                   padded, 0, batch, 0, blocks, threads);
+        else
+            signed_times<T, true>(a_hi.data_ptr<T>(), a_lo.data_ptr<T>(), b_hi.data_ptr<T>(),
+                                  nullptr, hi.data_ptr<T>(), lo.data_ptr<T>(), m, k, padded, 0,
+                                  batch, 0, blocks, threads);
+    });
+    return {trim(hi, n), trim(lo, n)};
+}
+
+// the signed pair a (B, m, k) times lift(w), w (B or 1, k, n), any strides: the kernel
+// computes lift(wᵀ) ⊗ aᵀ and writes it transposed
+std::tuple<at::Tensor, at::Tensor> lift_times_op(const at::Tensor& a_hi_, const at::Tensor& a_lo_,
+                                                 const at::Tensor& w, bool zero_empty) {
+    auto a_hi = a_hi_, a_lo = a_lo_;
+    if (a_hi.strides() != a_lo.strides()) {
+        a_hi = a_hi.contiguous();
+        a_lo = a_lo.contiguous();
+    }
+    const int64_t batch = a_hi.size(0), m = a_hi.size(1), k = a_hi.size(2), n = w.size(-1);
+    auto hi = at::empty({batch, m, n}, w.options());
+    auto lo = at::empty({batch, m, n}, w.options());
+    FLOATING(w.scalar_type(), [&] {
+        const int64_t blocks = (m + width<T>() - 1) / width<T>();
+        lift_times<T>(w.const_data_ptr<T>(), w.size(0) > 1 ? w.stride(0) : 0, w.stride(2),
+                      w.stride(1), a_hi.const_data_ptr<T>(), a_lo.const_data_ptr<T>(),
+                      a_hi.stride(0), a_hi.stride(2), a_hi.stride(1), hi.data_ptr<T>(),
+                      lo.data_ptr<T>(), n, k, m, 0, batch, 0, blocks, zero_empty,
+                      threads_for(batch * m * k * n * 2));
+    });
+    return {hi, lo};
+}
+
+// inputs broadcast together, contiguous, and the broadcast shape
+std::vector<at::Tensor> broadcast_contiguous(std::vector<at::Tensor> inputs) {
+    auto expanded = at::broadcast_tensors(inputs);
+    for (auto& t : expanded) t = t.contiguous();
+    return expanded;
+}
+
+int entry_threads(int64_t count) { return threads_for(count * ENTRY_COST); }
+
+std::tuple<at::Tensor, at::Tensor> signed_mul_lift_op(const at::Tensor& a_hi,
+                                                      const at::Tensor& a_lo,
+                                                      const at::Tensor& w) {
+    const auto in = broadcast_contiguous({a_hi, a_lo, w});
+    auto hi = at::empty_like(in[0]), lo = at::empty_like(in[0]);
+    FLOATING(hi.scalar_type(), [&] {
+        signed_mul_lift<T>(in[0].data_ptr<T>(), in[1].data_ptr<T>(), in[2].data_ptr<T>(),
+                           hi.data_ptr<T>(), lo.data_ptr<T>(), hi.numel(),
+                           entry_threads(hi.numel()));
+    });
+    return {hi, lo};
+}
+
+std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_op(const at::Tensor& la, const at::Tensor& r,
+                                                       const at::Tensor& w) {
+    const auto in = broadcast_contiguous({la, r, w});
+    auto la_out = at::empty_like(in[0]), r_out = at::empty_like(in[0]);
+    FLOATING(la_out.scalar_type(), [&] {
+        entropy_mul_lift<T>(in[0].data_ptr<T>(), in[1].data_ptr<T>(), in[2].data_ptr<T>(),
+                            la_out.data_ptr<T>(), r_out.data_ptr<T>(), la_out.numel(),
+                            entry_threads(la_out.numel()));
+    });
+    return {la_out, r_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> entropy_add_op(const at::Tensor& la, const at::Tensor& ra,
+                                                  const at::Tensor& lb, const at::Tensor& rb) {
+    const auto in = broadcast_contiguous({la, ra, lb, rb});
+    auto lo = at::empty_like(in[0]), ro = at::empty_like(in[0]);
+    FLOATING(lo.scalar_type(), [&] {
+        entropy_add<T>(in[0].data_ptr<T>(), in[1].data_ptr<T>(), in[2].data_ptr<T>(),
+                       in[3].data_ptr<T>(), lo.data_ptr<T>(), ro.data_ptr<T>(), lo.numel(),
+                       entry_threads(lo.numel()));
+    });
+    return {lo, ro};
+}
+
+void zero_where_no_path_op(at::Tensor r, const at::Tensor& la) {
+    TORCH_CHECK(r.is_contiguous() && la.is_contiguous() && r.sizes() == la.sizes(),
+                "zero_where_no_path_: r and la contiguous, of one shape");
+    FLOATING(r.scalar_type(), [&] {
+        zero_where_no_path<T>(r.data_ptr<T>(), la.data_ptr<T>(), r.numel(),
+                              entry_threads(r.numel()));
+    });
+}
+
+void ratio_where_positive_op(at::Tensor num, const at::Tensor& den) {
+    TORCH_CHECK(num.is_contiguous() && den.is_contiguous() && num.sizes() == den.sizes(),
+                "ratio_where_positive_: num and den contiguous, of one shape");
+    FLOATING(num.scalar_type(), [&] {
+        ratio_where_positive<T>(num.data_ptr<T>(), den.data_ptr<T>(), num.numel(),
+                                entry_threads(num.numel()));
+    });
+}
+
+// per-row kernels: (x, r, two outputs, a flag per row, the row length, rows, threads)
+template <typename Kernel>
+void over_rows(Kernel kernel, const at::Tensor& x, const at::Tensor& r, at::Tensor& out,
+               at::Tensor& out2, at::Tensor& flags) {
+    const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+    FLOATING(x.scalar_type(), [&] {
+        kernel((T*)nullptr, x.data_ptr<T>(), r.defined() ? r.data_ptr<T>() : nullptr,
+               out.data_ptr<T>(), out2.defined() ? out2.data_ptr<T>() : nullptr,
+               flags.data_ptr<uint8_t>(), n, rows, entry_threads(x.numel()));
+    });
+}
+
+// (out_l, out_r, declined): declined is true when some row held NaN or +inf and was left
+// uncomputed (the caller's torch formula then handles every row); out_r is empty without r
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loo_log_op(const at::Tensor& x_,
+                                                          const std::optional<at::Tensor>& r_) {
+    const auto x = x_.contiguous();
+    const auto r = r_ ? r_->contiguous() : at::Tensor();
+    auto out_l = at::empty_like(x);
+    auto out_r = r.defined() ? at::empty_like(r) : at::empty({0}, x.options());
+    auto no_r = r.defined() ? out_r : at::Tensor();
+    auto bad = at::zeros({x.size(-1) ? x.numel() / x.size(-1) : 0}, x.options().dtype(at::kByte));
+    over_rows(
+        [](auto* tag, auto* xs, auto* rs, auto* ls, auto* qs, uint8_t* flags, int64_t n,
+           int64_t rows, int threads) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            loo_log<T>(xs, rs, ls, qs, flags, n, 0, rows, threads);
+        },
+        x, r, out_l, no_r, bad);
+    return {out_l, out_r, bad.any().to(at::kBool)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_reduce_rows_op(const at::Tensor& la_,
+                                                                      const at::Tensor& r_) {
+    const auto la = la_.contiguous(), r = r_.contiguous();
+    auto shape = la.sizes().vec();
+    shape.back() = 1;
+    auto out_l = at::empty(shape, la.options()), out_r = at::empty(shape, la.options());
+    auto bad = at::zeros({la.numel() / la.size(-1)}, la.options().dtype(at::kByte));
+    over_rows(
+        [](auto* tag, auto* xs, auto* rs, auto* ls, auto* qs, uint8_t* flags, int64_t n,
+           int64_t rows, int threads) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            entropy_reduce_rows<T>(xs, rs, ls, qs, flags, n, 0, rows, threads);
+        },
+        la, r, out_l, out_r, bad);
+    return {out_l, out_r, bad.any().to(at::kBool)};
+}
+
+// (shift, live), each (…, m, 1); e = exp(a - shift) (or [e·r | e]) written into out
+std::tuple<at::Tensor, at::Tensor> log_space_rows_op(const at::Tensor& a,
+                                                     const std::optional<at::Tensor>& r_,
+                                                     at::Tensor out) {
+    const auto r = r_ ? *r_ : at::Tensor();
+    auto shape = a.sizes().vec();
+    shape.back() = 1;
+    auto shift = at::empty(shape, a.options());
+    auto live = at::empty(shape, a.options().dtype(at::kBool));
+    auto live_bytes = live.view(at::kByte);
+    over_rows(
+        [](auto* tag, auto* xs, auto* rs, auto* es, auto* shifts, uint8_t* flags, int64_t n,
+           int64_t rows, int threads) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            log_space_rows<T>(xs, rs, es, shifts, flags, n, 0, rows, threads);
+        },
+        a, r, out, shift, live_bytes);
+    return {shift, live};
+}
+
+// out (…, 2k, n) = [|w|; |w|·(-log|w|)] for w (…, k, n)
+void entropy_weights_op(const at::Tensor& w_, at::Tensor out) {
+    const auto w = w_.contiguous();
+    const int64_t count = w.size(-2) * w.size(-1), batch = count ? w.numel() / count : 0;
+    FLOATING(w.scalar_type(), [&] {
+        entropy_weights<T>(w.data_ptr<T>(), out.data_ptr<T>(), count, 0, count, 0, batch,
+                           entry_threads(w.numel()));
+    });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
+    m.impl("max_times", &max_times_op);
+    m.impl("signed_times", &signed_times_op);
+    m.impl("lift_times", &lift_times_op);
+    m.impl("signed_mul_lift", &signed_mul_lift_op);
+    m.impl("entropy_mul_lift", &entropy_mul_lift_op);
+    m.impl("entropy_add", &entropy_add_op);
+    m.impl("zero_where_no_path_", &zero_where_no_path_op);
+    m.impl("ratio_where_positive_", &ratio_where_positive_op);
+    m.impl("loo_log", &loo_log_op);
+    m.impl("entropy_reduce_rows", &entropy_reduce_rows_op);
+    m.impl("log_space_rows", &log_space_rows_op);
+    m.impl("entropy_weights", &entropy_weights_op);
+}

@@ -1,0 +1,202 @@
+"""The semiring kernels as torch operators: ``torch.ops.semiring_autograd.*``.
+
+Schemas are defined here, with fake implementations (shapes, dtypes and strides without
+data, for ``torch.compile``, ``torch.export`` and fake-tensor tracing) and the CUDA kernels
+of the two matmuls; the CPU kernels come from ``operators.cpp`` (``build.py`` compiles and
+loads it). Every operator works on float32 or float64 operands of one dtype.
+
+======================== ==================================================================
+``max_times``            max(init, max_k a[b, i, k]·b[b, k, j]), a (B, m, k), b (B, k, n);
+                         NaN terms never win; |b| when ``abs_b``
+``signed_times``         (max_k, min_k) of the corner products of signed pairs; NaN = empty
+``lift_times``           the signed pair a times lift(w): (max_k, min_k) of a_hi·w or a_lo·w
+                         by the sign of w
+``signed_mul_lift``      the signed pair times lift(w), elementwise (broadcasting)
+``entropy_mul_lift``     Entropy's (la, r) times lift(w), elementwise (broadcasting)
+``entropy_add``          Entropy's ⊕, elementwise (broadcasting)
+``zero_where_no_path_``  r = 0 where la = -inf, in place
+``ratio_where_positive_`` num / den where den > 0, else 0, in place
+``loo_log``              leave-one-out log-sum-exp along the last dim (and Entropy's r)
+``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
+``log_space_rows``       the row shift, liveness and shifted exponentials of a log GEMM
+``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
+======================== ==================================================================
+
+The row operators return a 0-d bool last: true when a row held NaN or +inf and was left
+uncomputed, so that the caller runs its torch formula instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+NAMESPACE = "semiring_autograd"
+
+SCHEMAS = {
+    "max_times": "(Tensor a, Tensor b, float init, bool abs_b) -> Tensor",
+    "signed_times": "(Tensor a_hi, Tensor a_lo, Tensor b_hi, Tensor? b_lo) -> (Tensor, Tensor)",
+    "lift_times": "(Tensor a_hi, Tensor a_lo, Tensor w, bool zero_empty) -> (Tensor, Tensor)",
+    "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
+    "entropy_mul_lift": "(Tensor la, Tensor r, Tensor w) -> (Tensor, Tensor)",
+    "entropy_add": "(Tensor la, Tensor ra, Tensor lb, Tensor rb) -> (Tensor, Tensor)",
+    "zero_where_no_path_": "(Tensor(a!) r, Tensor la) -> ()",
+    "ratio_where_positive_": "(Tensor(a!) num, Tensor den) -> ()",
+    "loo_log": "(Tensor x, Tensor? r) -> (Tensor, Tensor, Tensor)",
+    "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
+    "log_space_rows": "(Tensor a, Tensor? r, Tensor(a!) out) -> (Tensor, Tensor)",
+    "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
+}
+
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+for _name, _schema in SCHEMAS.items():
+    _LIBRARY.define(_name + _schema)
+
+#: vectors per register row (``C`` in extreme_matmul.h) times 64-byte vectors
+_BLOCK_VECTORS = 2
+
+
+def block_width(dtype: torch.dtype) -> int:
+    """The column block of max_times and signed_times: their (B, m, n) results are views
+    of (B, m, n padded to a multiple of this)."""
+    return _BLOCK_VECTORS * 64 // torch.empty((), dtype=dtype).element_size()
+
+
+def op(name: str):
+    """The operator ``torch.ops.semiring_autograd.<name>``."""
+    return getattr(getattr(torch.ops, NAMESPACE), name)
+
+
+def _padded_result(a: Tensor, n: int) -> Tensor:
+    batch, m = a.shape[0], a.shape[1]
+    width = block_width(a.dtype)
+    return a.new_empty((batch, m, -(-n // width) * width))[..., :n]
+
+
+def _fake(name: str):
+    return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=_LIBRARY)
+
+
+@_fake("max_times")
+def _(a, b, init, abs_b):
+    return _padded_result(a, b.shape[-1])
+
+
+@_fake("signed_times")
+def _(a_hi, a_lo, b_hi, b_lo):
+    return _padded_result(a_hi, b_hi.shape[-1]), _padded_result(a_hi, b_hi.shape[-1])
+
+
+@_fake("lift_times")
+def _(a_hi, a_lo, w, zero_empty):
+    shape = (a_hi.shape[0], a_hi.shape[1], w.shape[-1])
+    return w.new_empty(shape), w.new_empty(shape)
+
+
+def _broadcast_pair(*inputs: Tensor) -> tuple[Tensor, Tensor]:
+    shape = torch.broadcast_shapes(*(t.shape for t in inputs))
+    return inputs[0].new_empty(shape), inputs[0].new_empty(shape)
+
+
+_fake("signed_mul_lift")(_broadcast_pair)
+_fake("entropy_mul_lift")(_broadcast_pair)
+_fake("entropy_add")(_broadcast_pair)
+
+
+@_fake("zero_where_no_path_")
+def _(r, la):
+    return None
+
+
+@_fake("ratio_where_positive_")
+def _(num, den):
+    return None
+
+
+@_fake("entropy_weights")
+def _(w, out):
+    return None
+
+
+def _declined(x: Tensor) -> Tensor:
+    return x.new_empty((), dtype=torch.bool)
+
+
+@_fake("loo_log")
+def _(x, r):
+    out_r = x.new_empty(0) if r is None else x.new_empty(r.shape)
+    return x.new_empty(x.shape), out_r, _declined(x)
+
+
+def _row_shape(x: Tensor) -> tuple[int, ...]:
+    return (*x.shape[:-1], 1)
+
+
+@_fake("entropy_reduce_rows")
+def _(la, r):
+    return la.new_empty(_row_shape(la)), la.new_empty(_row_shape(la)), _declined(la)
+
+
+@_fake("log_space_rows")
+def _(a, r, out):
+    return a.new_empty(_row_shape(a)), a.new_empty(_row_shape(a), dtype=torch.bool)
+
+
+# ----- CUDA: broadcast-multiply + reduction, which Inductor turns into one Triton kernel ----
+def _max_times_formula(a: Tensor, b: Tensor, init: float) -> Tensor:
+    p = a[:, :, :, None] * b[:, None, :, :]
+    p = torch.where(torch.isnan(p), torch.full_like(p, init), p)
+    return p.amax(dim=2).clamp_min(init)
+
+
+def _signed_formula(a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor):
+    ah, al = a_hi[:, :, :, None], a_lo[:, :, :, None]
+    bh, bl = b_hi[:, None, :, :], b_lo[:, None, :, :]
+    p1, p2, p3, p4 = ah * bh, ah * bl, al * bh, al * bl
+    top = torch.maximum(torch.maximum(p1, p2), torch.maximum(p3, p4))
+    bottom = torch.minimum(torch.minimum(p1, p2), torch.minimum(p3, p4))
+    empty = torch.isnan(top)
+    top = torch.where(empty, torch.full_like(top, float("-inf")), top)
+    bottom = torch.where(empty, torch.full_like(bottom, float("inf")), bottom)
+    return top.amax(dim=2), bottom.amin(dim=2)
+
+
+#: allow more than dynamo's default: one compilation per dtype and size-1 pattern
+_RECOMPILE_LIMIT = 64
+
+
+@functools.cache
+def _compiled(name: str):
+    formula = {"max": _max_times_formula, "signed": _signed_formula}[name]
+    return torch.compile(formula, dynamic=True, fullgraph=True)
+
+
+def _run_compiled(name: str, *args):
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        return _compiled(name)(*args)
+
+
+def _cuda(name: str):
+    return torch.library.register_kernel(f"{NAMESPACE}::{name}", "cuda", lib=_LIBRARY)
+
+
+@_cuda("max_times")
+def _(a, b, init, abs_b):
+    return _run_compiled("max", a, b.abs() if abs_b else b, init)
+
+
+@_cuda("signed_times")
+def _(a_hi, a_lo, b_hi, b_lo):
+    return _run_compiled("signed", a_hi, a_lo, b_hi, b_hi if b_lo is None else b_lo)
+
+
+@_cuda("lift_times")
+def _(a_hi, a_lo, w, zero_empty):
+    empty = a_hi < a_lo
+    nan = torch.tensor(float("nan"), dtype=w.dtype, device=w.device)
+    if zero_empty:
+        w = torch.where(w == 0, nan, w)
+    a_hi, a_lo = torch.where(empty, nan, a_hi), torch.where(empty, nan, a_lo)
+    return _run_compiled("signed", a_hi, a_lo, w, w)

@@ -1,0 +1,68 @@
+"""The kernels as torch operators: ``torch.library.opcheck`` on every operator (schema,
+fake implementation against the real kernel's shapes, dtypes and strides, dispatch under
+``torch.compile``'s AOT tracing).
+
+The values of the kernels are tested in test_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semiring_autograd import kernels
+from semiring_autograd.kernels import operators
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if not kernels.available():
+        pytest.skip("the CPU kernels are switched off or could not be built here")
+
+
+def _samples(dtype):
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, dtype=dtype)
+
+    a, b = rand(2, 5, 7), rand(2, 7, 19)
+    hi = rand(2, 5, 7)
+    lo = hi - rand(2, 5, 7).abs()
+    la, r = rand(3, 40), rand(3, 40).abs()
+    rows = rand(4, 9)
+    return {
+        "max_times": [(a, b, 0.0, False), (a, b, -INF, True)],
+        "signed_times": [(hi, lo, b, None), (hi, lo, b, b - 1)],
+        "lift_times": [(hi, lo, b, True), (hi, lo, rand(1, 7, 3).transpose(1, 2).mT, False)],
+        "signed_mul_lift": [(hi, lo, rand(7))],
+        "entropy_mul_lift": [(la, r, rand(3, 40))],
+        "entropy_add": [(la, r, rand(1, 40), rand(3, 1).abs())],
+        "zero_where_no_path_": [(r.clone(), la.masked_fill(la > 1, -INF))],
+        "ratio_where_positive_": [(la.clone(), r)],
+        "loo_log": [(rows, None), (rows, rows.abs())],
+        "entropy_reduce_rows": [(rows, rows.abs())],
+        "log_space_rows": [(rows, None, torch.empty_like(rows)), (rows, rows, rows.repeat(1, 2))],
+        "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", sorted(operators.SCHEMAS))
+def test_opcheck(name, dtype):
+    for args in _samples(dtype)[name]:
+        torch.library.opcheck(operators.op(name), args)
+
+
+def test_every_operator_has_a_sample():
+    assert set(_samples(torch.float32)) == set(operators.SCHEMAS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_block_width_matches_the_kernel(dtype):
+    """The fake max_times' padded strides come from operators.block_width; the kernel's
+    result must have the same."""
+    a, b = torch.rand(1, 3, 4, dtype=dtype), torch.rand(1, 4, 5, dtype=dtype)
+    out = operators.op("max_times")(a, b, 0.0, False)
+    assert out.stride(1) == operators.block_width(dtype)
