@@ -126,8 +126,9 @@ STYLES: dict[str, Callable[[Path], tuple[nn.Module, nn.Module, dict[str, str]]]]
 
 
 def _offloaded(model: nn.Module, device_map: dict[str, str]) -> dict[str, bool]:
-    """Per parameter: whether the device map offloads it (its module's entry, or the
-    longest prefix that has one, is not a device that keeps the weights)."""
+    """Per parameter: whether the device map offloads it, i.e. the entry of the longest
+    prefix of its name is "disk" or "cpu-offload" (this file's name for ``cpu_offload``,
+    whose weights wait in a CPU state dict); under "cpu" the module keeps its weights."""
     result = {}
     for name, _ in model.named_parameters():
         prefixes = [k for k in device_map if k == "" or name == k or name.startswith(k + ".")]
@@ -265,7 +266,14 @@ def test_top_path_on_an_offloaded_model_is_the_path_on_one_device(offloaded):
         assert extra, f"step {step} of the path on one device is missing"
         extra.pop(0)
     assert not extra
-    assert any(s.op == "linear" and s.note.startswith("weight[") for s in want.steps)
+    # a linear step names the weight element it multiplies by: the reference module's own
+    modules = dict(reference.named_modules())
+    linear = [(a, b) for a, b in zip(got.steps, got.steps[1:]) if b.op == "linear"]
+    assert linear
+    for before, step in linear:
+        o, i = step.index[-1], before.index[-1]
+        assert step.note == f"weight[{o}, {i}]"
+        assert step.local_derivative == float(modules[step.module].weight.detach()[o, i])
 
 
 @pytest.mark.parametrize("semiring", ["max-product", "entropy"])

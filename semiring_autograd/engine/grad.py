@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..ops import demand
-from . import checkpointing
+from . import capture, checkpointing
 from . import trace as tracing
 from ..errors import SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
@@ -85,6 +85,7 @@ def grad(
     retain_graph: bool = False,
     raw: bool = False,
     trace: bool | "tracing.trace" = False,
+    compile: bool = False,
 ) -> Tensor | tuple[Tensor | None, ...] | None:
     """Semiring analogue of ``torch.autograd.grad``.
 
@@ -94,6 +95,13 @@ def grad(
     message (``.value`` holds the semiring components; None where no path reaches).
     ``trace=True`` (or an ``sa.trace`` instance) reports each backward node as it runs, as
     inside ``with sa.trace():``.
+
+    ``compile=True`` runs the backward as a program captured on the first call for this
+    graph's signature (structure, saved tensors' shapes, op arguments), without PyTorch's
+    engine or Python per op after that (``engine/capture.py``): results bit-identical to
+    the eager backward, which runs instead (with one warning) where capture cannot be exact.
+    Hooks on graph nodes or tensors do not run in a replay; the graph is kept until its
+    outputs are freed, whatever ``retain_graph`` says.
     """
     single_input = isinstance(inputs, Tensor)
     ins = _tensors("inputs", inputs)
@@ -122,12 +130,21 @@ def grad(
     own = tracing.trace() if trace is True else (trace or None)
     if own is not None:
         own.attach(outs)
-    tracing.attach_active(outs)
-    try:
+    traced = tracing.attach_active(outs) or own is not None
+
+    def backward(retain: bool):
         with demand.requesting(outs, ins):
-            results = torch.autograd.grad(
-                outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
+            return torch.autograd.grad(
+                outs, ins, grad_outputs, retain_graph=retain, allow_unused=True
             )
+
+    try:
+        if compile and traced:
+            capture.refuse("sa.trace reports each node as it runs")
+        if compile and not traced:
+            results = capture.run(outs, ins, grad_outputs, backward, retain_graph)
+        else:
+            results = backward(retain_graph)
     except RuntimeError as exc:
         if checkpointing.is_reentrant_refusal(exc):
             raise SemiringAutogradError(checkpointing.REENTRANT_FIX) from exc
