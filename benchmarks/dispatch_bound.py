@@ -4,12 +4,15 @@
 num_key_value_heads=2, intermediate_size=172)``, random weights (seed 0), sequence 16,
 batch 1, float32, one thread. Per semiring, in one process:
 
-- time: patched forward + ``sa.grad`` of one logit w.r.t. ``inputs_embeds``, against native
-  forward + ``torch.autograd.grad``, alternating, 15 pairs after 3 warm-up pairs; the ratio
-  of the two medians;
-- Python calls: the Python function calls (``sys.setprofile`` "call" events) of one
-  ``sa.grad`` (the semiring backward alone), divided by the number of backward nodes the
-  patch recorded.
+- eager: patched forward + ``sa.grad`` of one logit w.r.t. ``inputs_embeds``; compiled: the
+  same with ``sa.grad(..., compile=True)``, warm (its program captured beforehand); native:
+  forward + ``torch.autograd.grad``. Alternating, 15 rounds after 3 warm-up rounds; ratios
+  of medians to native. "forward" is the patched forward alone, "compiled backward" the
+  compiled ``sa.grad`` alone, each over native forward + backward;
+- capture: the first ``compile=True`` call (eager backward under the recorder, program
+  generation), and the operators in the captured program;
+- Python calls: the Python function calls (``sys.setprofile`` "call" events) of one eager
+  ``sa.grad``, divided by the number of backward nodes the patch recorded.
 
 Usage: ``python benchmarks/dispatch_bound.py [--repeats 15] [--semirings Log,MaxProduct]``.
 Prints one markdown row per semiring.
@@ -99,23 +102,53 @@ def python_calls(fn) -> int:
     return calls
 
 
-def measure(name: str, repeats: int) -> tuple[float, float]:
+def median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def measure(name: str, repeats: int) -> dict[str, float]:
     model, emb, target = build()
     semiring = semiring_of(name)
-    native, patched = [], []
+    sa.clear_compiled()
+    start = time.perf_counter()
+    sa.grad(patched_forward(model, emb, target, semiring), emb, compile=True)
+    capture_ms = (time.perf_counter() - start) * 1e3
+    sa.grad(patched_forward(model, emb, target, semiring), emb, compile=True)  # verified
+    steps = sa.compiled_stats()["steps"]
+    times: dict[str, list[float]] = {k: [] for k in ("native", "eager", "compiled", "fwd", "bwd")}
     for i in range(3 + repeats):
-        for kind, times in (("native", native), ("semiring", patched)):
+        for kind in ("native", "eager", "compiled", "fwd"):
             start = time.perf_counter()
             if kind == "native":
                 native_step(model, emb, target)
-            else:
+            elif kind == "eager":
                 semiring_step(model, emb, target, semiring)
+            elif kind == "compiled":
+                out = patched_forward(model, emb, target, semiring)
+                middle = time.perf_counter()
+                sa.grad(out, emb, compile=True)
+                if i >= 3:
+                    times["bwd"].append(time.perf_counter() - middle)
+            else:
+                patched_forward(model, emb, target, semiring)
             if i >= 3:
-                times.append(time.perf_counter() - start)
+                times[kind].append(time.perf_counter() - start)
+    if sa.compiled_stats()["eager"]:
+        raise RuntimeError(f"{name}: a compile=True call ran eagerly")
     out = patched_forward(model, emb, target, semiring)
     nodes = recorded_nodes(out)
     calls = python_calls(lambda: sa.grad(out, emb))
-    return statistics.median(patched) / statistics.median(native), calls / nodes
+    native = median_ms(times["native"])
+    return {
+        "native_ms": native,
+        "eager": median_ms(times["eager"]) / native,
+        "compiled": median_ms(times["compiled"]) / native,
+        "forward": median_ms(times["fwd"]) / native,
+        "backward": median_ms(times["bwd"]) / native,
+        "capture_ms": capture_ms,
+        "steps": steps,
+        "calls": calls / nodes,
+    }
 
 
 def main() -> None:
@@ -124,11 +157,20 @@ def main() -> None:
     parser.add_argument("--semirings", default=",".join(SEMIRINGS))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| semiring | time ratio to native | Python calls per node in sa.grad |")
-    print("|---|---|---|")
+    print(
+        "| semiring | native fwd+bwd | eager | compiled | of which forward | of which "
+        "compiled backward | first call (capture) | program operators | Python calls per "
+        "node (eager sa.grad) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.semirings.split(","):
-        ratio, per_node = measure(name, args.repeats)
-        print(f"| {name} | {ratio:.2f}× | {per_node:.1f} |", flush=True)
+        m = measure(name, args.repeats)
+        print(
+            f"| {name} | {m['native_ms']:.2f} ms | {m['eager']:.2f}× | {m['compiled']:.2f}× "
+            f"| {m['forward']:.2f}× | {m['backward']:.2f}× | {m['capture_ms']:.0f} ms "
+            f"| {m['steps']} | {m['calls']:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

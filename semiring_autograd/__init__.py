@@ -13,6 +13,8 @@ Function per op, emitted from derivatives/*.yaml by ``codegen``); ``engine`` (th
 """
 
 from .engine.dispatch import Registry
+from .engine.compiled import clear as clear_compiled
+from .engine.compiled import stats as compiled_stats
 from .engine.grad import grad, message_value, recorded_semiring, seed_message
 from .engine.graph import NodeInfo, node_info
 from .engine.patch import PatchHandle, patch
@@ -50,6 +52,8 @@ __all__ = [
     "Attribution",
     "attribute",
     "capture",
+    "clear_compiled",
+    "compiled_stats",
     "consumer_flow",
     "ConsumerFlow",
     "BUILTIN_SEMIRINGS",

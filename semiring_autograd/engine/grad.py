@@ -9,13 +9,13 @@ import torch
 from torch import Tensor
 
 from ..ops import demand
-from . import capture, checkpointing
+from . import checkpointing, compiled
 from . import trace as tracing
 from ..errors import SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
 from ..ops.message import Message, wrap
 from ..semirings.base import Semiring, message_dtype
-from ..semirings.registry import plain_messages
+from ..semirings.registry import plain_messages, records_torch_graph
 
 
 def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
@@ -98,10 +98,11 @@ def grad(
 
     ``compile=True`` runs the backward as a program captured on the first call for this
     graph's signature (structure, saved tensors' shapes, op arguments), without PyTorch's
-    engine or Python per op after that (``engine/capture.py``): results bit-identical to
+    engine or Python per op after that (``engine/compiled.py``): results bit-identical to
     the eager backward, which runs instead (with one warning) where capture cannot be exact.
     Hooks on graph nodes or tensors do not run in a replay; the graph is kept until its
-    outputs are freed, whatever ``retain_graph`` says.
+    outputs are freed, whatever ``retain_graph`` says. Under ``sa.Real()`` (torch's own graph,
+    whose backward already runs in C++) it runs torch's engine.
     """
     single_input = isinstance(inputs, Tensor)
     ins = _tensors("inputs", inputs)
@@ -140,9 +141,9 @@ def grad(
 
     try:
         if compile and traced:
-            capture.refuse("sa.trace reports each node as it runs")
-        if compile and not traced:
-            results = capture.run(outs, ins, grad_outputs, backward, retain_graph)
+            compiled.refuse("sa.trace reports each node as it runs")
+        if compile and not traced and not records_torch_graph(semiring):
+            results = compiled.run(outs, ins, grad_outputs, backward, retain_graph)
         else:
             results = backward(retain_graph)
     except RuntimeError as exc:

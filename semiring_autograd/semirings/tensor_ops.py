@@ -22,17 +22,19 @@ CHUNK_ELEMENTS = 1 << 22
 
 def has_nan(*tensors: Tensor) -> bool:
     """Whether any of ``tensors`` may hold a NaN: its sum is NaN (one reduction per tensor;
-    True also where +inf and -inf meet in one tensor, which only costs the eager path).
-    The fused kernels read NaN as "no term", so a value with a real NaN takes the eager
-    path, where NaN propagates as in torch."""
-    return any(math.isnan(t.sum()) for t in tensors)
+        True also where +inf and -inf meet in one tensor, which only costs the eager path).
+        The fused kernels read NaN as "no term", so a value with a real NaN takes the eager
+        path, where NaN propagates as in torch. The test runs in torch and only its outcome is
+    read, so a captured backward (``sa.grad(compile=True)``) guards on the outcome, not on
+    the sum."""
+    return any(bool(torch.isnan(t.sum())) for t in tensors)
 
 
 def all_finite(*tensors: Tensor) -> bool:
     """Whether every entry of ``tensors`` is finite: each sum is (one reduction per tensor;
     a sum of finite entries that overflows reads as not finite, which only costs the eager
     path)."""
-    return all(math.isfinite(t.sum()) for t in tensors)
+    return all(bool(torch.isfinite(t.sum())) for t in tensors)
 
 
 def filled(shape: Sequence[int], value: float, like: Tensor) -> Tensor:

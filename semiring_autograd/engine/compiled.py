@@ -325,9 +325,84 @@ def _data_shaped(func, args) -> bool:
     return False
 
 
+def _refs(tree: Any) -> list[int]:
+    """The program values ``tree`` (args, kwargs or a result layout) reads."""
+    return [r.index for r in tree_flatten(tree)[0] if isinstance(r, _Ref)]
+
+
+def _writes(step: _Step) -> bool:
+    return any(
+        a.alias_info is not None and a.alias_info.is_write for a in step.func._schema.arguments
+    )
+
+
+def _live_steps(steps: list[_Step], results: list) -> list[_Step]:
+    """The steps a replay must run: those whose values are read later or returned, that
+    write into a tensor, or that hold a guard; the others are dropped."""
+    used = set(_refs(results))
+    kept = []
+    for step in reversed(steps):
+        outputs = [o.index for o in step.outputs if isinstance(o, _Ref)]
+        guarded = step.shapes is not None or any(isinstance(o, tuple) for o in step.outputs)
+        if guarded or _writes(step) or any(o in used for o in outputs):
+            kept.append(step)
+            used.update(_refs((step.args, step.kwargs)))
+    kept.reverse()
+    return kept
+
+
 def _same(got: Any, recorded: Any) -> bool:
     """A guard: the number a replay read equals the recorded one (NaN equals NaN)."""
     return got == recorded or (got != got and recorded != recorded)
+
+
+_aten = torch.ops.aten
+
+
+@functools.cache
+def _bindings() -> dict:
+    """Operators and torch's generated Python bindings for them, which take the same
+    arguments and run the same kernel with less argument handling than an operator call
+    (about 30 % per call on small tensors)."""
+    return {
+        _aten.view.default: torch.Tensor.view,
+        _aten.expand.default: torch.Tensor.expand,
+        _aten.copy_.default: torch.Tensor.copy_,
+        _aten._local_scalar_dense.default: torch.Tensor.item,
+        _aten.mul.Tensor: torch.mul,
+        _aten.add.Tensor: torch.add,
+        _aten.sub.Tensor: torch.sub,
+        _aten.div.Tensor: torch.div,
+        _aten.neg.default: torch.neg,
+        _aten.abs.default: torch.abs,
+        _aten.log.default: torch.log,
+        _aten.exp.default: torch.exp,
+        _aten.pow.Tensor_Scalar: torch.pow,
+        _aten.maximum.default: torch.maximum,
+        _aten.minimum.default: torch.minimum,
+        _aten.where.self: torch.where,
+        _aten.ne.Scalar: torch.ne,
+        _aten.isnan.default: torch.isnan,
+        _aten.all.default: torch.all,
+        _aten.sum.default: torch.sum,
+        _aten.sum.dim_IntList: torch.sum,
+        _aten.amax.default: torch.amax,
+        _aten.clone.default: torch.clone,
+        _aten.transpose.int: torch.transpose,
+        _aten.permute.default: torch.permute,
+        _aten.unsqueeze.default: torch.unsqueeze,
+        _aten.squeeze.dim: torch.squeeze,
+        _aten.select.int: torch.select,
+        _aten.cat.default: torch.cat,
+        _aten.bmm.default: torch.bmm,
+        _aten.mm.default: torch.mm,
+    }
+
+
+def _fast_binding(func: Callable) -> Callable:
+    """What a program calls for ``func``: its Python binding, else the operator's C++ entry
+    point (skipping the OpOverload's Python ``__call__``)."""
+    return _bindings().get(func) or getattr(func, "_op", func)
 
 
 # ----- the program ----------------------------------------------------------------------------
@@ -337,8 +412,8 @@ class Program:
 
     def __init__(self, recorder: _Recorder, results: list, slot_count: int) -> None:
         self.results = results  # per input: None, ("plain", ref) or ("message", refs, meta)
-        self.steps = len(recorder.steps)
         self.source, namespace = _Codegen(recorder, slot_count).generate(results)
+        self.steps = len(recorder.steps)
         code = compile(self.source, "<semiring_autograd captured backward>", "exec")
         exec(code, namespace)  # noqa: S102 -- the code is generated above from the record
         self.run: Callable = namespace["program"]
@@ -383,7 +458,7 @@ class _Codegen:
         name = self.funcs.get(func)
         if name is None:
             name = self.funcs[func] = f"f{len(self.funcs)}"
-            self.namespace[name] = func
+            self.namespace[name] = _fast_binding(func)
         return name
 
     def step(self, step: _Step) -> list[str]:
@@ -411,6 +486,7 @@ class _Codegen:
         return [f"{head} = {call}", *checks]
 
     def generate(self, results: list) -> tuple[str, dict]:
+        self.recorder.steps = _live_steps(self.recorder.steps, results)
         bodies = []
         for self.line, step in enumerate(self.recorder.steps):
             bodies.append(self.step(step))
@@ -449,7 +525,27 @@ class _Captured:
     refused: str | None = None
 
 
-_CACHE: OrderedDict[tuple, _Captured] = OrderedDict()
+class _Key:
+    """A signature with its hash computed once (a key is a deep tuple)."""
+
+    __slots__ = ("parts", "hash")
+
+    def __init__(self, parts: tuple) -> None:
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and self.parts == other.parts
+
+
+_CACHE: OrderedDict[_Key, _Captured] = OrderedDict()
+_COUNTS = {"captures": 0, "replays": 0, "eager": 0}
+#: this many calls in a row, each with a signature never seen, stop capturing new ones
+NEW_SIGNATURE_LIMIT = 8
+_new_in_a_row = 0
 _WARNED: set[str] = set()
 
 
@@ -466,20 +562,27 @@ def _warn(reason: str) -> None:
 
 def refuse(reason: str) -> None:
     """Warn (once per reason) that a compile=True call runs eagerly, and why."""
+    _COUNTS["eager"] += 1
     _warn(reason)
 
 
 def clear() -> None:
-    """Forget every captured program."""
+    """Forget every captured program, the counts and the warnings given."""
+    global _new_in_a_row
     _CACHE.clear()
+    _COUNTS.update(dict.fromkeys(_COUNTS, 0))
+    _WARNED.clear()
+    _new_in_a_row = 0
 
 
 def stats() -> dict[str, int]:
-    """How many signatures and programs are held."""
+    """Signatures and programs held (``steps``: operators in all programs), and how many
+    compile=True calls captured a program, replayed one, or ran eagerly."""
     return {
         "signatures": len(_CACHE),
         "programs": sum(len(c.programs) for c in _CACHE.values()),
         "steps": sum(p.steps for c in _CACHE.values() for p in c.programs),
+        **_COUNTS,
     }
 
 
@@ -492,39 +595,53 @@ def run(
 ) -> Sequence[Any]:
     """The results of ``eager(retain_graph)`` (a backward through PyTorch's engine), from
     a captured program where one exists for this graph's signature."""
+    global _new_in_a_row
     try:
-        key, slots = signature(outputs, inputs, grad_outputs)
+        parts, slots = signature(outputs, inputs, grad_outputs)
     except Uncapturable as exc:
-        _warn(str(exc))
+        refuse(str(exc))
         return eager(retain_graph)
+    key = _Key(parts)
     captured = _CACHE.get(key)
     if captured is None:
+        if _new_in_a_row >= NEW_SIGNATURE_LIMIT:
+            refuse(
+                f"the graph signature changed on each of {NEW_SIGNATURE_LIMIT} calls in a row "
+                "(shapes that change every call?): new signatures are not captured"
+            )
+            return eager(retain_graph)
+        _new_in_a_row += 1
         captured = _CACHE[key] = _Captured()
         while len(_CACHE) > MAX_SIGNATURES:
             _CACHE.popitem(last=False)
     else:
+        _new_in_a_row = 0
         _CACHE.move_to_end(key)
     if captured.refused is not None:
+        _COUNTS["eager"] += 1
         return eager(retain_graph)
     for program in captured.programs:
         try:
-            with torch.no_grad():  # as the engine runs a backward
+            # as the engine runs a backward; no torch function modes (a patch) see its calls
+            with torch.no_grad(), torch._C.DisableTorchFunction():
                 values = program.run(slots)
         except GuardFailure:
             continue
         results = _assemble(program.results, values)
         if program.verified:
+            _COUNTS["replays"] += 1
             return results
         expected = eager(retain_graph)
-        if not all(_identical(r, e) for r, e in zip(results, expected)):
+        if all(_identical(r, e) for r, e in zip(results, expected)):
+            program.verified = True
+            _COUNTS["replays"] += 1
+        else:
             captured.programs.clear()
             captured.refused = "its captured program disagreed with the eager backward"
-            _warn(captured.refused)
-        else:
-            program.verified = True
+            refuse(captured.refused)
         return expected
     if len(captured.programs) >= MAX_VARIANTS:
-        _warn(
+        refuse(
             f"the data read in the backward took more than {MAX_VARIANTS} branches for one "
             "graph signature"
         )
@@ -536,9 +653,10 @@ def run(
         program = Program(recorder, [_result_refs(recorder, r) for r in results], len(slots))
     except Uncapturable as exc:
         captured.refused = str(exc)
-        _warn(captured.refused)
+        refuse(captured.refused)
         return eager(retain_graph)
     captured.programs.append(program)
+    _COUNTS["captures"] += 1
     return results
 
 

@@ -1,0 +1,298 @@
+"""``sa.grad(compile=True)``: a replayed program equals the eager backward of the same call
+bit for bit (NaN where NaN), on inputs it was not captured on, for every built-in semiring,
+a k-best and a user semiring; guards on data read in the backward; the signature; and the
+calls that run eagerly, each with one warning that says why.
+
+The eager backward is itself checked against torch.autograd and path enumeration elsewhere
+(test_ops_oracle.py, test_hf_models.py); here it is the oracle of the replay."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from torch import Tensor, nn
+from user_semirings import Tropical
+
+import semiring_autograd as sa
+from semiring_autograd.engine import compiled
+
+tf.logging.set_verbosity_error()
+
+SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS if cls is not sa.Real]
+SEMIRINGS += [sa.KBest(3), Tropical()]
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    compiled.clear()
+    yield
+    compiled.clear()
+
+
+@pytest.fixture(scope="module")
+def llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=24,
+    )
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def _embeddings(model: nn.Module, seed: int, length: int = 6, dtype=torch.float32) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen)
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids).to(dtype)
+    return emb.requires_grad_(True)
+
+
+def _read(model: nn.Module, semiring, emb: Tensor) -> Tensor:
+    with sa.patch(model, semiring):
+        return model(inputs_embeds=emb).logits[0, -1, 7]
+
+
+def _assert_identical(got: Tensor, expected: Tensor) -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    same = (got == expected) | (torch.isnan(got) & torch.isnan(expected))
+    assert bool(same.all()), (got - expected).abs().nan_to_num().max()
+
+
+@pytest.mark.parametrize("semiring", SEMIRINGS, ids=repr)
+def test_replay_equals_eager_on_new_inputs(llama, semiring):
+    """Captured on one input, verified on a second, replayed on three more: each result
+    equals the eager backward of the same forward, bit for bit."""
+    for seed in range(5):
+        emb = _embeddings(llama, seed)
+        expected = sa.grad(_read(llama, semiring, emb), emb)
+        got = sa.grad(_read(llama, semiring, emb), emb, compile=True)
+        _assert_identical(got, expected)
+        assert got.double().abs().nan_to_num().sum() > 0
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 1 and stats["replays"] == 4 and stats["eager"] == 0, stats
+
+
+@pytest.mark.parametrize("semiring", [sa.MaxProduct(), sa.Entropy()], ids=repr)
+def test_raw_messages_and_several_inputs(llama, semiring):
+    """raw=True gives the messages (their components equal eager's); two inputs, one of
+    which is an interior tensor, and a seed tensor."""
+    for seed in range(3):
+        emb = _embeddings(llama, seed)
+        seed_weights = torch.rand(1, 6, 50, generator=torch.Generator().manual_seed(seed))
+
+        def run(**kw):
+            with sa.patch(llama, semiring):
+                hidden = emb * 1.0
+                out = llama(inputs_embeds=hidden).logits
+            return sa.grad(out, [emb, hidden], seed_weights, raw=True, **kw)
+
+        expected, got = run(), run(compile=True)
+        for e, g in zip(expected, got):
+            assert isinstance(g, sa.Message) and g.shape == e.shape
+            for ge, ee in zip(g.value, e.value):
+                _assert_identical(ge, ee)
+    assert sa.compiled_stats()["replays"] == 2
+
+
+def test_a_new_shape_is_a_new_signature(llama):
+    semiring = sa.Log()
+    for length in (4, 6, 4, 6):
+        emb = _embeddings(llama, length, length)
+        expected = sa.grad(_read(llama, semiring, emb), emb)
+        _assert_identical(sa.grad(_read(llama, semiring, emb), emb, compile=True), expected)
+    stats = sa.compiled_stats()
+    assert stats["signatures"] == 2 and stats["captures"] == 2 and stats["replays"] == 2
+
+
+def test_float64_and_float32_models_differ_in_signature(llama):
+    semiring = sa.MaxProduct()
+    for dtype in (torch.float32, torch.float64, torch.float32):
+        model = llama.to(dtype)
+        emb = _embeddings(model, 1, dtype=dtype)
+        expected = sa.grad(_read(model, semiring, emb), emb)
+        _assert_identical(sa.grad(_read(model, semiring, emb), emb, compile=True), expected)
+    llama.to(torch.float32)
+    assert sa.compiled_stats()["signatures"] == 2
+
+
+def test_data_read_in_the_backward_is_guarded(llama):
+    """The live rows of a seed decide which rows a matmul multiplies (a nonzero whose shape
+    the replay checks): a seed with another number of live rows fails the guard, runs
+    eagerly under the recorder and becomes a second program of the same signature."""
+    semiring = sa.MaxProduct()
+    emb = _embeddings(llama, 0)
+    seeds = [torch.zeros(1, 6, 50) for _ in range(4)]
+    seeds[0][0, -1, 3] = seeds[1][0, -1, 9] = 1.0  # one live row
+    seeds[2][0, 2:, 3] = seeds[3][0, 2:, 4] = 1.0  # four live rows
+    for seed in seeds:
+        with sa.patch(llama, semiring):
+            out = llama(inputs_embeds=emb).logits
+        expected = sa.grad(out, emb, seed, retain_graph=True)
+        _assert_identical(sa.grad(out, emb, seed, compile=True), expected)
+    stats = sa.compiled_stats()
+    assert stats["signatures"] == 1 and stats["programs"] == 2, stats
+    assert stats["captures"] == 2 and stats["replays"] == 2
+
+
+class _Branching(Tropical):
+    """A user semiring whose ⊕ branches on data in Python (the branches give different
+    values: the test needs them told apart, not a lawful semiring)."""
+
+    def add(self, a, b):
+        if bool((a[0] < 0).any()):
+            return (torch.minimum(a[0], b[0]) + 0.5,)
+        return (torch.minimum(a[0], b[0]),)
+
+
+class _Square(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return (x * x).sum()
+
+
+def test_python_branch_in_a_user_semiring_is_exact():
+    """A user semiring branching on data: the outcome read is a guard, so a program runs
+    only where every outcome matches the capture's, and each branch gets its own program.
+    y = Σ x·x merges two messages of lift(x) = -log|x|, negative where |x| > 1."""
+    semiring = _Branching()
+    for scale in (0.5, 3.0, 0.25, 2.0, 0.5):
+        x = (torch.linspace(0.1, 0.9, 8) * scale).requires_grad_(True)
+        model = _Square()
+        with sa.patch(model, semiring):
+            y = model(x)
+        expected = sa.grad(y, x, retain_graph=True)
+        _assert_identical(sa.grad(y, x, compile=True), expected)
+    stats = sa.compiled_stats()
+    assert stats["programs"] == 2 and stats["replays"] == 3 and stats["eager"] == 0, stats
+
+
+def test_too_many_branches_run_eagerly_with_one_warning(llama, monkeypatch):
+    monkeypatch.setattr(compiled, "MAX_VARIANTS", 1)
+    semiring = sa.MaxProduct()
+    emb = _embeddings(llama, 0)
+    seeds = [torch.zeros(1, 6, 50) for _ in range(3)]
+    seeds[0][0, -1, 3] = 1.0
+    seeds[1][0, 2:, 3] = 1.0
+    seeds[2][0, 1:, 3] = 1.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in seeds:
+            with sa.patch(llama, semiring):
+                out = llama(inputs_embeds=emb).logits
+            expected = sa.grad(out, emb, seed, retain_graph=True)
+            _assert_identical(sa.grad(out, emb, seed, compile=True), expected)
+    messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    assert len(messages) == 1 and "branches" in messages[0]
+    assert sa.compiled_stats()["eager"] == 2
+
+
+def test_shapes_changing_every_call_stop_capturing(monkeypatch):
+    monkeypatch.setattr(compiled, "NEW_SIGNATURE_LIMIT", 3)
+    semiring = sa.Log()
+    lin = nn.Linear(4, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in range(1, 7):
+            x = torch.rand(rows, 4).requires_grad_(True)
+            with sa.patch(lin, semiring):
+                y = lin(x)
+            expected = sa.grad(y, x, retain_graph=True)
+            _assert_identical(sa.grad(y, x, compile=True), expected)
+    messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    assert len(messages) == 1 and "changed on each of 3 calls" in messages[0]
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 3 and stats["eager"] == 3
+
+
+def test_a_program_that_disagrees_is_dropped(llama):
+    """The first replay of a program is checked against eager: a program made to return
+    something else is dropped with one warning, and the eager result is returned."""
+    semiring = sa.Log()
+    emb = _embeddings(llama, 0)
+    sa.grad(_read(llama, semiring, emb), emb, compile=True)
+    (captured,) = compiled._CACHE.values()
+    program = captured.programs[0]
+    honest = program.run
+    program.run = lambda slots: tuple((c[0] + 1,) for c in honest(slots))
+    emb = _embeddings(llama, 1)
+    expected = sa.grad(_read(llama, semiring, emb), emb)
+    with pytest.warns(RuntimeWarning, match="disagreed with the eager backward"):
+        got = sa.grad(_read(llama, semiring, emb), emb, compile=True)
+    _assert_identical(got, expected)
+    _assert_identical(sa.grad(_read(llama, semiring, emb), emb, compile=True), expected)
+    assert sa.compiled_stats()["programs"] == 0 and sa.compiled_stats()["eager"] == 2
+
+
+def test_trace_runs_eagerly_with_a_warning(llama):
+    semiring = sa.MaxProduct()
+    emb = _embeddings(llama, 0)
+    expected = sa.grad(_read(llama, semiring, emb), emb)
+    with pytest.warns(RuntimeWarning, match="sa.trace reports each node"):
+        with sa.trace() as events:
+            got = sa.grad(_read(llama, semiring, emb), emb, compile=True)
+    _assert_identical(got, expected)
+    assert len(events.events) > 0
+
+
+def test_real_runs_torch_engine(llama):
+    """sa.Real() records torch's own graph: compile=True runs torch's engine (no capture)."""
+    emb = _embeddings(llama, 0)
+    expected = sa.grad(_read(llama, sa.Real(), emb), emb)
+    _assert_identical(sa.grad(_read(llama, sa.Real(), emb), emb, compile=True), expected)
+    assert sa.compiled_stats()["signatures"] == 0
+
+
+def test_replay_under_an_active_patch(llama):
+    """Calling compile=True inside the patch: the program's torch calls are not recorded
+    as forward ops."""
+    semiring = sa.Entropy()
+    for seed in range(3):
+        emb = _embeddings(llama, seed)
+        with sa.patch(llama, semiring):
+            out = llama(inputs_embeds=emb).logits[0, -1, 7]
+            expected = sa.grad(out, emb, retain_graph=True)
+            got = sa.grad(out, emb, compile=True)
+        _assert_identical(got, expected)
+    assert sa.compiled_stats()["replays"] == 2
+
+
+def test_program_source_is_straight_line(llama):
+    """A program is one function of plain operator calls: no loops, no autograd."""
+    emb = _embeddings(llama, 0)
+    sa.grad(_read(llama, sa.MaxProduct(), emb), emb, compile=True)
+    (captured,) = compiled._CACHE.values()
+    source = captured.programs[0].source
+    assert source.startswith("def program(S):")
+    assert "for " not in source and "while " not in source and "backward" not in source
+    assert source.count("\n") > captured.programs[0].steps
+
+
+class _Power(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.exponent = 2.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.pow(x, self.exponent).sum(dim=-1)
+
+
+def test_an_op_argument_is_part_of_the_signature():
+    """Same shapes, another exponent: another signature (the exponent is in the backward's
+    formula), each replayed only on its own graphs."""
+    model = _Power()
+    semiring = sa.Log()
+    for exponent in (2.0, 3.0, 2.0, 3.0, -0.0, 0.0):
+        model.exponent = exponent
+        x = torch.linspace(0.5, 2.0, 6).reshape(2, 3).requires_grad_(True)
+        with sa.patch(model, semiring):
+            y = model(x)
+        expected = sa.grad(y, x, retain_graph=True)
+        _assert_identical(sa.grad(y, x, compile=True), expected)
+    stats = sa.compiled_stats()
+    assert stats["signatures"] == 4 and stats["replays"] == 2 and stats["eager"] == 0, stats
