@@ -242,6 +242,40 @@ def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
     assert "Text 1" in text and "Text 2" in text and "Text 3" not in text
 
 
+def test_compiled_attribution_over_texts_of_one_length(llama_directory):
+    """attribute(compile=True) over several texts of one token length: one captured program
+    replayed, the scores equal the eager ones exactly."""
+    from semiring_autograd.engine import compiled
+    from semiring_autograd.integrations.huggingface import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(str(llama_directory))
+    model = load_model(str(llama_directory))
+    texts = ["the cat sat on", "a dog ran to", "my car went by", "the cat sat on"]
+    assert len({len(tokenizer(t)["input_ids"]) for t in texts}) == 1
+    compiled.clear()
+    for semiring in ("max-product", "entropy"):
+        eager = sa.attribute(model, texts, "paris", semiring, tokenizer=tokenizer, paths=False)
+        fast = sa.attribute(
+            model, texts, "paris", semiring, tokenizer=tokenizer, paths=False, compile=True
+        )
+        for e, f in zip(eager, fast):
+            assert torch.equal(e.scores, f.scores) and e.tokens == f.tokens
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 2 and stats["replays"] == 6 and stats["eager"] == 0, stats
+    compiled.clear()
+
+
+def test_explain_command_compile_and_no_paths(llama_directory, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat on\na dog ran to\nmy car went by\n", encoding="utf-8")
+    argv = ["explain", "--file", str(prompts), "--target", "paris", "--no-paths", "--compile"]
+    argv += ["--model", str(llama_directory), "--html", str(tmp_path / "r.html")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("MaxProduct: ") == 3 and out.count("target logit") == 3
+    assert "path, weight" not in out and "+ paths" not in out.splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -229,6 +229,7 @@ def _attribute_one(
     paths: bool,
     model_name: str,
     text: str | None = None,
+    compile: bool = False,
 ) -> Attribution:
     ids = encoding["input_ids"]
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -256,7 +257,7 @@ def _attribute_one(
             f"(give 0 … {logits.shape[-1] - 1}, or a token string with tokenizer=)"
         )
     y = logits[0, index] if logits.dim() == 2 else logits[0, position, index]
-    raw = grad(y, x, raw=True, retain_graph=want_paths)
+    raw = grad(y, x, raw=True, retain_graph=want_paths, compile=compile)
     if tokenizer is None:
         tokens = [f"#{i}" for i in ids[0].tolist()]
     else:
@@ -323,6 +324,7 @@ def attribute(
     paths: bool = True,
     progress: bool = True,
     model_name: str | None = None,
+    compile: bool = False,
 ) -> Attribution | list[Attribution]:
     """Per-token semiring attribution of one logit of a Hugging Face model.
 
@@ -333,8 +335,11 @@ def attribute(
     ``tokenizer``). ``position``: the sequence position whose logits are read (language
     models; default the last). ``paths``: recover each token's top path (max semirings
     only; SignedMaxProduct also the path of the smallest signed product). ``model_name``
-    names the model in reports (default: its ``name_or_path``, else its class). The model
-    runs in eval mode; every module's train/eval mode is restored after.
+    names the model in reports (default: its ``name_or_path``, else its class).
+    ``compile``: the scores' backward runs as ``sa.grad(..., compile=True)``, one captured
+    program per input length, replayed for the texts of that length (top paths, when asked
+    for, still run their own eager backward). The model runs in eval mode; every module's
+    train/eval mode is restored after.
     """
     semiring = semiring_named(semiring)
     if isinstance(semiring, (TensorMaxProduct, TensorSignedMaxProduct)):
@@ -351,7 +356,16 @@ def attribute(
     model.eval()
     try:
         return _attribute(
-            model, inputs, target, semiring, tokenizer, position, paths, progress, model_name
+            model,
+            inputs,
+            target,
+            semiring,
+            tokenizer,
+            position,
+            paths,
+            progress,
+            model_name,
+            compile,
         )
     finally:
         for m, training in modes:
@@ -377,6 +391,7 @@ def _attribute(
     paths: bool,
     progress: bool,
     model_name: str,
+    compile: bool,
 ) -> Attribution | list[Attribution]:
     if isinstance(inputs, (str, list, tuple)):
         if tokenizer is None:
@@ -392,8 +407,19 @@ def _attribute(
             encoding = tokenizer(text, return_tensors="pt")
             results.append(
                 _attribute_one(
-                    model, encoding, target, semiring, tokenizer, position, paths, model_name, text
+                    model,
+                    encoding,
+                    target,
+                    semiring,
+                    tokenizer,
+                    position,
+                    paths,
+                    model_name,
+                    text,
+                    compile,
                 )
             )
         return results[0] if isinstance(inputs, str) else results
-    return _attribute_one(model, inputs, target, semiring, tokenizer, position, paths, model_name)
+    return _attribute_one(
+        model, inputs, target, semiring, tokenizer, position, paths, model_name, None, compile
+    )

