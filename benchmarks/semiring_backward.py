@@ -1,7 +1,8 @@
 """Semiring backward vs native backward: time and peak-memory ratios, as a markdown table.
 
-For every case (BERT-base, GPT-2-small, MLP 784-500-10, ResNet-18 and ViT-B/16 shapes)
-and every built-in semiring (Real
+For every case (BERT-base, GPT-2-small, MLP 784-500-10, ResNet-18 and ViT-B/16 shapes, and
+a Llama-2-7B-shaped stack in bfloat16: 4 layers on CPU, all 32 on CUDA) and every built-in
+semiring (Real
 twice: ``sa.Real()``, torch's own graph, and ``Real-formulas``, the generated formulas),
 one run measures, on the same inputs (same seed):
 
@@ -39,7 +40,7 @@ from typing import Callable
 
 import torch
 
-CASES = ("bert", "gpt2", "mlp", "resnet18", "vit")
+CASES = ("bert", "gpt2", "mlp", "resnet18", "vit", "llama7b")
 MODES = (
     "native",
     "Real",
@@ -57,6 +58,8 @@ CASE_TITLES = {
     "mlp": "MLP 784-500-10, batch 32",
     "resnet18": "ResNet-18 shape (random weights), 224×224 image, batch 1",
     "vit": "ViT-B/16 shape (random weights), 224×224 image, batch 1",
+    "llama7b": "Llama-2-7B shape (random weights, bfloat16; CPU: 4 of its 32 layers), "
+    "sequence 512, batch 1",
 }
 
 
@@ -95,6 +98,8 @@ def build(case: str, device: str) -> Workload:
         model = model.to(device).eval()
         leaf = torch.randn(1, 3, 224, 224, device=device, requires_grad=True)
         return Workload(model, leaf, lambda: model(pixel_values=leaf).logits[0, 1])
+    if case == "llama7b":
+        return _llama7b(transformers, device)
     if case == "bert":
         config = transformers.BertConfig(attn_implementation="sdpa")
         model = transformers.BertForSequenceClassification(config)
@@ -114,17 +119,73 @@ def build(case: str, device: str) -> Workload:
     return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
 
 
+def _llama7b(transformers, device: str) -> Workload:
+    """Llama-2-7B's dimensions (hidden 4096, 32 heads, intermediate 11008, vocabulary
+    32000), bfloat16, 4 layers on CPU and 32 on CUDA; sequence 512."""
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        num_hidden_layers=32 if device == "cuda" else 4,
+        attn_implementation="sdpa",
+    )
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 512), device=device)
+    with torch.no_grad():
+        leaf = model.get_input_embeddings()(ids)
+    leaf.requires_grad_(True)
+    target = int(ids[0, -1])
+    return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
+
+
+#: sa.grad(..., compile=True) for the semiring modes (set by --compile)
+COMPILE = False
+
+
+def semiring_of(mode: str):
+    import semiring_autograd as sa
+
+    # Real-formulas: the generated Real Functions instead of torch's own graph
+    return sa.Real(formulas=True) if mode == "Real-formulas" else getattr(sa, mode)()
+
+
 def step(work: Workload, mode: str) -> torch.Tensor:
     """One forward + backward of ``mode``; returns the result at the leaf."""
     if mode == "native":
         return torch.autograd.grad(work.forward(), work.leaf)[0]
     import semiring_autograd as sa
 
-    # Real-formulas: the generated Real Functions instead of torch's own graph
-    semiring = sa.Real(formulas=True) if mode == "Real-formulas" else getattr(sa, mode)()
-    with sa.patch(work.model, semiring):
+    with sa.patch(work.model, semiring_of(mode)):
         out = work.forward()
-    return sa.grad(out, work.leaf)
+    return sa.grad(out, work.leaf, compile=COMPILE)
+
+
+def kernel_share(work: Workload, mode: str, device: str) -> float:
+    """The share of one semiring backward (sa.grad alone) spent inside operators."""
+    import semiring_autograd as sa
+    from torch.profiler import ProfilerActivity, profile
+
+    with sa.patch(work.model, semiring_of(mode)):
+        out = work.forward()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        sa.grad(out, work.leaf, compile=COMPILE)
+        _sync(device)
+        wall = time.perf_counter() - start
+    inside = 0.0
+    for event in prof.key_averages():
+        if not event.key.startswith(("aten::", "semiring_autograd::")):
+            continue
+        if device == "cuda":
+            inside += event.self_device_time_total
+        else:
+            inside += event.self_cpu_time_total
+    return inside / 1e6 / wall
 
 
 def _sync(device: str) -> None:
@@ -175,6 +236,7 @@ def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -
     result = {"first_s": first, "median_s": statistics.median(times[mode])}
     if paired:
         result["native_median_s"] = statistics.median(times["native"])
+        result["kernel_share"] = kernel_share(work, mode, device)
     return {**result, "reps": len(times[mode])}
 
 
@@ -226,7 +288,8 @@ def machine(device: str) -> str:
 
 
 def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str:
-    lines = [f"Machine: {machine(device)}, device {device}.", ""]
+    backward = "sa.grad(..., compile=True), warm" if COMPILE else "sa.grad (eager)"
+    lines = [f"Machine: {machine(device)}, device {device}; semiring backward: {backward}.", ""]
     for case in cases:
         native = results[case]["native"]
         lines += [
@@ -235,8 +298,8 @@ def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str
             f"{native['peak_bytes'] / 2**20:.1f} MiB",
             "",
             "| semiring | median ms | paired native ms | time ratio | first call ms "
-            "| peak MiB | memory ratio |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| peak MiB | memory ratio | in kernels |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for mode in modes:
             r = results[case][mode]
@@ -245,7 +308,8 @@ def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str
                 f"| {mode} | {r['median_s'] * 1e3:.1f} | {paired * 1e3:.1f} | "
                 f"{r['median_s'] / paired:.2f}× | {r['first_s'] * 1e3:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.1f} | "
-                f"{r['peak_bytes'] / max(native['peak_bytes'], 1):.2f}× |"
+                f"{r['peak_bytes'] / max(native['peak_bytes'], 1):.2f}× | "
+                + (f"{r['kernel_share']:.0%} |" if "kernel_share" in r else "– |")
             )
         lines.append("")
     return "\n".join(lines)
@@ -260,7 +324,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5, help="at least this many timed calls")
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed calls")
     parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--compile", action="store_true", help="sa.grad(..., compile=True), warm")
     args = parser.parse_args(argv)
+    global COMPILE
+    COMPILE = args.compile
     if args.worker:
         kind, case, mode = args.worker
         if kind == "time":
@@ -278,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
                 # a fresh compile cache per case and mode: "first call" includes compilation
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, case, mode))
                 common = ["--device", args.device, "--reps", str(args.reps)]
-                common += ["--budget", str(args.budget)]
+                common += ["--budget", str(args.budget)] + (["--compile"] if COMPILE else [])
                 timing = run_worker(["time", case, mode, *common], env)
                 memory = run_worker(["memory", case, mode, *common], env)
                 results[case][mode] = {**timing, **memory}

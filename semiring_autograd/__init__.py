@@ -20,6 +20,7 @@ from .engine.graph import NodeInfo, node_info
 from .engine.patch import PatchHandle, patch
 from .engine.trace import TraceEvent, trace
 from .errors import (
+    BackwardOutOfMemoryError,
     ForeignOpError,
     PatchError,
     SemiringAutogradError,
@@ -49,6 +50,7 @@ from .semirings import (
 
 __all__ = [
     "AttentionEdge",
+    "BackwardOutOfMemoryError",
     "Attribution",
     "attribute",
     "capture",

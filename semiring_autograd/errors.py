@@ -23,3 +23,7 @@ class PatchError(SemiringAutogradError):
 
 class SemiringLawError(SemiringAutogradError):
     """`sa.check_semiring` found a violated law."""
+
+
+class BackwardOutOfMemoryError(SemiringAutogradError):
+    """The semiring backward ran out of device memory; the message names the op."""

@@ -296,3 +296,36 @@ def test_an_op_argument_is_part_of_the_signature():
         _assert_identical(sa.grad(y, x, compile=True), expected)
     stats = sa.compiled_stats()
     assert stats["signatures"] == 4 and stats["replays"] == 2 and stats["eager"] == 0, stats
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_out_of_memory_names_the_op_and_frees_the_backward(llama, monkeypatch, compile):
+    """An allocation failing inside a backward (simulated: CPU tests cannot exhaust a GPU)
+    raises BackwardOutOfMemoryError naming the op, its module and the allocator's message;
+    the messages computed so far are freed, and the next call works."""
+    import gc
+    import weakref
+
+    semiring = sa.MaxProduct()
+    emb = _embeddings(llama, 0)
+    expected = sa.grad(_read(llama, semiring, emb), emb)
+    made = []
+    original = type(semiring).matmul_lift
+
+    def failing(self, a, w):
+        made.append(weakref.ref(a[0]))
+        if w.shape == (24, 16):  # the input message of the last layer's up projection
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return original(self, a, w)
+
+    monkeypatch.setattr(type(semiring), "matmul_lift", failing)
+    with pytest.raises(sa.BackwardOutOfMemoryError) as caught:
+        sa.grad(_read(llama, semiring, emb), emb, compile=compile)
+    message = str(caught.value)
+    assert "Tried to allocate 2.00 GiB" in message
+    if not compile:
+        assert "'linear' in module 'model.layers.1.mlp.up_proj'" in message
+    gc.collect()
+    assert made and all(ref() is None for ref in made)
+    monkeypatch.setattr(type(semiring), "matmul_lift", original)
+    _assert_identical(sa.grad(_read(llama, semiring, emb), emb, compile=compile), expected)

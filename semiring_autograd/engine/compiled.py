@@ -87,9 +87,10 @@ _PLAIN = frozenset(
         torch.device,
         torch.layout,
         torch.memory_format,
+        torch.Size,  # a shape attribute is a Size in every call (the same code sets it)
     }
 )
-_SEQUENCES = frozenset({tuple, list, torch.Size})
+_SEQUENCES = frozenset({tuple, list})
 
 
 class _Signature:
@@ -110,7 +111,7 @@ class _Signature:
             for v in value:
                 if type(v) not in _PLAIN:
                     return (kind, tuple(self.describe(v) for v in value))
-            return (kind, value) if kind is list or kind is torch.Size else value
+            return (list, tuple(value)) if kind is list else value
         if isinstance(value, Tensor):
             return self.tensor(value)
         if kind is float:

@@ -11,7 +11,7 @@ from torch import Tensor
 from ..ops import demand
 from . import checkpointing, compiled
 from . import trace as tracing
-from ..errors import SemiringAutogradError, SemiringMismatchError
+from ..errors import BackwardOutOfMemoryError, SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
 from ..ops.message import Message, wrap
 from ..semirings.base import Semiring, message_dtype
@@ -146,6 +146,10 @@ def grad(
             results = compiled.run(outs, ins, grad_outputs, backward, retain_graph)
         else:
             results = backward(retain_graph)
+    except torch.OutOfMemoryError as exc:
+        error = _out_of_memory(exc, semiring, compile)
+        exc.__traceback__ = None  # its frames hold the messages computed so far
+        raise error from None
     except RuntimeError as exc:
         if checkpointing.is_reentrant_refusal(exc):
             raise SemiringAutogradError(checkpointing.REENTRANT_FIX) from exc
@@ -165,6 +169,33 @@ def grad(
         else:
             final.append(semiring.readout(r.value))
     return final[0] if single_input else tuple(final)
+
+
+def _out_of_memory(
+    exc: torch.OutOfMemoryError, semiring: Semiring, compile: bool
+) -> BackwardOutOfMemoryError:
+    """The error for ``exc``, raised inside the backward: which op's backward (the innermost
+    generated Function in the traceback) and the allocator's message (how much)."""
+    where = "a captured program (compile=True)" if compile else "the backward"
+    tb, op = exc.__traceback__, None
+    while tb is not None:
+        ctx = tb.tb_frame.f_locals.get("ctx")
+        info = (
+            node_info(ctx) if isinstance(ctx, torch.autograd.function.BackwardCFunction) else None
+        )
+        if info is not None:
+            op = info
+        tb = tb.tb_next
+    if op is not None:
+        where = f"the backward of '{op.op}' in module '{op.module or '(top level)'}'"
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+    return BackwardOutOfMemoryError(
+        f"sa.grad under {semiring!r} ran out of memory in {where}, computing its inputs' "
+        f"messages: {first_line}. Nothing of the backward is kept (the model is not patched "
+        "after its forward); free the outputs to release the recorded graph, then use a "
+        "shorter input, a smaller batch, or ask for fewer inputs (sa.grad only computes "
+        "messages for the inputs it is given)."
+    )
 
 
 def _tensors(what: str, given: Tensor | Sequence[Tensor]) -> list[Tensor]:
