@@ -8,7 +8,8 @@ batch 1, float32, one thread. Per semiring, in one process:
   same with ``sa.grad(..., compile=True)``, warm (its program captured beforehand); native:
   forward + ``torch.autograd.grad``. Alternating, 15 rounds after 3 warm-up rounds; ratios
   of medians to native. "forward" is the patched forward alone, "compiled backward" the
-  compiled ``sa.grad`` alone, each over native forward + backward;
+  compiled ``sa.grad`` alone, each over native forward + backward; step:
+  ``sa.compiled_step`` (patched forward and backward replayed as one program), warm;
 - capture: the first ``compile=True`` call (eager backward under the recorder, program
   generation), and the operators in the captured program;
 - Python calls: the Python function calls (``sys.setprofile`` "call" events) of one eager
@@ -115,9 +116,13 @@ def measure(name: str, repeats: int) -> dict[str, float]:
     capture_ms = (time.perf_counter() - start) * 1e3
     sa.grad(patched_forward(model, emb, target, semiring), emb, compile=True)  # verified
     steps = sa.compiled_stats()["steps"]
-    times: dict[str, list[float]] = {k: [] for k in ("native", "eager", "compiled", "fwd", "bwd")}
+    step = sa.compiled_step(model, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, target])
+    step(emb)
+    step(emb)  # captured, then verified
+    kinds = ("native", "eager", "compiled", "fwd", "step")
+    times: dict[str, list[float]] = {k: [] for k in (*kinds, "bwd")}
     for i in range(3 + repeats):
-        for kind in ("native", "eager", "compiled", "fwd"):
+        for kind in kinds:
             start = time.perf_counter()
             if kind == "native":
                 native_step(model, emb, target)
@@ -129,8 +134,10 @@ def measure(name: str, repeats: int) -> dict[str, float]:
                 sa.grad(out, emb, compile=True)
                 if i >= 3:
                     times["bwd"].append(time.perf_counter() - middle)
-            else:
+            elif kind == "fwd":
                 patched_forward(model, emb, target, semiring)
+            else:
+                step(emb)
             if i >= 3:
                 times[kind].append(time.perf_counter() - start)
     if sa.compiled_stats()["eager"]:
@@ -145,6 +152,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
         "compiled": median_ms(times["compiled"]) / native,
         "forward": median_ms(times["fwd"]) / native,
         "backward": median_ms(times["bwd"]) / native,
+        "step": median_ms(times["step"]) / native,
         "capture_ms": capture_ms,
         "steps": steps,
         "calls": calls / nodes,
@@ -158,16 +166,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(
-        "| semiring | native fwd+bwd | eager | compiled | of which forward | of which "
-        "compiled backward | first call (capture) | program operators | Python calls per "
-        "node (eager sa.grad) |"
+        "| semiring | native fwd+bwd | eager | compile=True | of which forward | of which "
+        "compiled backward | compiled step | first call (capture) | backward program "
+        "operators | Python calls per node (eager sa.grad) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.semirings.split(","):
         m = measure(name, args.repeats)
         print(
             f"| {name} | {m['native_ms']:.2f} ms | {m['eager']:.2f}× | {m['compiled']:.2f}× "
-            f"| {m['forward']:.2f}× | {m['backward']:.2f}× | {m['capture_ms']:.0f} ms "
+            f"| {m['forward']:.2f}× | {m['backward']:.2f}× | {m['step']:.2f}× "
+            f"| {m['capture_ms']:.0f} ms "
             f"| {m['steps']} | {m['calls']:.1f} |",
             flush=True,
         )

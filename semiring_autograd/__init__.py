@@ -15,6 +15,7 @@ Function per op, emitted from derivatives/*.yaml by ``codegen``); ``engine`` (th
 from .engine.dispatch import Registry
 from .engine.compiled import clear as clear_compiled
 from .engine.compiled import stats as compiled_stats
+from .engine.compiled_step import CompiledStep, compiled_step
 from .engine.grad import grad, message_value, recorded_semiring, seed_message
 from .engine.graph import NodeInfo, node_info
 from .engine.patch import PatchHandle, patch
@@ -56,6 +57,8 @@ __all__ = [
     "capture",
     "clear_compiled",
     "compiled_stats",
+    "compiled_step",
+    "CompiledStep",
     "consumer_flow",
     "ConsumerFlow",
     "BUILTIN_SEMIRINGS",

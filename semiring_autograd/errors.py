@@ -1,5 +1,7 @@
 """Exceptions raised by semiring_autograd, each naming the problem and the fix."""
 
+import torch
+
 
 class SemiringAutogradError(RuntimeError):
     """Base class of every error this library raises on purpose."""
@@ -25,5 +27,6 @@ class SemiringLawError(SemiringAutogradError):
     """`sa.check_semiring` found a violated law."""
 
 
-class BackwardOutOfMemoryError(SemiringAutogradError):
-    """The semiring backward ran out of device memory; the message names the op."""
+class BackwardOutOfMemoryError(SemiringAutogradError, torch.OutOfMemoryError):
+    """The semiring backward ran out of memory; the message names the op (a
+    ``torch.OutOfMemoryError``, so handlers of torch's error catch it)."""

@@ -222,7 +222,7 @@ def test_a_program_that_disagrees_is_dropped(llama):
     program.run = lambda slots: tuple((c[0] + 1,) for c in honest(slots))
     emb = _embeddings(llama, 1)
     expected = sa.grad(_read(llama, semiring, emb), emb)
-    with pytest.warns(RuntimeWarning, match="disagreed with the eager backward"):
+    with pytest.warns(RuntimeWarning, match="disagreed with the eager run"):
         got = sa.grad(_read(llama, semiring, emb), emb, compile=True)
     _assert_identical(got, expected)
     _assert_identical(sa.grad(_read(llama, semiring, emb), emb, compile=True), expected)
@@ -329,3 +329,92 @@ def test_out_of_memory_names_the_op_and_frees_the_backward(llama, monkeypatch, c
     assert made and all(ref() is None for ref in made)
     monkeypatch.setattr(type(semiring), "matmul_lift", original)
     _assert_identical(sa.grad(_read(llama, semiring, emb), emb, compile=compile), expected)
+
+
+# ----- sa.compiled_step: forward and backward as one program ---------------------------------
+@pytest.mark.parametrize("semiring", SEMIRINGS + [sa.Real()], ids=repr)
+def test_compiled_step_equals_eager(llama, semiring):
+    """A compiled step equals patched forward + eager sa.grad, bit for bit, on inputs it was
+    not captured on (Real included: the step replays torch's own backward too)."""
+    step = sa.compiled_step(llama, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, 7])
+    for seed in range(4):
+        emb = _embeddings(llama, seed)
+        expected = sa.grad(_read(llama, semiring, emb), emb)
+        _assert_identical(step(emb), expected)
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 1 and stats["replays"] == 3 and stats["eager"] == 0, stats
+
+
+def test_compiled_step_keyword_tensors_are_inputs(llama):
+    """An attention mask passed as a keyword argument is read from each call, not frozen."""
+    semiring = sa.Log()
+    step = sa.compiled_step(
+        llama,
+        semiring,
+        lambda m, x, attention_mask: m(inputs_embeds=x, attention_mask=attention_mask).logits[
+            0, -1, 7
+        ],
+    )
+    emb = _embeddings(llama, 0)
+    masks = [torch.ones(1, 6, dtype=torch.long) for _ in range(3)]
+    masks[1][0, :2] = 0
+    masks[2][0, 3] = 0
+    for mask in masks:
+        with sa.patch(llama, semiring):
+            out = llama(inputs_embeds=emb, attention_mask=mask).logits[0, -1, 7]
+        _assert_identical(step(emb, attention_mask=mask), sa.grad(out, emb))
+    stats = sa.compiled_stats()
+    assert stats["eager"] == 0 and stats["replays"] == 2, stats
+
+
+def test_compiled_step_sees_weights_changed_in_place_and_new_dtypes(llama):
+    semiring = sa.MaxProduct()
+    step = sa.compiled_step(llama, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, 7])
+    emb = _embeddings(llama, 0)
+    step(emb)
+    weight = llama.model.layers[0].mlp.up_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(-2.0)
+        for seed in (1, 2):
+            emb = _embeddings(llama, seed)
+            _assert_identical(step(emb), sa.grad(_read(llama, semiring, emb), emb))
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    llama.to(torch.float64)
+    try:
+        emb = _embeddings(llama, 3, dtype=torch.float64)
+        _assert_identical(step(emb), sa.grad(_read(llama, semiring, emb), emb))
+    finally:
+        llama.to(torch.float32)
+    assert sa.compiled_stats()["signatures"] == 2
+
+
+def test_compiled_step_raw_and_several_inputs(llama):
+    semiring = sa.Entropy()
+
+    def read(m, x, scale):
+        return m(inputs_embeds=x * scale).logits[0, -1, 7]
+
+    step = sa.compiled_step(llama, semiring, read, raw=True)
+    for seed in range(3):
+        emb = _embeddings(llama, seed)
+        scale = torch.full((1, 1, 16), 1.5 + seed).requires_grad_(True)
+        with sa.patch(llama, semiring):
+            out = read(llama, emb, scale)
+        expected = sa.grad(out, [emb, scale], raw=True)
+        got = step(emb, scale)
+        for g, e in zip(got, expected):
+            assert isinstance(g, sa.Message)
+            for gc, ec in zip(g.value, e.value):
+                _assert_identical(gc, ec)
+
+
+def test_compiled_step_refuses_inputs_without_grad(llama):
+    step = sa.compiled_step(llama, sa.Log(), lambda m, x: m(inputs_embeds=x).logits[0, -1, 7])
+    with pytest.raises(ValueError, match="input 0 is not a tensor that requires grad"):
+        step(_embeddings(llama, 0).detach())
+    with pytest.raises(sa.SemiringAutogradError, match="semiring instance"):
+        sa.compiled_step(llama, sa.Log, lambda m, x: x)

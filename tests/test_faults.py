@@ -173,7 +173,8 @@ def test_fault_swallowed_inside_the_forward_keeps_module_names(kind):
 
 def test_fault_in_backward_propagates_and_state_recovers():
     """An error in the semiring backward (an out-of-memory simulated in a hook) propagates
-    as it is; the next backward on a new graph gives the right value."""
+    (as sa.BackwardOutOfMemoryError, a torch.OutOfMemoryError), the graph's tensors are
+    freed with the outputs, and the next backward on a new graph gives the right value."""
     model, probes = _nested(1)
     x = _x()
     with sa.patch(model, sa.Log()):
@@ -183,8 +184,9 @@ def test_fault_in_backward_propagates_and_state_recovers():
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     y.grad_fn.register_prehook(out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.OutOfMemoryError, match="injected") as caught:
         sa.grad(y, x)
+    assert isinstance(caught.value, sa.BackwardOutOfMemoryError)
     ref = probes[1].saved
     del y
     _assert_freed(ref)

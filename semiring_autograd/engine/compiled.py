@@ -93,7 +93,7 @@ _PLAIN = frozenset(
 _SEQUENCES = frozenset({tuple, list})
 
 
-class _Signature:
+class Signature:
     """Walks the graph: the hashable ``key`` and the saved tensors (``slots``) in walk order."""
 
     def __init__(self) -> None:
@@ -118,6 +118,8 @@ class _Signature:
             return ("f", value.hex())  # -0.0 and 0.0 apart, NaN equal to NaN
         if isinstance(value, Semiring):
             return ("S", value)
+        if kind is dict:
+            return (dict, tuple((k, self.describe(v)) for k, v in value.items()))
         if kind is slice:
             return ("slice", self.describe((value.start, value.stop, value.step)))
         if isinstance(value, numbers.Number):
@@ -133,7 +135,7 @@ def _saved_fields(node_type: type) -> tuple[str, ...]:
     return tuple(sorted(a for a in dir(node_type) if a.startswith("_saved_")))
 
 
-def _node_state(node: Any, sig: _Signature) -> tuple:
+def _node_state(node: Any, sig: Signature) -> tuple:
     if isinstance(node, torch.autograd.function.BackwardCFunction):
         saved = tuple([sig.describe(t) for t in node.saved_tensors])
         state = vars(node)  # set in the same order by the same forward
@@ -151,7 +153,7 @@ def signature(
     """The key of the graph behind ``outputs`` for a backward to ``inputs`` seeded with
     ``seeds`` (messages or tensors), and the tensors a program reads: the seeds'
     components, then every node's saved tensors in walk order."""
-    sig = _Signature()
+    sig = Signature()
     seed_part = tuple(_seed_meta(s, sig) for s in seeds)
     order: list[Any] = []
     index: dict[Any, int] = {}
@@ -175,7 +177,7 @@ def signature(
     return (tuple(nodes), outs, tuple(ins), seed_part), sig.slots
 
 
-def _seed_meta(seed: Any, sig: _Signature) -> tuple:
+def _seed_meta(seed: Any, sig: Signature) -> tuple:
     if isinstance(seed, Message):
         return (
             "M",
@@ -220,8 +222,13 @@ class _Recorder(TorchDispatchMode):
     """Runs every operator and records it on plain tensors; an operator on messages runs its
     handler with this mode active, so the component operators it runs are recorded."""
 
-    def __init__(self, slots: list[Tensor]) -> None:
+    def __init__(self, slots: list[Tensor], parameters: frozenset[int] = frozenset()) -> None:
         super().__init__()
+        #: ids of tensors the program may read as constants although they require grad (a
+        #: compiled step's model parameters); a step records the forward too, whose
+        #: operators' results require grad
+        self.parameters = parameters
+        self.forward = bool(parameters)
         self.steps: list[_Step] = []
         self.constants: list[Tensor] = []
         self.count = len(slots)
@@ -244,8 +251,11 @@ class _Recorder(TorchDispatchMode):
         if slot is not None:
             self._bind(t, slot)
             return _Ref(slot)
-        if t.requires_grad:
-            raise Uncapturable("the backward reads a tensor that requires grad")
+        if t.requires_grad and id(t) not in self.parameters:
+            raise Uncapturable(
+                "the computation reads a tensor that requires grad from outside it (neither "
+                "an input nor a parameter of the model)"
+            )
         self.constants.append(t)
         return _Const(len(self.constants) - 1)
 
@@ -263,7 +273,7 @@ class _Recorder(TorchDispatchMode):
         outputs: list = []
         for t in flat:
             if isinstance(t, Tensor):
-                if t.requires_grad:
+                if t.requires_grad and not self.forward:
                     raise Uncapturable(
                         f"{func} inside the backward records a graph (a checkpointed region "
                         "recomputed)"
@@ -526,7 +536,7 @@ class _Captured:
     refused: str | None = None
 
 
-class _Key:
+class Key:
     """A signature with its hash computed once (a key is a deep tuple)."""
 
     __slots__ = ("parts", "hash")
@@ -539,10 +549,10 @@ class _Key:
         return self.hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Key) and self.hash == other.hash and self.parts == other.parts
+        return isinstance(other, Key) and self.hash == other.hash and self.parts == other.parts
 
 
-_CACHE: OrderedDict[_Key, _Captured] = OrderedDict()
+_CACHE: OrderedDict[Key, _Captured] = OrderedDict()
 _COUNTS = {"captures": 0, "replays": 0, "eager": 0}
 #: this many calls in a row, each with a signature never seen, stop capturing new ones
 NEW_SIGNATURE_LIMIT = 8
@@ -587,6 +597,87 @@ def stats() -> dict[str, int]:
     }
 
 
+class Programs:
+    """The programs of one signature: replayed when their guards hold, the first replay of
+    each checked against eager; a new variant captured when none holds."""
+
+    def __init__(self, captured: _Captured) -> None:
+        self.captured = captured
+
+    def call(
+        self,
+        slots: list[Tensor],
+        eager: Callable[[bool], Sequence[Any]],
+        retain_graph: bool,
+        parameters: frozenset[int] = frozenset(),
+    ) -> Sequence[Any]:
+        captured = self.captured
+        if captured.refused is not None:
+            _COUNTS["eager"] += 1
+            return eager(retain_graph)
+        for program in captured.programs:
+            try:
+                # as the engine runs a backward; no torch function modes (a patch) see it
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    values = program.run(slots)
+            except GuardFailure:
+                continue
+            results = _assemble(program.results, values)
+            if program.verified:
+                _COUNTS["replays"] += 1
+                return results
+            expected = eager(retain_graph)
+            if all(_identical(r, e) for r, e in zip(results, expected)):
+                program.verified = True
+                _COUNTS["replays"] += 1
+            else:
+                captured.programs.clear()
+                captured.refused = "its captured program disagreed with the eager run"
+                refuse(captured.refused)
+            return expected
+        if len(captured.programs) >= MAX_VARIANTS:
+            refuse(
+                f"the data read in the computation took more than {MAX_VARIANTS} branches for "
+                "one signature"
+            )
+            return eager(retain_graph)
+        recorder = _Recorder(slots, parameters)
+        try:
+            with recorder:
+                results = eager(True)  # a failed capture must be able to run again
+            layout = [_result_refs(recorder, r) for r in results]
+            program = Program(recorder, layout, len(slots))
+        except Uncapturable as exc:
+            captured.refused = str(exc)
+            refuse(captured.refused)
+            return eager(retain_graph)
+        captured.programs.append(program)
+        _COUNTS["captures"] += 1
+        return results
+
+
+def programs_for(key: Key) -> Programs | None:
+    """The programs of ``key`` (new when unseen), or None when new signatures are no longer
+    captured (``NEW_SIGNATURE_LIMIT`` new ones in a row)."""
+    global _new_in_a_row
+    captured = _CACHE.get(key)
+    if captured is None:
+        if _new_in_a_row >= NEW_SIGNATURE_LIMIT:
+            refuse(
+                f"the signature changed on each of {NEW_SIGNATURE_LIMIT} calls in a row (shapes "
+                "that change every call?): new signatures are not captured"
+            )
+            return None
+        _new_in_a_row += 1
+        captured = _CACHE[key] = _Captured()
+        while len(_CACHE) > MAX_SIGNATURES:
+            _CACHE.popitem(last=False)
+    else:
+        _new_in_a_row = 0
+        _CACHE.move_to_end(key)
+    return Programs(captured)
+
+
 def run(
     outputs: Sequence[Tensor],
     inputs: Sequence[Tensor],
@@ -596,69 +687,15 @@ def run(
 ) -> Sequence[Any]:
     """The results of ``eager(retain_graph)`` (a backward through PyTorch's engine), from
     a captured program where one exists for this graph's signature."""
-    global _new_in_a_row
     try:
         parts, slots = signature(outputs, inputs, grad_outputs)
     except Uncapturable as exc:
         refuse(str(exc))
         return eager(retain_graph)
-    key = _Key(parts)
-    captured = _CACHE.get(key)
-    if captured is None:
-        if _new_in_a_row >= NEW_SIGNATURE_LIMIT:
-            refuse(
-                f"the graph signature changed on each of {NEW_SIGNATURE_LIMIT} calls in a row "
-                "(shapes that change every call?): new signatures are not captured"
-            )
-            return eager(retain_graph)
-        _new_in_a_row += 1
-        captured = _CACHE[key] = _Captured()
-        while len(_CACHE) > MAX_SIGNATURES:
-            _CACHE.popitem(last=False)
-    else:
-        _new_in_a_row = 0
-        _CACHE.move_to_end(key)
-    if captured.refused is not None:
-        _COUNTS["eager"] += 1
+    programs = programs_for(Key(("backward", parts)))
+    if programs is None:
         return eager(retain_graph)
-    for program in captured.programs:
-        try:
-            # as the engine runs a backward; no torch function modes (a patch) see its calls
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                values = program.run(slots)
-        except GuardFailure:
-            continue
-        results = _assemble(program.results, values)
-        if program.verified:
-            _COUNTS["replays"] += 1
-            return results
-        expected = eager(retain_graph)
-        if all(_identical(r, e) for r, e in zip(results, expected)):
-            program.verified = True
-            _COUNTS["replays"] += 1
-        else:
-            captured.programs.clear()
-            captured.refused = "its captured program disagreed with the eager backward"
-            refuse(captured.refused)
-        return expected
-    if len(captured.programs) >= MAX_VARIANTS:
-        refuse(
-            f"the data read in the backward took more than {MAX_VARIANTS} branches for one "
-            "graph signature"
-        )
-        return eager(retain_graph)
-    recorder = _Recorder(slots)
-    try:
-        with recorder:
-            results = eager(True)  # a failed capture must be able to run again
-        program = Program(recorder, [_result_refs(recorder, r) for r in results], len(slots))
-    except Uncapturable as exc:
-        captured.refused = str(exc)
-        refuse(captured.refused)
-        return eager(retain_graph)
-    captured.programs.append(program)
-    _COUNTS["captures"] += 1
-    return results
+    return programs.call(slots, eager, retain_graph)
 
 
 def _result_refs(recorder: _Recorder, result: Any) -> Any:

@@ -157,18 +157,27 @@ def grad(
     finally:
         if own is not None:
             own.detach()
+    final = readouts(semiring, ins, results, raw)
+    return final[0] if single_input else final
+
+
+def readouts(
+    semiring: Semiring, inputs: Sequence[Tensor], results: Sequence[Any], raw: bool = False
+) -> tuple:
+    """Per input, the readout of its message (the zero's where None), or with ``raw`` the
+    message itself."""
+    if raw:
+        return tuple(results)
     plain = plain_messages(semiring)
     final = []
-    for x, r in zip(ins, results):
-        if raw:
-            final.append(r)
-        elif r is None:
+    for x, r in zip(inputs, results):
+        if r is None:
             final.append(semiring.readout(semiring.zero(x.shape, x)))
         elif plain:
             final.append(r)
         else:
             final.append(semiring.readout(r.value))
-    return final[0] if single_input else tuple(final)
+    return tuple(final)
 
 
 def _out_of_memory(
