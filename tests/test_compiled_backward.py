@@ -346,7 +346,8 @@ def test_compiled_step_equals_eager(llama, semiring):
 
 
 def test_compiled_step_keyword_tensors_are_inputs(llama):
-    """An attention mask passed as a keyword argument is read from each call, not frozen."""
+    """Tensors passed as keyword arguments (an attention mask, a scale) are read from each
+    call, not frozen into the program."""
     semiring = sa.Log()
     step = sa.compiled_step(
         llama,
@@ -363,8 +364,20 @@ def test_compiled_step_keyword_tensors_are_inputs(llama):
         with sa.patch(llama, semiring):
             out = llama(inputs_embeds=emb, attention_mask=mask).logits[0, -1, 7]
         _assert_identical(step(emb, attention_mask=mask), sa.grad(out, emb))
+    # each mask takes other branches (the model tests for an all-ones mask, the backward
+    # reads which rows are live): a variant each
     stats = sa.compiled_stats()
-    assert stats["eager"] == 0 and stats["replays"] == 2, stats
+    assert stats["eager"] == 0 and stats["programs"] == 3, stats
+    step = sa.compiled_step(
+        llama, semiring, lambda m, x, scale: m(inputs_embeds=x * scale).logits[0, -1, 7]
+    )
+    for value in (1.0, 2.0, 0.5):
+        scale = torch.full((1, 6, 1), value)
+        with sa.patch(llama, semiring):
+            out = llama(inputs_embeds=emb * scale).logits[0, -1, 7]
+        _assert_identical(step(emb, scale=scale), sa.grad(out, emb))
+    stats = sa.compiled_stats()
+    assert stats["eager"] == 0 and stats["programs"] == 4 and stats["replays"] == 2, stats
 
 
 def test_compiled_step_sees_weights_changed_in_place_and_new_dtypes(llama):
@@ -418,3 +431,24 @@ def test_compiled_step_refuses_inputs_without_grad(llama):
         step(_embeddings(llama, 0).detach())
     with pytest.raises(sa.SemiringAutogradError, match="semiring instance"):
         sa.compiled_step(llama, sa.Log, lambda m, x: x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("semiring", SEMIRINGS, ids=repr)
+def test_replay_on_cuda(llama, semiring):
+    """On CUDA (float64): eager within rounding of the CPU's result, and compile=True and a
+    compiled step equal to eager bit for bit."""
+    llama.to(torch.float64)
+    embeddings = [_embeddings(llama, seed, dtype=torch.float64) for seed in range(3)]
+    on_cpu = [sa.grad(_read(llama, semiring, emb), emb) for emb in embeddings]
+    llama.to("cuda")
+    try:
+        step = sa.compiled_step(llama, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, 7])
+        for emb, cpu in zip(embeddings, on_cpu):
+            x = emb.detach().to("cuda").requires_grad_(True)
+            expected = sa.grad(_read(llama, semiring, x), x)
+            _assert_identical(sa.grad(_read(llama, semiring, x), x, compile=True), expected)
+            _assert_identical(step(x), expected)
+            torch.testing.assert_close(expected.cpu(), cpu, rtol=1e-9, atol=1e-9)
+    finally:
+        llama.to("cpu", torch.float32)

@@ -66,3 +66,12 @@ def test_block_width_matches_the_kernel(dtype):
     a, b = torch.rand(1, 3, 4, dtype=dtype), torch.rand(1, 4, 5, dtype=dtype)
     out = operators.op("max_times")(a, b, 0.0, False)
     assert out.stride(1) == operators.block_width(dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", ["max_times", "signed_times", "lift_times"])
+def test_opcheck_cuda(name):
+    """The CUDA kernels of the matmuls (compiled formulas) against their schemas and fakes."""
+    for args in _samples(torch.float32)[name]:
+        moved = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(operators.op(name), moved)

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
 import numbers
+import threading
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -553,6 +554,8 @@ class Key:
 
 
 _CACHE: OrderedDict[Key, _Captured] = OrderedDict()
+#: guards the cache and the program lists (sa.grad may run in several threads)
+_LOCK = threading.Lock()
 _COUNTS = {"captures": 0, "replays": 0, "eager": 0}
 #: this many calls in a row, each with a signature never seen, stop capturing new ones
 NEW_SIGNATURE_LIMIT = 8
@@ -580,7 +583,8 @@ def refuse(reason: str) -> None:
 def clear() -> None:
     """Forget every captured program, the counts and the warnings given."""
     global _new_in_a_row
-    _CACHE.clear()
+    with _LOCK:
+        _CACHE.clear()
     _COUNTS.update(dict.fromkeys(_COUNTS, 0))
     _WARNED.clear()
     _new_in_a_row = 0
@@ -615,7 +619,7 @@ class Programs:
         if captured.refused is not None:
             _COUNTS["eager"] += 1
             return eager(retain_graph)
-        for program in captured.programs:
+        for program in list(captured.programs):
             try:
                 # as the engine runs a backward; no torch function modes (a patch) see it
                 with torch.no_grad(), torch._C.DisableTorchFunction():
@@ -631,8 +635,9 @@ class Programs:
                 program.verified = True
                 _COUNTS["replays"] += 1
             else:
-                captured.programs.clear()
-                captured.refused = "its captured program disagreed with the eager run"
+                with _LOCK:
+                    captured.programs.clear()
+                    captured.refused = "its captured program disagreed with the eager run"
                 refuse(captured.refused)
             return expected
         if len(captured.programs) >= MAX_VARIANTS:
@@ -651,7 +656,8 @@ class Programs:
             captured.refused = str(exc)
             refuse(captured.refused)
             return eager(retain_graph)
-        captured.programs.append(program)
+        with _LOCK:
+            captured.programs.append(program)
         _COUNTS["captures"] += 1
         return results
 
@@ -660,21 +666,22 @@ def programs_for(key: Key) -> Programs | None:
     """The programs of ``key`` (new when unseen), or None when new signatures are no longer
     captured (``NEW_SIGNATURE_LIMIT`` new ones in a row)."""
     global _new_in_a_row
-    captured = _CACHE.get(key)
+    with _LOCK:
+        captured = _CACHE.get(key)
+        if captured is None and _new_in_a_row < NEW_SIGNATURE_LIMIT:
+            _new_in_a_row += 1
+            captured = _CACHE[key] = _Captured()
+            while len(_CACHE) > MAX_SIGNATURES:
+                _CACHE.popitem(last=False)
+        elif captured is not None:
+            _new_in_a_row = 0
+            _CACHE.move_to_end(key)
     if captured is None:
-        if _new_in_a_row >= NEW_SIGNATURE_LIMIT:
-            refuse(
-                f"the signature changed on each of {NEW_SIGNATURE_LIMIT} calls in a row (shapes "
-                "that change every call?): new signatures are not captured"
-            )
-            return None
-        _new_in_a_row += 1
-        captured = _CACHE[key] = _Captured()
-        while len(_CACHE) > MAX_SIGNATURES:
-            _CACHE.popitem(last=False)
-    else:
-        _new_in_a_row = 0
-        _CACHE.move_to_end(key)
+        refuse(
+            f"the signature changed on each of {NEW_SIGNATURE_LIMIT} calls in a row (shapes "
+            "that change every call?): new signatures are not captured"
+        )
+        return None
     return Programs(captured)
 
 
