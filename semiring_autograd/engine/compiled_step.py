@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import Tensor, nn
 
 from ..errors import SemiringAutogradError
 from ..semirings.base import Semiring
 from . import compiled
+from .signature import Key, Signature, Uncapturable
 from .grad import grad, readouts
 from .patch import patch
 
@@ -64,16 +64,16 @@ class CompiledStep:
         return final[0] if len(ins) == 1 else final
 
     def _run(self, ins: list[Tensor], kwargs: dict, eager: Callable[[bool], tuple]) -> Any:
-        sig = compiled.Signature()
+        sig = Signature()
         try:
             extra = sig.describe(kwargs)
             inputs = tuple(sig.tensor(x) for x in ins)
             held = [*self.model.parameters(), *self.model.buffers()]
             model = tuple((id(t), t.shape, t.dtype, t.device) for t in held)
-        except compiled.Uncapturable as exc:
+        except Uncapturable as exc:
             compiled.refuse(str(exc))
             return eager(False)
-        key = compiled.Key(("step", id(self), self.semiring, inputs, extra, model))
+        key = Key(("step", id(self), self.semiring, inputs, extra, model))
         programs = compiled.programs_for(key)
         if programs is None:
             return eager(False)
