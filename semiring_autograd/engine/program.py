@@ -89,23 +89,26 @@ class Recorder(TorchDispatchMode):
         self.count = len(slots)
         self.values: dict[int, tuple[weakref.ref, int]] = {}
         self.slot_of: dict[int, int] = {}  # value -> the slot whose storage it views
-        self.by_view: dict[tuple, int] = {}
+        #: a value's view (storage, offset, shape, strides, dtype), for another tensor
+        #: object of the same view (autograd's wrapper of a Function's view output)
+        self.by_view: dict[tuple, tuple[weakref.ref, int]] = {}
         for i, t in enumerate(slots):
-            self.by_view.setdefault(_view_key(t), i)
             self._bind(t, i)
             self.slot_of[i] = i
 
     def _bind(self, t: Tensor, index: int) -> None:
         self.values[id(t)] = (weakref.ref(t), index)
+        self.by_view[_view_key(t)] = (weakref.ref(t), index)
 
     def ref(self, t: Tensor) -> _Ref | Constant:
         found = self.values.get(id(t))
         if found is not None and found[0]() is t:
             return _Ref(found[1])
-        slot = self.by_view.get(_view_key(t))
-        if slot is not None:
-            self._bind(t, slot)
-            return _Ref(slot)
+        view = self.by_view.get(_view_key(t))
+        # the same view of a storage still alive (so its address was not reused)
+        if view is not None and view[0]() is not None:
+            self._bind(t, view[1])
+            return _Ref(view[1])
         if t.requires_grad and id(t) not in self.parameters:
             raise Uncapturable(
                 "the computation reads a tensor that requires grad from outside it (neither "
