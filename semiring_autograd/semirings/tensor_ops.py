@@ -22,7 +22,7 @@ CHUNK_ELEMENTS = 1 << 22
 
 def _total(tensors: tuple[Tensor, ...]) -> Tensor:
     """The sum of every entry of ``tensors`` (0-d): NaN where any entry is NaN or +inf and
-    -inf meet, ±inf where an infinity (or an overflow) is summed."""
+    -inf meet, ±inf where an infinity is summed (or the sum overflows)."""
     total = tensors[0].sum()
     for t in tensors[1:]:
         total = total + t.sum()
@@ -30,18 +30,21 @@ def _total(tensors: tuple[Tensor, ...]) -> Tensor:
 
 
 def has_nan(*tensors: Tensor) -> bool:
-    """Whether ``tensors`` may hold a NaN: their total is NaN (one reduction per tensor;
-    true also where +inf and -inf meet, which only costs the eager path). The fused kernels
-    read NaN as "no term", so a value with a real NaN takes the eager path, where NaN
-    propagates as in torch. The test runs in torch and only its outcome is read, so a
-    captured backward (``sa.grad(compile=True)``) guards on the outcome, not on the sum."""
-    return bool(torch.isnan(_total(tensors)))
+    """Whether any of ``tensors`` may hold a NaN: its sum is NaN (one reduction per tensor;
+    true also where +inf and -inf meet in one tensor, which only costs the eager path; the
+    tensors are not summed together, as the two ends of an empty signed pair are -inf and
+    +inf). The fused kernels read NaN as "no term", so a value with a real NaN takes the
+    eager path, where NaN propagates as in torch. The test runs in torch and only its
+    outcome is read, so a captured backward (``sa.grad(compile=True)``) guards on the
+    outcome, not on the sum."""
+    return any(bool(torch.isnan(t.sum())) for t in tensors)
 
 
 def all_finite(*tensors: Tensor) -> bool:
     """Whether every entry of ``tensors`` is finite: their total is (total - total is 0,
     not NaN; one reduction per tensor; a total of finite entries that overflows reads as
-    not finite, which only costs the eager path). Read as ``has_nan``'s outcome."""
+    not finite, which only costs the eager path). Only the outcome is read, as in
+    ``has_nan``."""
     total = _total(tensors)
     return not bool(torch.isnan(total - total))
 
