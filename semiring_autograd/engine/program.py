@@ -54,7 +54,7 @@ class _Ref:
 
 @dataclass(frozen=True)
 class Constant:
-    """A tensor the program reads that neither a slot nor a step gives: ``K[index]``."""
+    """A tensor the program reads that neither a slot nor a step gives: ``k<index>``."""
 
     index: int
 
@@ -318,29 +318,29 @@ class _Codegen:
     def __init__(self, recorder: Recorder, slot_count: int) -> None:
         self.recorder = recorder
         self.slot_count = slot_count
-        self.constants: list[Any] = list(recorder.constants)
-        self.namespace: dict[str, Any] = {
-            "K": self.constants,
-            "GuardFailure": GuardFailure,
-            "_same": _same,
-        }
+        # constants are globals of the program, k<index> (a global read is cheaper than an
+        # index into a list)
+        self.constants: list[Any] = []
+        self.namespace: dict[str, Any] = {"GuardFailure": GuardFailure, "_same": _same}
+        for t in recorder.constants:
+            self.constant(t)
         self.funcs: dict[Any, str] = {}
         self.last_use: dict[int, int] = {}
         self.line = 0
 
     def constant(self, value: Any) -> str:
+        name = f"k{len(self.constants)}"
         self.constants.append(value)
-        return f"K[{len(self.constants) - 1}]"
+        self.namespace[name] = value
+        return name
 
     def expr(self, x: Any) -> str:
         if isinstance(x, _Ref):
             self.last_use[x.index] = self.line
             return f"v{x.index}"
         if isinstance(x, Constant):
-            return f"K[{x.index}]"
-        if isinstance(x, list):
-            return "[" + ", ".join(self.expr(v) for v in x) + "]"
-        if isinstance(x, tuple):
+            return f"k{x.index}"
+        if isinstance(x, (list, tuple)):  # a tuple literal of numbers is built once
             return "(" + "".join(self.expr(v) + ", " for v in x) + ")"
         if x is None or type(x) in (bool, int, str):
             return repr(x)
@@ -367,7 +367,13 @@ class _Codegen:
                 targets.append("_")
             else:
                 targets.append(f"g{j}")
-                checks.append(f"if not _same(g{j}, {self.constant(out[1])}): raise GuardFailure")
+                recorded = out[1]
+                if type(recorded) in (bool, int):
+                    checks.append(f"if g{j} != {recorded!r}: raise GuardFailure")
+                else:
+                    checks.append(
+                        f"if not _same(g{j}, {self.constant(recorded)}): raise GuardFailure"
+                    )
         if step.shapes is not None:
             for out, shape in zip(step.outputs, step.shapes):
                 if isinstance(out, _Ref):
