@@ -452,3 +452,17 @@ def test_replay_on_cuda(llama, semiring):
             torch.testing.assert_close(expected.cpu(), cpu, rtol=1e-9, atol=1e-9)
     finally:
         llama.to("cpu", torch.float32)
+
+
+def test_compiled_step_input_at_another_storage_offset(llama):
+    """An input of the same shape and strides at another storage offset (a slice of a
+    larger tensor) is another signature: the program's views of it are exact."""
+    semiring = sa.Log()
+    step = sa.compiled_step(llama, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, 7])
+    base = _embeddings(llama, 0, length=9).detach()
+    for start in (0, 3, 0, 3):
+        x = base[:, start : start + 6].detach().requires_grad_(True)
+        expected = sa.grad(_read(llama, semiring, x), x)
+        _assert_identical(step(x), expected)
+    stats = sa.compiled_stats()
+    assert stats["signatures"] == 2 and stats["replays"] == 2 and stats["eager"] == 0, stats

@@ -2,9 +2,10 @@
 
 ``sa.grad(..., compile=True)`` replays the backward, but the patched forward still runs one
 Python ``autograd.Function`` per op. A step captures both: its first call for a signature
-(the tensors' shapes, dtypes, strides and devices, the other arguments, the model's
-parameters and buffers) runs ``with sa.patch(model, semiring): out = read(model, *inputs)``
-and ``sa.grad(out, inputs)`` under the recorder of ``compiled.py``; later calls run the
+(the tensors' shapes, strides, storage offsets, dtypes and devices, the other arguments,
+the model's parameters and buffers) runs ``with sa.patch(model, semiring): out =
+read(model, *inputs)`` and ``sa.grad(out, inputs)`` under the recorder of ``compiled.py``
+(``program.py``); later calls run the
 recorded operators, forward and backward, from the new inputs, with no patch, no graph and
 no engine. Guards, variants, the check of a program's first replay against eager and the
 refusals are ``compiled.py``'s.

@@ -27,6 +27,8 @@ from torch.utils._pytree import tree_flatten
 from ..ops.message import Message
 from .signature import Uncapturable
 
+_aten = torch.ops.aten
+
 #: operators whose result shape depends on the data: replay checks the shape
 _DATA_SHAPED = {
     "aten::nonzero",
@@ -67,6 +69,7 @@ class _Step:
     outputs: list  # flat: _Ref for a tensor, ("guard", number) for a number, None
     sequence: bool  # the operator returns a tuple or list
     shapes: list | None = None  # data-shaped outputs: the recorded shapes
+    view: tuple | None = None  # a view operator's result: (size, stride, storage offset)
 
 
 def _view_key(t: Tensor) -> tuple:
@@ -150,6 +153,8 @@ class Recorder(TorchDispatchMode):
         step = _Step(func, template[0], template[1], outputs, sequence)
         if _data_shaped(func, args):
             step.shapes = [tuple(t.shape) if isinstance(t, Tensor) else None for t in flat]
+        if func in _views() and isinstance(result, Tensor):
+            step.view = (tuple(result.shape), result.stride(), result.storage_offset())
         self.steps.append(step)
         return result
 
@@ -220,12 +225,63 @@ def _live_steps(steps: list[_Step], results: list) -> list[_Step]:
     return kept
 
 
+@functools.cache
+def _views() -> frozenset:
+    """Operators whose result views their first argument's storage, same dtype."""
+    return frozenset(
+        {
+            _aten.view.default,
+            _aten._unsafe_view.default,
+            _aten.expand.default,
+            _aten.transpose.int,
+            _aten.t.default,
+            _aten.permute.default,
+            _aten.unsqueeze.default,
+            _aten.squeeze.dim,
+            _aten.squeeze.dims,
+            _aten.squeeze.default,
+            _aten.select.int,
+            _aten.slice.Tensor,
+            _aten.alias.default,
+            _aten.detach.default,
+            _aten.as_strided.default,
+        }
+    )
+
+
+def _fold_views(steps: list[_Step], results: list) -> list[_Step]:
+    """A view of a view read nowhere else becomes one ``as_strided`` of the first one's
+    base, with the recorded size, strides and storage offset: the same view of the same
+    storage in one call (the base's layout is the same in every replay: the signature fixes
+    the inputs', and the operators before it are the same)."""
+    uses: dict[int, int] = {}
+    for index in _refs(results) + [r for st in steps for r in _refs((st.args, st.kwargs))]:
+        uses[index] = uses.get(index, 0) + 1
+    producer: dict[int, _Step] = {}
+    folded = []
+    for step in steps:
+        source = step.args[0] if step.view is not None and step.args else None
+        before = producer.get(source.index) if isinstance(source, _Ref) else None
+        if before is not None and before.view is not None and uses[source.index] == 1:
+            size, stride, offset = step.view
+            step = _Step(
+                _aten.as_strided.default,
+                (before.args[0], size, stride, offset),
+                {},
+                step.outputs,
+                False,
+                view=step.view,
+            )
+        for out in step.outputs:
+            if isinstance(out, _Ref):
+                producer[out.index] = step
+        folded.append(step)
+    return folded
+
+
 def _same(got: Any, recorded: Any) -> bool:
     """A guard: the number a replay read equals the recorded one (NaN equals NaN)."""
     return got == recorded or (got != got and recorded != recorded)
-
-
-_aten = torch.ops.aten
 
 
 @functools.cache
@@ -386,7 +442,7 @@ class _Codegen:
         return [f"{head} = {call}", *checks]
 
     def generate(self, results: list) -> tuple[str, dict]:
-        self.recorder.steps = _live_steps(self.recorder.steps, results)
+        self.recorder.steps = _live_steps(_fold_views(self.recorder.steps, results), results)
         bodies = []
         for self.line, step in enumerate(self.recorder.steps):
             bodies.append(self.step(step))

@@ -3,9 +3,9 @@ backward program depends on, and the tensors it reads.
 
 The graph is walked from the outputs in a fixed order: each node's type, its edges, its
 non-tensor state (a generated Function's ctx attributes: op arguments, shapes; a torch
-node's ``_saved_*`` values) and the shape, strides, dtype and device of every tensor it
-saved — those tensors are the program's inputs (its slots), in walk order — then the
-inputs' and outputs' places in the graph and the seeds' metadata. Two graphs with one
+node's ``_saved_*`` values) and the shape, strides, storage offset, dtype and device of
+every tensor it saved — those tensors are the program's inputs (its slots), in walk order
+— then the inputs' and outputs' places in the graph and the seeds' metadata. Two graphs with one
 signature run the same operators on tensors of the same metadata: a model run on inputs of
 one shape gives one signature; another shape, another module path or a changed argument
 gives another.
@@ -54,7 +54,7 @@ class Signature:
 
     def tensor(self, t: Tensor) -> tuple:
         self.slots.append(t)
-        return ("T", t.shape, t.stride(), t.dtype, t.device)
+        return ("T", t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
 
     def describe(self, value: Any) -> Any:
         kind = type(value)
