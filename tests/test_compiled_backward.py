@@ -466,3 +466,18 @@ def test_compiled_step_input_at_another_storage_offset(llama):
         _assert_identical(step(x), expected)
     stats = sa.compiled_stats()
     assert stats["signatures"] == 2 and stats["replays"] == 2 and stats["eager"] == 0, stats
+
+
+def test_random_operators_run_eagerly_with_a_warning():
+    """Dropout in train mode draws random numbers: the step is not captured (a replay would
+    draw others than the eager run it is checked against), with one warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3)).train()
+    step = sa.compiled_step(model, sa.MaxProduct(), lambda m, x: m(x).sum())
+    x = torch.rand(4, 6).requires_grad_(True)
+    with pytest.warns(RuntimeWarning, match="draws random numbers"):
+        first = step(x)
+    second = step(x)
+    assert first.shape == second.shape == (4, 6)
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 0 and stats["eager"] == 2, stats

@@ -21,8 +21,9 @@ as a variant of the signature (at most ``MAX_VARIANTS``). The first replay of a 
 checked against the eager backward of the same call (every result bit-identical, NaN where
 NaN); a program that disagrees is dropped and the signature runs eagerly from then on, with
 one warning. A backward that mutates a saved tensor, records a graph of its own
-(checkpoint recomputation), holds state the signature cannot describe, or runs with hooks
-that must see messages (``trace``) is not captured: eager, with one warning saying why.
+(checkpoint recomputation), draws random numbers, holds state the signature cannot
+describe, or runs with hooks that must see messages (``trace``) is not captured: eager,
+with one warning saying why.
 """
 
 from __future__ import annotations

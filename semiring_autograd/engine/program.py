@@ -125,6 +125,11 @@ class Recorder(TorchDispatchMode):
         if any(isinstance(a, Message) for a in tree_flatten((args, kwargs))[0]):
             with self:
                 return Message.__torch_dispatch__(func, types, args, kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise Uncapturable(
+                f"{func} draws random numbers (dropout in a model in train mode?), which a "
+                "replay would draw anew"
+            )
         template = self._template(args), self._template(kwargs)
         self._refuse_slot_writes(func, args, kwargs)
         result = func(*args, **kwargs)
