@@ -45,6 +45,12 @@ def _samples(dtype):
         "entropy_reduce_rows": [(rows, rows.abs())],
         "log_space_rows": [(rows, None, torch.empty_like(rows)), (rows, rows, rows.repeat(1, 2))],
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
+        "any_nan_sum": [([la, r],), ([la, r.masked_fill(r > 0.5, NAN)],)],
+        "all_finite_sum": [([la, r],), ([la.masked_fill(la > 1, INF), r],)],
+        "gemm_exact": [
+            (r.exp(), torch.ones(3, 1, dtype=torch.bool), 1e-30, True),
+            (r.exp(), torch.tensor([[True], [False], [True]]), 2.0, False),
+        ],
     }
 
 
@@ -57,6 +63,30 @@ def test_opcheck(name, dtype):
 
 def test_every_operator_has_a_sample():
     assert set(_samples(torch.float32)) == set(operators.SCHEMAS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_tests_equal_their_formulas(dtype):
+    """The fused-path tests against the torch formulas they stand for, on NaN, infinities,
+    empty rows and a live mask."""
+    from semiring_autograd.semirings.log_space import gemm_exact_formula
+
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 7, generator=gen, dtype=dtype), torch.randn(3, generator=gen)
+    cases = [(a, b), (a.masked_fill(a > 1, NAN), b), (a.masked_fill(a > 1, INF), b)]
+    cases += [(a.masked_fill(a > 1, INF), -b.abs() * INF)]
+    for tensors in cases:
+        assert kernels.any_nan_sum(tensors) == any(bool(torch.isnan(t.sum())) for t in tensors)
+        total = sum(t.sum() for t in tensors)
+        assert kernels.all_finite_sum(tensors) == (not bool(torch.isnan(total - total)))
+    z = torch.rand(2, 5, 6, generator=gen, dtype=dtype)
+    z[0, 1, 2] = 1e-300 if dtype == torch.float64 else 1e-38
+    z[1, 3, 0] = INF
+    for live_rows in (torch.ones(2, 5, 1, dtype=torch.bool), z[..., :1] > 0.5):
+        for tiny in (1e-40, 0.5):
+            for may_overflow in (False, True):
+                expected = gemm_exact_formula(z, live_rows, tiny, may_overflow)
+                assert kernels.gemm_exact(z, live_rows, tiny, may_overflow) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

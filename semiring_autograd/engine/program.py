@@ -125,7 +125,7 @@ class Recorder(TorchDispatchMode):
         if any(isinstance(a, Message) for a in tree_flatten((args, kwargs))[0]):
             with self:
                 return Message.__torch_dispatch__(func, types, args, kwargs)
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
             raise Uncapturable(
                 f"{func} draws random numbers (dropout in a model in train mode?), which a "
                 "replay would draw anew"
@@ -193,6 +193,16 @@ class Recorder(TorchDispatchMode):
         if not returns or returns[0].alias_info is None or not args:
             return None
         return self._slot_under(args[0])
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether an operator tagged as seeded draws random numbers in this call: all do but
+    attention with ``dropout_p`` 0."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            p = args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+            return p != 0
+    return True
 
 
 def _data_shaped(func, args) -> bool:

@@ -216,6 +216,36 @@ def entropy_weights(w: Tensor, out: Tensor) -> bool:
     return True
 
 
+def any_nan_sum(tensors: tuple[Tensor, ...]) -> bool | None:
+    """Whether some tensor's sum is NaN, in one operator call on the CPU; None off the CPU
+    or without the kernels."""
+    if not tensors or not _tests_ready(tensors):
+        return None
+    return bool(op("any_nan_sum")(list(tensors)))
+
+
+def all_finite_sum(tensors: tuple[Tensor, ...]) -> bool | None:
+    """Whether the total of every entry of ``tensors`` is finite, in one operator call on the
+    CPU; None off the CPU or without the kernels."""
+    if not tensors or not _tests_ready(tensors):
+        return None
+    return bool(op("all_finite_sum")(list(tensors)))
+
+
+def gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool | None:
+    """Whether no sum of a live row of ``z`` is below ``tiny`` (nor infinite, given
+    ``may_overflow``), in one operator call on the CPU; None off the CPU or without the
+    kernels."""
+    if not _tests_ready((z, live)):
+        return None
+    return bool(op("gemm_exact")(z, live, tiny, may_overflow))
+
+
+def _tests_ready(tensors: tuple[Tensor, ...]) -> bool:
+    """The test operators take CPU tensors of any dtype."""
+    return all(t.device.type == "cpu" for t in tensors) and available()
+
+
 _CUDA_FAILED: set[str] = set()
 
 
@@ -252,4 +282,7 @@ __all__ = [
     "entropy_reduce_rows",
     "log_space_rows",
     "entropy_weights",
+    "any_nan_sum",
+    "all_finite_sum",
+    "gemm_exact",
 ]

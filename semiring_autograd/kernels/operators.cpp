@@ -269,9 +269,50 @@ void entropy_weights_op(const at::Tensor& w_, at::Tensor out) {
     });
 }
 
+// Tests that choose a fused path, one operator each (a captured program replays one call
+// and one read where the torch formula takes three per tensor). They run torch's own
+// reductions, so their outcomes are those of the formulas in semirings/.
+
+at::Tensor flag(bool value) { return at::scalar_tensor(value, at::TensorOptions(at::kBool)); }
+
+// tensor_ops.has_nan: some tensor's sum is NaN
+at::Tensor any_nan_sum_op(at::TensorList tensors) {
+    for (const auto& t : tensors)
+        if (at::isnan(t.sum()).item<bool>()) return flag(true);
+    return flag(false);
+}
+
+// tensor_ops.all_finite: the total of every entry is finite (total - total is not NaN)
+at::Tensor all_finite_sum_op(at::TensorList tensors) {
+    auto total = tensors[0].sum();
+    for (size_t i = 1; i < tensors.size(); ++i) total = total + tensors[i].sum();
+    return flag(!at::isnan(total - total).item<bool>());
+}
+
+// log_space._gemm_exact: no sum of a live row below tiny and, when may_overflow, none
+// infinite (a NaN answers false)
+at::Tensor gemm_exact_op(const at::Tensor& z, const at::Tensor& live, double tiny,
+                         bool may_overflow) {
+    if (z.numel() == 0) return flag(true);
+    at::Tensor low, high;
+    if (live.all().item<bool>()) {
+        std::tie(low, high) = at::aminmax(z);
+    } else {
+        std::tie(low, high) = at::aminmax(z, -1, true);
+        low = low.masked_fill(live.logical_not(), INFINITY).min();
+        high = high.max();
+    }
+    bool exact = low.ge(tiny).item<bool>();
+    if (exact && may_overflow) exact = !high.eq(INFINITY).item<bool>();
+    return flag(exact);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
+    m.impl("any_nan_sum", &any_nan_sum_op);
+    m.impl("all_finite_sum", &all_finite_sum_op);
+    m.impl("gemm_exact", &gemm_exact_op);
     m.impl("max_times", &max_times_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);

@@ -20,10 +20,16 @@ loads it). Every operator works on float32 or float64 operands of one dtype.
 ``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
 ``log_space_rows``       the row shift, liveness and shifted exponentials of a log GEMM
 ``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
+``any_nan_sum``          some tensor's sum is NaN (0-d bool; CPU tensors of any dtype)
+``all_finite_sum``       the total of every entry is finite (0-d bool)
+``gemm_exact``           no sum of a live row of a log-space GEMM below ``tiny`` (nor
+                         infinite, given ``may_overflow``) (0-d bool)
 ======================== ==================================================================
 
 The row operators return a 0-d bool last: true when a row held NaN or +inf and was left
-uncomputed, so that the caller runs its torch formula instead.
+uncomputed, so that the caller runs its torch formula instead. The tests (``any_nan_sum``,
+``all_finite_sum``, ``gemm_exact``) run torch's own reductions inside: one operator and one
+read where the Python formula takes several per tensor.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ SCHEMAS = {
     "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
     "log_space_rows": "(Tensor a, Tensor? r, Tensor(a!) out) -> (Tensor, Tensor)",
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
+    "any_nan_sum": "(Tensor[] tensors) -> Tensor",
+    "all_finite_sum": "(Tensor[] tensors) -> Tensor",
+    "gemm_exact": "(Tensor z, Tensor live, float tiny, bool may_overflow) -> Tensor",
 }
 
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -137,6 +146,21 @@ def _row_shape(x: Tensor) -> tuple[int, ...]:
 @_fake("entropy_reduce_rows")
 def _(la, r):
     return la.new_empty(_row_shape(la)), la.new_empty(_row_shape(la)), _declined(la)
+
+
+@_fake("any_nan_sum")
+def _(tensors):
+    return _declined(tensors[0])
+
+
+@_fake("all_finite_sum")
+def _(tensors):
+    return _declined(tensors[0])
+
+
+@_fake("gemm_exact")
+def _(z, live, tiny, may_overflow):
+    return _declined(z)
 
 
 @_fake("log_space_rows")

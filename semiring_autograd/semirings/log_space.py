@@ -45,6 +45,14 @@ def _gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> boo
     ``may_overflow``, none infinite. Reductions instead of elementwise masks, over the
     whole tensor when every row is live (several times faster than per row); a NaN answers
     False (then the caller checks element by element)."""
+    fused = kernels.gemm_exact(z, live, tiny, may_overflow)
+    if fused is not None:
+        return fused
+    return gemm_exact_formula(z, live, tiny, may_overflow)
+
+
+def gemm_exact_formula(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
+    """``_gemm_exact`` by torch operators (the fused test's definition)."""
     if z.numel() == 0:
         return True
     if bool(live.all()):

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..kernels import ratio_where_positive
 from ..kernels.workspace import scratch
 from .base import Value, message_dtype
@@ -37,6 +38,9 @@ def has_nan(*tensors: Tensor) -> bool:
     eager path, where NaN propagates as in torch. The test runs in torch and only its
     outcome is read, so a captured backward (``sa.grad(compile=True)``) guards on the
     outcome, not on the sum."""
+    fused = kernels.any_nan_sum(tensors)
+    if fused is not None:
+        return fused
     return any(bool(torch.isnan(t.sum())) for t in tensors)
 
 
@@ -45,6 +49,9 @@ def all_finite(*tensors: Tensor) -> bool:
     not NaN; one reduction per tensor; a total of finite entries that overflows reads as
     not finite, which only costs the eager path). Only the outcome is read, as in
     ``has_nan``."""
+    fused = kernels.all_finite_sum(tensors)
+    if fused is not None:
+        return fused
     total = _total(tensors)
     return not bool(torch.isnan(total - total))
 
