@@ -362,6 +362,7 @@ def _bindings() -> dict:
         _aten.mean.dim: torch.mean,
         _aten.rsqrt.default: torch.rsqrt,
         _aten.to.dtype: torch.Tensor.to,
+        _aten.as_strided.default: torch.as_strided,
     }
 
 
