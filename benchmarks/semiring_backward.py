@@ -163,6 +163,26 @@ def step(work: Workload, mode: str) -> torch.Tensor:
     return sa.grad(out, work.leaf, compile=COMPILE)
 
 
+def backward_alone(work: Workload, mode: str, device: str) -> float:
+    """Seconds of the backward alone (``torch.autograd.grad`` or ``sa.grad``) after an
+    untimed forward."""
+    import semiring_autograd as sa
+
+    if mode == "native":
+        out = work.forward()
+    else:
+        with sa.patch(work.model, semiring_of(mode)):
+            out = work.forward()
+    _sync(device)
+    start = time.perf_counter()
+    if mode == "native":
+        torch.autograd.grad(out, work.leaf)
+    else:
+        sa.grad(out, work.leaf, compile=COMPILE)
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def kernel_share(work: Workload, mode: str, device: str) -> float:
     """The share of one semiring backward (sa.grad alone) spent inside operators."""
     import semiring_autograd as sa
@@ -237,6 +257,13 @@ def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -
     if paired:
         result["native_median_s"] = statistics.median(times["native"])
         result["kernel_share"] = kernel_share(work, mode, device)
+        alone: dict[str, list[float]] = {m: [] for m in (mode, "native")}
+        for _ in range(len(times[mode])):
+            for m in alone:
+                alone[m].append(backward_alone(work, m, device))
+        result["backward_ratio"] = statistics.median(alone[mode]) / statistics.median(
+            alone["native"]
+        )
     return {**result, "reps": len(times[mode])}
 
 
@@ -297,16 +324,18 @@ def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str
             f"{native['median_s'] * 1e3:.1f} ms, peak memory "
             f"{native['peak_bytes'] / 2**20:.1f} MiB",
             "",
-            "| semiring | median ms | paired native ms | time ratio | first call ms "
-            "| peak MiB | memory ratio | in kernels |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| semiring | median ms | paired native ms | time ratio | backward alone ratio "
+            "| first call ms | peak MiB | memory ratio | in kernels |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for mode in modes:
             r = results[case][mode]
             paired = r.get("native_median_s", native["median_s"])
             lines.append(
                 f"| {mode} | {r['median_s'] * 1e3:.1f} | {paired * 1e3:.1f} | "
-                f"{r['median_s'] / paired:.2f}× | {r['first_s'] * 1e3:.0f} | "
+                f"{r['median_s'] / paired:.2f}× | "
+                + (f"{r['backward_ratio']:.2f}× | " if "backward_ratio" in r else "– | ")
+                + f"{r['first_s'] * 1e3:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.1f} | "
                 f"{r['peak_bytes'] / max(native['peak_bytes'], 1):.2f}× | "
                 + (f"{r['kernel_share']:.0%} |" if "kernel_share" in r else "– |")
