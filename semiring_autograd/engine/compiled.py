@@ -31,7 +31,6 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -47,13 +46,7 @@ MAX_VARIANTS = 4
 MAX_SIGNATURES = 64
 
 
-@dataclass
-class _Captured:
-    programs: list[Program] = field(default_factory=list)
-    refused: str | None = None
-
-
-_CACHE: OrderedDict[Key, _Captured] = OrderedDict()
+_CACHE: OrderedDict[Key, "Captured"] = OrderedDict()
 #: guards the cache and the program lists (sa.grad may run in several threads)
 _LOCK = threading.Lock()
 _COUNTS = {"captures": 0, "replays": 0, "eager": 0}
@@ -63,21 +56,16 @@ _new_in_a_row = 0
 _WARNED: set[str] = set()
 
 
-def _warn(reason: str) -> None:
-    if reason in _WARNED:
-        return
-    _WARNED.add(reason)
-    warnings.warn(
-        f"sa.grad(compile=True): running the eager backward ({reason})",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-
-
 def refuse(reason: str) -> None:
-    """Warn (once per reason) that a compile=True call runs eagerly, and why."""
+    """Count a compile=True call that runs eagerly, and warn why (once per reason)."""
     _COUNTS["eager"] += 1
-    _warn(reason)
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(
+            f"sa.grad(compile=True): running the eager backward ({reason})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def clear() -> None:
@@ -101,12 +89,14 @@ def stats() -> dict[str, int]:
     }
 
 
-class Programs:
+class Captured:
     """The programs of one signature: replayed when their guards hold, the first replay of
-    each checked against eager; a new variant captured when none holds."""
+    each checked against eager; a new variant captured when none holds; or, once refused,
+    the reason it runs eagerly."""
 
-    def __init__(self, captured: _Captured) -> None:
-        self.captured = captured
+    def __init__(self) -> None:
+        self.programs: list[Program] = []
+        self.refused: str | None = None
 
     def call(
         self,
@@ -115,11 +105,10 @@ class Programs:
         retain_graph: bool,
         parameters: frozenset[int] = frozenset(),
     ) -> Sequence[Any]:
-        captured = self.captured
-        if captured.refused is not None:
+        if self.refused is not None:
             _COUNTS["eager"] += 1
             return eager(retain_graph)
-        for program in list(captured.programs):
+        for program in list(self.programs):
             try:
                 # as the engine runs a backward; no torch function modes (a patch) see it
                 with torch.no_grad(), torch._C.DisableTorchFunction():
@@ -136,11 +125,11 @@ class Programs:
                 _COUNTS["replays"] += 1
             else:
                 with _LOCK:
-                    captured.programs.clear()
-                    captured.refused = "its captured program disagreed with the eager run"
-                refuse(captured.refused)
+                    self.programs.clear()
+                    self.refused = "its captured program disagreed with the eager run"
+                refuse(self.refused)
             return expected
-        if len(captured.programs) >= MAX_VARIANTS:
+        if len(self.programs) >= MAX_VARIANTS:
             refuse(
                 f"the data read in the computation took more than {MAX_VARIANTS} branches for "
                 "one signature"
@@ -153,16 +142,16 @@ class Programs:
             layout = [_result_refs(recorder, r) for r in results]
             program = Program(recorder, layout, len(slots))
         except Uncapturable as exc:
-            captured.refused = str(exc)
-            refuse(captured.refused)
+            self.refused = str(exc)
+            refuse(self.refused)
             return eager(retain_graph)
         with _LOCK:
-            captured.programs.append(program)
+            self.programs.append(program)
         _COUNTS["captures"] += 1
         return results
 
 
-def programs_for(key: Key) -> Programs | None:
+def programs_for(key: Key) -> Captured | None:
     """The programs of ``key`` (new when unseen), or None when new signatures are no longer
     captured (``NEW_SIGNATURE_LIMIT`` new ones in a row)."""
     global _new_in_a_row
@@ -170,7 +159,7 @@ def programs_for(key: Key) -> Programs | None:
         captured = _CACHE.get(key)
         if captured is None and _new_in_a_row < NEW_SIGNATURE_LIMIT:
             _new_in_a_row += 1
-            captured = _CACHE[key] = _Captured()
+            captured = _CACHE[key] = Captured()
             while len(_CACHE) > MAX_SIGNATURES:
                 _CACHE.popitem(last=False)
         elif captured is not None:
@@ -182,7 +171,7 @@ def programs_for(key: Key) -> Programs | None:
             "that change every call?): new signatures are not captured"
         )
         return None
-    return Programs(captured)
+    return captured
 
 
 def run(

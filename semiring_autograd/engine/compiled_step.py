@@ -65,10 +65,10 @@ class CompiledStep:
         return final[0] if len(ins) == 1 else final
 
     def _run(self, ins: list[Tensor], kwargs: dict, eager: Callable[[bool], tuple]) -> Any:
-        sig = Signature()
+        sig = Signature()  # its slots: the inputs, then the tensors among kwargs
         try:
-            extra = sig.describe(kwargs)
             inputs = tuple(sig.tensor(x) for x in ins)
+            extra = sig.describe(kwargs)
             held = [*self.model.parameters(), *self.model.buffers()]
             model = tuple((id(t), t.shape, t.dtype, t.device) for t in held)
         except Uncapturable as exc:
@@ -79,9 +79,7 @@ class CompiledStep:
         if programs is None:
             return eager(False)
         parameters = frozenset(id(t) for t in held)
-        # the slots: the inputs, then the tensors among the keyword arguments
-        slots = [*ins, *sig.slots[: len(sig.slots) - len(ins)]]
-        return programs.call(slots, eager, False, parameters)
+        return programs.call(sig.slots, eager, False, parameters)
 
 
 def compiled_step(

@@ -139,10 +139,12 @@ def grad(
                 outs, ins, grad_outputs, retain_graph=retain, allow_unused=True
             )
 
+    capture = compile and not records_torch_graph(semiring)
+    if capture and traced:
+        compiled.refuse("sa.trace reports each node as it runs")
+        capture = False
     try:
-        if compile and traced:
-            compiled.refuse("sa.trace reports each node as it runs")
-        if compile and not traced and not records_torch_graph(semiring):
+        if capture:
             results = compiled.run(outs, ins, grad_outputs, backward, retain_graph)
         else:
             results = backward(retain_graph)

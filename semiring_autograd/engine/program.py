@@ -179,10 +179,8 @@ class Recorder(TorchDispatchMode):
         return self.slot_of.get(r.index) if isinstance(r, _Ref) else None
 
     def _refuse_slot_writes(self, func, args, kwargs) -> None:
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            written = args[i] if i < len(args) else kwargs.get(arg.name)
+        for i, name in _written(func):
+            written = args[i] if i < len(args) else kwargs.get(name)
             for t in tree_flatten(written)[0]:
                 if self._slot_under(t) is not None:
                     raise Uncapturable(f"{func} writes into a tensor the graph saved")
@@ -219,9 +217,13 @@ def _refs(tree: Any) -> list[int]:
     return [r.index for r in tree_flatten(tree)[0] if isinstance(r, _Ref)]
 
 
-def _writes(step: _Step) -> bool:
-    return any(
-        a.alias_info is not None and a.alias_info.is_write for a in step.func._schema.arguments
+@functools.cache
+def _written(func) -> tuple[tuple[int, str], ...]:
+    """The position and name of each argument ``func`` writes into."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
     )
 
 
@@ -233,7 +235,7 @@ def _live_steps(steps: list[_Step], results: list) -> list[_Step]:
     for step in reversed(steps):
         outputs = [o.index for o in step.outputs if isinstance(o, _Ref)]
         guarded = step.shapes is not None or any(isinstance(o, tuple) for o in step.outputs)
-        if guarded or _writes(step) or any(o in used for o in outputs):
+        if guarded or _written(step.func) or any(o in used for o in outputs):
             kept.append(step)
             used.update(_refs((step.args, step.kwargs)))
     kept.reverse()
@@ -378,8 +380,9 @@ class Program:
 
     def __init__(self, recorder: Recorder, results: list, slot_count: int) -> None:
         self.results = results  # per input: None, ("plain", ref) or ("message", refs, meta)
-        self.source, namespace = _Codegen(recorder, slot_count).generate(results)
-        self.steps = len(recorder.steps)
+        steps = _live_steps(_fold_views(recorder.steps, results), results)
+        self.steps = len(steps)
+        self.source, namespace = _Codegen(recorder.constants, slot_count).generate(steps, results)
         code = compile(self.source, "<semiring_autograd captured backward>", "exec")
         exec(code, namespace)  # noqa: S102 -- the code is generated above from the record
         self.run: Callable = namespace["program"]
@@ -387,22 +390,21 @@ class Program:
 
 
 class _Codegen:
-    def __init__(self, recorder: Recorder, slot_count: int) -> None:
-        self.recorder = recorder
+    def __init__(self, constants: list[Tensor], slot_count: int) -> None:
         self.slot_count = slot_count
         # constants are globals of the program, k<index> (a global read is cheaper than an
-        # index into a list)
-        self.constants: list[Any] = []
+        # index into a list); the recorder's come first, as Constant(index) names them
         self.namespace: dict[str, Any] = {"GuardFailure": GuardFailure, "_same": _same}
-        for t in recorder.constants:
+        self.constant_count = 0
+        for t in constants:
             self.constant(t)
         self.funcs: dict[Any, str] = {}
         self.last_use: dict[int, int] = {}
         self.line = 0
 
     def constant(self, value: Any) -> str:
-        name = f"k{len(self.constants)}"
-        self.constants.append(value)
+        name = f"k{self.constant_count}"
+        self.constant_count += 1
         self.namespace[name] = value
         return name
 
@@ -457,10 +459,9 @@ class _Codegen:
             head = targets[0]
         return [f"{head} = {call}", *checks]
 
-    def generate(self, results: list) -> tuple[str, dict]:
-        self.recorder.steps = _live_steps(_fold_views(self.recorder.steps, results), results)
+    def generate(self, steps: list[_Step], results: list) -> tuple[str, dict]:
         bodies = []
-        for self.line, step in enumerate(self.recorder.steps):
+        for self.line, step in enumerate(steps):
             bodies.append(self.step(step))
         self.line = len(bodies)
         returned = []
@@ -472,7 +473,7 @@ class _Codegen:
             else:
                 returned.append("(" + "".join(self.expr(r) + ", " for r in result[1]) + ")")
         frees: dict[int, list[int]] = {}
-        for line, step in enumerate(self.recorder.steps):  # values never read: freed at once
+        for line, step in enumerate(steps):  # values never read: freed at once
             for out in step.outputs:
                 if isinstance(out, _Ref) and out.index not in self.last_use:
                     self.last_use[out.index] = line

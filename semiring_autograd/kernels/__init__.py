@@ -49,7 +49,8 @@ def _cpu_ready(*tensors: Tensor) -> bool:
     return available()
 
 
-def _matmul_ready(*tensors: Tensor) -> bool:
+def _nonempty_ready(*tensors: Tensor) -> bool:
+    """``_cpu_ready``, and no operand empty (the matmul and elementwise kernels)."""
     return all(t.numel() for t in tensors) and _cpu_ready(*tensors)
 
 
@@ -61,7 +62,7 @@ def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> T
     skipped (branch and bound; the result is the same to the bit)."""
     if a.device.type == "cuda" and enabled():
         return _cuda_call("max_times", a, b, init, abs_b)
-    if not _matmul_ready(a, b):
+    if not _nonempty_ready(a, b):
         return None
     return op("max_times")(a, b, init, abs_b)
 
@@ -75,7 +76,7 @@ def signed_times(
     if a_hi.device.type == "cuda" and enabled():
         return _cuda_call("signed_times", a_hi, a_lo, b_hi, b_lo)
     parts = (a_hi, a_lo, b_hi) if b_lo is None else (a_hi, a_lo, b_hi, b_lo)
-    if not _matmul_ready(*parts):
+    if not _nonempty_ready(*parts):
         return None
     return op("signed_times")(a_hi, a_lo, b_hi, b_lo)
 
@@ -92,21 +93,16 @@ def pair_lift_matmul(
     pass either end's accumulators are skipped (branch and bound, exact)."""
     if w.device.type == "cuda" and enabled():
         return _cuda_call("lift_times", a_hi, a_lo, w, zero_empty)
-    if not _matmul_ready(w, a_hi, a_lo):
+    if not _nonempty_ready(w, a_hi, a_lo):
         return None
     return op("lift_times")(a_hi, a_lo, w, zero_empty)
-
-
-def _broadcast(inputs: tuple[Tensor, ...]) -> bool:
-    """Whether the elementwise kernels take ``inputs``: CPU kernels ready and no empty input."""
-    return _cpu_ready(*inputs) and all(t.numel() for t in inputs)
 
 
 def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
     """The signed pair a times lift(w) elementwise (broadcasting), in one pass on the CPU:
     w > 0 keeps (a_hi, a_lo), w < 0 swaps them, each times w; w = 0 gives the empty
     (-inf, +inf), and an empty a stays empty. None off the CPU or without the kernels."""
-    if not _broadcast((a_hi, a_lo, w)):
+    if not _nonempty_ready(a_hi, a_lo, w):
         return None
     return op("signed_mul_lift")(a_hi, a_lo, w)
 
@@ -118,7 +114,7 @@ def entropy_mul_lift(la: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor] 
     scalar, a row or a column broadcast over it) takes torch.log of w alone and two
     broadcasting torch ops instead: no w-sized copy of the value's size, no log per entry.
     None off the CPU or without the kernels."""
-    if not _broadcast((la, r, w)):
+    if not _nonempty_ready(la, r, w):
         return None
     if la.shape == r.shape and w.numel() < la.numel() and la.dim() >= w.dim():
         log_w = torch.log(w.abs())
@@ -133,7 +129,7 @@ def entropy_add(la: Tensor, ra: Tensor, lb: Tensor, rb: Tensor) -> tuple[Tensor,
     """The Entropy ⊕ of (la, ra) and (lb, rb) elementwise (broadcasting), in one pass on the
     CPU: (logaddexp(la, lb), the Z-weighted mean of ra and rb), (-inf, 0) where both are
     -inf. None off the CPU or without the kernels."""
-    if not _broadcast((la, ra, lb, rb)):
+    if not _nonempty_ready(la, ra, lb, rb):
         return None
     return op("entropy_add")(la, ra, lb, rb)
 
