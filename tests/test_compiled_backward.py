@@ -481,3 +481,50 @@ def test_random_operators_run_eagerly_with_a_warning():
     assert first.shape == second.shape == (4, 6)
     stats = sa.compiled_stats()
     assert stats["captures"] == 0 and stats["eager"] == 2, stats
+
+
+def test_compiled_step_of_a_model_without_parameters():
+    """A model with no parameters or buffers is still a forward to record (its operators'
+    results require grad), not a backward recording a graph."""
+    model = _Square()
+    step = sa.compiled_step(model, sa.MaxProduct(), lambda m, x: m(x))
+    for scale in (0.5, 2.0, 3.0):
+        x = (torch.linspace(0.1, 0.9, 8) * scale).requires_grad_(True)
+        with sa.patch(model, sa.MaxProduct()):
+            y = model(x)
+        _assert_identical(step(x), sa.grad(y, x))
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 1 and stats["replays"] == 2 and stats["eager"] == 0, stats
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.inner(t)), x, use_reentrant=False
+        )
+        return self.outer(hidden).sum()
+
+
+def test_checkpointed_region_runs_eagerly_with_a_warning():
+    """A checkpointed region recomputes its forward in the backward, reading the model's
+    parameters from outside the recorded backward: not captured, one warning, eager
+    results."""
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    semiring = sa.Log()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for scale in (1.0, 2.0):
+            x = (torch.rand(4, 5) * scale).requires_grad_(True)
+            with sa.patch(model, semiring):
+                y = model(x)
+            expected = sa.grad(y, x, retain_graph=True)
+            _assert_identical(sa.grad(y, x, compile=True), expected)
+    messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    assert len(messages) == 1 and "checkpointed region" in messages[0]
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 0 and stats["eager"] == 2, stats

@@ -20,8 +20,9 @@ with the recorded value or shape; on a mismatch the call runs eagerly and is cap
 as a variant of the signature (at most ``MAX_VARIANTS``). The first replay of a program is
 checked against the eager backward of the same call (every result bit-identical, NaN where
 NaN); a program that disagrees is dropped and the signature runs eagerly from then on, with
-one warning. A backward that mutates a saved tensor, records a graph of its own
-(checkpoint recomputation), draws random numbers, holds state the signature cannot
+one warning. A backward that mutates a saved tensor, reads a tensor requiring grad from
+outside it (a checkpointed region recomputed reads the model's parameters), draws random
+numbers, holds state the signature cannot
 describe, or runs with hooks that must see messages (``trace``) is not captured: eager,
 with one warning saying why.
 """

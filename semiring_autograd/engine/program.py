@@ -83,10 +83,8 @@ class Recorder(TorchDispatchMode):
     def __init__(self, slots: list[Tensor], parameters: frozenset[int] = frozenset()) -> None:
         super().__init__()
         #: ids of tensors the program may read as constants although they require grad (a
-        #: compiled step's model parameters); a step records the forward too, whose
-        #: operators' results require grad
+        #: compiled step's model parameters)
         self.parameters = parameters
-        self.forward = bool(parameters)
         self.steps: list[_Step] = []
         self.constants: list[Tensor] = []
         self.count = len(slots)
@@ -115,7 +113,8 @@ class Recorder(TorchDispatchMode):
         if t.requires_grad and id(t) not in self.parameters:
             raise Uncapturable(
                 "the computation reads a tensor that requires grad from outside it (neither "
-                "an input nor a parameter of the model)"
+                "an input nor a parameter of the model: a checkpointed region recomputed in "
+                "the backward reads the model's parameters)"
             )
         self.constants.append(t)
         return Constant(len(self.constants) - 1)
@@ -139,11 +138,6 @@ class Recorder(TorchDispatchMode):
         outputs: list = []
         for t in flat:
             if isinstance(t, Tensor):
-                if t.requires_grad and not self.forward:
-                    raise Uncapturable(
-                        f"{func} inside the backward records a graph (a checkpointed region "
-                        "recomputed)"
-                    )
                 self._bind(t, self.count)
                 if view_of is not None:
                     self.slot_of[self.count] = view_of
