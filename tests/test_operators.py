@@ -45,11 +45,11 @@ def _samples(dtype):
         "entropy_reduce_rows": [(rows, rows.abs())],
         "log_space_rows": [(rows, None, torch.empty_like(rows)), (rows, rows, rows.repeat(1, 2))],
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
-        "any_nan_sum": [([la, r],), ([la, r.masked_fill(r > 0.5, NAN)],)],
-        "all_finite_sum": [([la, r],), ([la.masked_fill(la > 1, INF), r],)],
-        "gemm_exact": [
-            (r.exp(), torch.ones(3, 1, dtype=torch.bool), 1e-30, True),
-            (r.exp(), torch.tensor([[True], [False], [True]]), 2.0, False),
+        "any_nan": [([la, r],), ([la, r.masked_fill(r > 0.5, NAN)],)],
+        "all_finite": [([la, r],), ([la.masked_fill(la > 1, INF), r],)],
+        "log_gemm_finish_": [
+            (r.exp(), la.clone(), la[:, :1], None, torch.ones(3, 1, dtype=torch.bool), 1e-30, True),
+            (r.exp(), None, la[:, :1], la[:1], torch.tensor([[True], [False], [True]]), 2.0, False),
         ],
     }
 
@@ -67,26 +67,72 @@ def test_every_operator_has_a_sample():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_tests_equal_their_formulas(dtype):
-    """The fused-path tests against the torch formulas they stand for, on NaN, infinities,
-    empty rows and a live mask."""
-    from semiring_autograd.semirings.log_space import gemm_exact_formula
-
+    """The fused-path tests against the torch formulas they stand for, on NaN, infinities of
+    one and both signs, strided tensors and integers."""
     gen = torch.Generator().manual_seed(5)
     a, b = torch.randn(4, 7, generator=gen, dtype=dtype), torch.randn(3, generator=gen)
     cases = [(a, b), (a.masked_fill(a > 1, NAN), b), (a.masked_fill(a > 1, INF), b)]
-    cases += [(a.masked_fill(a > 1, INF), -b.abs() * INF)]
+    cases += [(a.masked_fill(a > 1, INF), -b.abs() * INF), (b, a.masked_fill(a > 1, INF))]
+    cases += [(a.masked_fill(a > 1, INF).masked_fill(a < -1, -INF), b)]
+    cases += [(a.masked_fill(a > 1, NAN).t(), torch.arange(3))]
+    cases += [(a[:, 1::2].masked_fill(a[:, 1::2] > 1, NAN), b[None].expand(5, 3))]
+    cases += [(a[:, 1::2], b.masked_fill(b > 0, INF)[None].expand(5, 3), torch.ones(2) > 0)]
+    cases += [(a.half().masked_fill(a > 1, INF), b.to(torch.bfloat16))]
     for tensors in cases:
-        assert kernels.any_nan_sum(tensors) == any(bool(torch.isnan(t.sum())) for t in tensors)
-        total = sum(t.sum() for t in tensors)
-        assert kernels.all_finite_sum(tensors) == (not bool(torch.isnan(total - total)))
-    z = torch.rand(2, 5, 6, generator=gen, dtype=dtype)
-    z[0, 1, 2] = 1e-300 if dtype == torch.float64 else 1e-38
-    z[1, 3, 0] = INF
-    for live_rows in (torch.ones(2, 5, 1, dtype=torch.bool), z[..., :1] > 0.5):
-        for tiny in (1e-40, 0.5):
+        nan = [bool(t.isnan().any() | (t.isposinf().any() & t.isneginf().any())) for t in tensors]
+        assert kernels.any_nan(tensors) == any(nan)
+        assert kernels.all_finite(tensors) == all(bool(t.isfinite().all()) for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_log_gemm_finish_equals_its_formula(dtype):
+    """log_gemm_finish_ decides exactness as gemm_exact_formula does (underflow, NaN and
+    infinities in live and dead rows) and, where exact, writes what the torch formulas give,
+    bit for bit; where not, writes nothing."""
+    from semiring_autograd.semirings.log_space import gemm_exact_formula
+
+    gen = torch.Generator().manual_seed(5)
+    z = torch.rand(2, 5, 6, generator=gen, dtype=dtype) + 0.25
+    num = torch.randn(2, 5, 6, generator=gen, dtype=dtype)
+    shift, shift_b = torch.randn(2, 5, 1, dtype=dtype), torch.randn(2, 1, 6, dtype=dtype)
+    tiny = torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+    small = 1e-300 if dtype == torch.float64 else 1e-38
+    variants = {"plain": z, "zeros": z.masked_fill(z < 0.4, 0.0)}
+    for where in ((0, 1, 2), (1, 4, 5)):
+        for name, value in (("small", small), ("inf", INF), ("nan", NAN)):
+            bent = z.clone()
+            bent[where] = value
+            variants[f"{name}{where}"] = bent
+    lives = {"all": torch.ones(2, 5, 1, dtype=torch.bool)}
+    lives["some"] = torch.tensor([True, False, True, True, False] * 2).reshape(2, 5, 1)
+    decided = set()
+    for name, zz in variants.items():
+        for live_name, live in lives.items():
             for may_overflow in (False, True):
-                expected = gemm_exact_formula(z, live_rows, tiny, may_overflow)
-                assert kernels.gemm_exact(z, live_rows, tiny, may_overflow) == expected
+                for with_num, with_b in ((True, True), (False, False)):
+                    expected = gemm_exact_formula(zz, live, tiny, may_overflow)
+                    decided.add(expected)
+                    got_z, got_num = zz.clone(), num.clone() if with_num else None
+                    done = kernels.log_gemm_finish(
+                        got_z,
+                        got_num,
+                        shift,
+                        shift_b if with_b else None,
+                        live,
+                        tiny,
+                        may_overflow,
+                    )
+                    assert done == expected, (name, live_name, may_overflow)
+                    if not done:
+                        assert torch.equal(got_z.nan_to_num(), zz.nan_to_num())
+                        assert not with_num or torch.equal(got_num, num)
+                        continue
+                    want = zz.log() + shift + (shift_b if with_b else 0)
+                    torch.testing.assert_close(got_z, want, rtol=0, atol=0, equal_nan=True)
+                    if with_num:
+                        ratio = torch.where(zz > 0, num / zz, 0.0)
+                        torch.testing.assert_close(got_num, ratio, rtol=0, atol=0, equal_nan=True)
+    assert decided == {True, False}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

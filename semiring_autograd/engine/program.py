@@ -93,6 +93,8 @@ class Recorder(TorchDispatchMode):
         #: a value's view (storage, offset, shape, strides, dtype), for another tensor
         #: object of the same view (autograd's wrapper of a Function's view output)
         self.by_view: dict[tuple, tuple[weakref.ref, int]] = {}
+        #: values that several tensor objects stand for (identity views)
+        self.aliased: set[int] = set()
         for i, t in enumerate(slots):
             self._bind(t, i)
             self.slot_of[i] = i
@@ -131,7 +133,12 @@ class Recorder(TorchDispatchMode):
             )
         template = self._template(args), self._template(kwargs)
         self._refuse_slot_writes(func, args, kwargs)
+        source = template[0][0] if template[0] else None
+        if torch.Tag.inplace_view in func.tags and getattr(source, "index", None) in self.aliased:
+            raise Uncapturable(f"{func} changes the shape of a tensor in place")
         result = func(*args, **kwargs)
+        if self._identity_view(func, args, template[0], result):
+            return result
         sequence = isinstance(result, (tuple, list))
         flat = list(result) if sequence else [result]
         view_of = self._view_of(func, args)
@@ -156,6 +163,19 @@ class Recorder(TorchDispatchMode):
             step.view = (tuple(result.shape), result.stride(), result.storage_offset())
         self.steps.append(step)
         return result
+
+    def _identity_view(self, func, args: tuple, template: tuple, result: Any) -> bool:
+        """A view operator whose result is its input's view (same storage, offset, shape,
+        strides and dtype) records nothing: the result stands for the input's value (the
+        input's layout is the same in every replay, as ``_fold_views`` states)."""
+        if func not in _views() or not isinstance(result, Tensor):
+            return False
+        source = template[0] if template else None
+        if not isinstance(source, _Ref) or _view_key(result) != _view_key(args[0]):
+            return False
+        self._bind(result, source.index)
+        self.aliased.add(source.index)
+        return True
 
     def _template(self, tree: Any) -> Any:
         if isinstance(tree, Tensor):

@@ -212,29 +212,47 @@ def entropy_weights(w: Tensor, out: Tensor) -> bool:
     return True
 
 
-def any_nan_sum(tensors: tuple[Tensor, ...]) -> bool | None:
-    """Whether some tensor's sum is NaN, in one operator call on the CPU; None off the CPU
-    or without the kernels."""
-    if not tensors or not _tests_ready(tensors):
-        return None
-    return bool(op("any_nan_sum")(list(tensors)))
-
-
-def all_finite_sum(tensors: tuple[Tensor, ...]) -> bool | None:
-    """Whether the total of every entry of ``tensors`` is finite, in one operator call on the
+def any_nan(tensors: tuple[Tensor, ...]) -> bool | None:
+    """Whether some tensor holds a NaN, or both +inf and -inf, in one operator call on the
     CPU; None off the CPU or without the kernels."""
     if not tensors or not _tests_ready(tensors):
         return None
-    return bool(op("all_finite_sum")(list(tensors)))
+    return bool(op("any_nan")(list(tensors)))
 
 
-def gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool | None:
-    """Whether no sum of a live row of ``z`` is below ``tiny`` (nor infinite, given
-    ``may_overflow``), in one operator call on the CPU; None off the CPU or without the
-    kernels."""
-    if not _tests_ready((z, live)):
+def all_finite(tensors: tuple[Tensor, ...]) -> bool | None:
+    """Whether every entry of ``tensors`` is finite, in one operator call on the CPU; None
+    off the CPU or without the kernels."""
+    if not tensors or not _tests_ready(tensors):
         return None
-    return bool(op("gemm_exact")(z, live, tiny, may_overflow))
+    return bool(op("all_finite")(list(tensors)))
+
+
+def log_gemm_finish(
+    z: Tensor,
+    num: Tensor | None,
+    shift: Tensor,
+    shift_b: Tensor | None,
+    live: Tensor,
+    tiny: float,
+    may_overflow: bool,
+) -> bool | None:
+    """A log-space GEMM's last steps in one operator call on the CPU: when no sum of a live
+    row of ``z`` (…, m, n) is below ``tiny`` (nor infinite, given ``may_overflow``; ``live``
+    (…, m, 1) bool), ``num`` becomes num / z (0 where z is 0) and ``z`` log z + ``shift``
+    (…, m, 1) (+ ``shift_b`` (…, 1, n)), in place, and True; otherwise nothing is written,
+    and False. None off the CPU, without the kernels, for an empty ``z``, or unless z, num
+    and live are contiguous."""
+    floats = [t for t in (z, num, shift, shift_b) if t is not None]
+    if z.numel() == 0 or live.shape != (*z.shape[:-1], 1) or live.dtype != torch.bool:
+        return None
+    if not (z.is_contiguous() and live.is_contiguous()):
+        return None
+    if num is not None and not num.is_contiguous():
+        return None
+    if live.device.type != "cpu" or not _cpu_ready(*floats):
+        return None
+    return bool(op("log_gemm_finish_")(z, num, shift, shift_b, live, tiny, may_overflow))
 
 
 def _tests_ready(tensors: tuple[Tensor, ...]) -> bool:
@@ -278,7 +296,7 @@ __all__ = [
     "entropy_reduce_rows",
     "log_space_rows",
     "entropy_weights",
-    "any_nan_sum",
-    "all_finite_sum",
-    "gemm_exact",
+    "any_nan",
+    "all_finite",
+    "log_gemm_finish",
 ]

@@ -10,8 +10,8 @@
 //   batches bt in [b0, b1), on `threads` OpenMP threads. lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add, zero_where_no_path and ratio_where_positive
-//   are elementwise;
-//   loo_log, log_space_rows and entropy_reduce_rows work along contiguous rows.
+//   are elementwise; nan_or_opposite_infs and all_finite scan entries;
+//   loo_log, log_space_rows, entropy_reduce_rows and gemm_exact work along contiguous rows.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
@@ -886,6 +886,56 @@ void ratio_where_positive(T* num, const T* den, int64_t count, int threads) {
         const T q = num[i] / den[i];
         num[i] = den[i] > T(0) ? q : T(0);
     }
+}
+
+// Scans that choose a path. Whether entries [0, count) hold a NaN, or both +inf and -inf
+// (whose sum is NaN): a value the NaN-as-no-edge kernels cannot take.
+template <typename T>
+bool nan_or_opposite_infs(const T* x, int64_t count, int threads) {
+    const T inf = std::numeric_limits<T>::infinity();
+    int nan = 0, pos = 0, neg = 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static) reduction(| : nan, pos, neg)
+    for (int64_t i = 0; i < count; ++i) {
+        nan |= x[i] != x[i];
+        pos |= x[i] == inf;
+        neg |= x[i] == -inf;
+    }
+    return nan || (pos && neg);
+}
+
+// Whether every entry of [0, count) is finite.
+template <typename T>
+bool all_finite(const T* x, int64_t count, int threads) {
+    const T largest = std::numeric_limits<T>::max();
+    int bad = 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static) reduction(| : bad)
+    for (int64_t i = 0; i < count; ++i) bad |= !(std::fabs(x[i]) <= largest);
+    return !bad;
+}
+
+// Whether the shifted sums z (rows of n) of a log-space GEMM can be trusted: in every live
+// row (live[row]; a row without terms has sums 0, rightly), none below tiny (where products
+// may have underflowed; NaN fails too) and, when may_overflow, none +inf.
+template <typename T>
+bool gemm_exact(const T* z, const bool* live, int64_t rows, int64_t n, T tiny,
+                bool may_overflow, int threads) {
+    const T inf = std::numeric_limits<T>::infinity();
+    int bad = 0;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static) reduction(| : bad)
+    for (int64_t row = 0; row < rows; ++row) {
+        if (!live[row]) continue;
+        const T* zr = z + row * n;
+        int row_bad = 0;
+#pragma omp simd reduction(| : row_bad)
+        for (int64_t j = 0; j < n; ++j) row_bad |= !(zr[j] >= tiny) | (may_overflow & (zr[j] == inf));
+        bad |= row_bad;
+    }
+    return !bad;
 }
 
 // The two GEMM operands of a lifted weight in the Entropy semiring, for entries [i0, i1) of

@@ -269,50 +269,102 @@ void entropy_weights_op(const at::Tensor& w_, at::Tensor out) {
     });
 }
 
-// Tests that choose a fused path, one operator each (a captured program replays one call
-// and one read where the torch formula takes three per tensor). They run torch's own
-// reductions, so their outcomes are those of the formulas in semirings/.
+// Tests that choose a fused path, one operator each: a captured program replays one call
+// and one read where torch formulas take three per tensor. A float32/float64 tensor is
+// scanned in memory order, once per distinct entry (a broadcast dim read at index 0; a
+// layout that does not fill its memory copied first); integer and bool tensors hold no NaN
+// or infinity; other dtypes go through the same tests as torch operators.
 
 at::Tensor flag(bool value) { return at::scalar_tensor(value, at::TensorOptions(at::kBool)); }
 
-// tensor_ops.has_nan: some tensor's sum is NaN
-at::Tensor any_nan_sum_op(at::TensorList tensors) {
-    for (const auto& t : tensors)
-        if (at::isnan(t.sum()).item<bool>()) return flag(true);
+bool scanned(const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
+}
+
+bool exact_type(const at::Tensor& t) {
+    return at::isIntegralType(t.scalar_type(), /*includeBool=*/true);
+}
+
+// t's distinct entries, filling their memory
+at::Tensor distinct_dense(const at::Tensor& t) {
+    auto u = t;
+    for (int64_t d = 0; d < u.dim(); ++d)
+        if (u.stride(d) == 0 && u.size(d) > 1) u = u.narrow(d, 0, 1);
+    return u.is_non_overlapping_and_dense() ? u : u.contiguous();
+}
+
+// tensor_ops.has_nan: some tensor holds a NaN, or both +inf and -inf
+at::Tensor any_nan_op(at::TensorList tensors) {
+    for (const auto& t : tensors) {
+        if (exact_type(t) || t.numel() == 0) continue;
+        bool found;
+        if (scanned(t)) {
+            const auto u = distinct_dense(t);
+            found = FLOATING(u.scalar_type(), [&] {
+                return nan_or_opposite_infs<T>(u.const_data_ptr<T>(), u.numel(),
+                                               entry_threads(u.numel()));
+            });
+        } else {
+            found = at::isnan(t).any().item<bool>() ||
+                    (at::isposinf(t).any().item<bool>() && at::isneginf(t).any().item<bool>());
+        }
+        if (found) return flag(true);
+    }
     return flag(false);
 }
 
-// tensor_ops.all_finite: the total of every entry is finite (total - total is not NaN)
-at::Tensor all_finite_sum_op(at::TensorList tensors) {
-    auto total = tensors[0].sum();
-    for (size_t i = 1; i < tensors.size(); ++i) total = total + tensors[i].sum();
-    return flag(!at::isnan(total - total).item<bool>());
+// tensor_ops.all_finite: every entry of every tensor is finite
+at::Tensor all_finite_op(at::TensorList tensors) {
+    for (const auto& t : tensors) {
+        if (exact_type(t) || t.numel() == 0) continue;
+        bool finite;
+        if (scanned(t)) {
+            const auto u = distinct_dense(t);
+            finite = FLOATING(u.scalar_type(), [&] {
+                return all_finite<T>(u.const_data_ptr<T>(), u.numel(), entry_threads(u.numel()));
+            });
+        } else {
+            finite = at::isfinite(t).all().item<bool>();
+        }
+        if (!finite) return flag(false);
+    }
+    return flag(true);
 }
 
-// log_space._gemm_exact: no sum of a live row below tiny and, when may_overflow, none
-// infinite (a NaN answers false)
-at::Tensor gemm_exact_op(const at::Tensor& z, const at::Tensor& live, double tiny,
-                         bool may_overflow) {
-    if (z.numel() == 0) return flag(true);
-    at::Tensor low, high;
-    if (live.all().item<bool>()) {
-        std::tie(low, high) = at::aminmax(z);
-    } else {
-        std::tie(low, high) = at::aminmax(z, -1, true);
-        low = low.masked_fill(live.logical_not(), INFINITY).min();
-        high = high.max();
+// log_space.LogSpaceGemm's last steps, when its shifted sums z (…, m, n) are exact
+// (gemm_exact, with live (…, m, 1)): num = num / z (0 where z is 0), z = log z + shift
+// (+ shift_b), in place, and true; otherwise nothing is written, and false.
+at::Tensor log_gemm_finish_op(at::Tensor z, const std::optional<at::Tensor>& num,
+                              const at::Tensor& shift, const std::optional<at::Tensor>& shift_b,
+                              const at::Tensor& live, double tiny, bool may_overflow) {
+    const int64_t n = z.size(-1), rows = n ? z.numel() / n : 0;
+    TORCH_CHECK(z.is_contiguous() && live.is_contiguous() && live.numel() == rows &&
+                    live.scalar_type() == at::kBool,
+                "log_gemm_finish_: z contiguous, live a contiguous bool flag per row of z");
+    TORCH_CHECK(!num || (num->is_contiguous() && num->sizes() == z.sizes()),
+                "log_gemm_finish_: num contiguous, of z's shape");
+    const bool exact = FLOATING(z.scalar_type(), [&] {
+        return gemm_exact<T>(z.const_data_ptr<T>(), live.const_data_ptr<bool>(), rows, n,
+                             T(tiny), may_overflow, entry_threads(z.numel()));
+    });
+    if (!exact) return flag(false);
+    if (num) {
+        FLOATING(z.scalar_type(), [&] {
+            ratio_where_positive<T>(num->data_ptr<T>(), z.const_data_ptr<T>(), z.numel(),
+                                    entry_threads(z.numel()));
+        });
     }
-    bool exact = low.ge(tiny).item<bool>();
-    if (exact && may_overflow) exact = !high.eq(INFINITY).item<bool>();
-    return flag(exact);
+    z.log_().add_(shift);
+    if (shift_b) z.add_(*shift_b);
+    return flag(true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
-    m.impl("any_nan_sum", &any_nan_sum_op);
-    m.impl("all_finite_sum", &all_finite_sum_op);
-    m.impl("gemm_exact", &gemm_exact_op);
+    m.impl("any_nan", &any_nan_op);
+    m.impl("all_finite", &all_finite_op);
+    m.impl("log_gemm_finish_", &log_gemm_finish_op);
     m.impl("max_times", &max_times_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);

@@ -20,16 +20,19 @@ loads it). Every operator works on float32 or float64 operands of one dtype.
 ``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
 ``log_space_rows``       the row shift, liveness and shifted exponentials of a log GEMM
 ``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
-``any_nan_sum``          some tensor's sum is NaN (0-d bool; CPU tensors of any dtype)
-``all_finite_sum``       the total of every entry is finite (0-d bool)
-``gemm_exact``           no sum of a live row of a log-space GEMM below ``tiny`` (nor
-                         infinite, given ``may_overflow``) (0-d bool)
+``any_nan``              some tensor holds a NaN, or both +inf and -inf (0-d bool; CPU
+                         tensors of any dtype)
+``all_finite``           every entry of every tensor is finite (0-d bool)
+``log_gemm_finish_``     a log-space GEMM's last steps, in place, when no sum of a live row
+                         is below ``tiny`` (nor infinite, given ``may_overflow``): num / z
+                         (0 at 0/0) and log z + shift (+ shift_b); whether it wrote (0-d
+                         bool)
 ======================== ==================================================================
 
 The row operators return a 0-d bool last: true when a row held NaN or +inf and was left
-uncomputed, so that the caller runs its torch formula instead. The tests (``any_nan_sum``,
-``all_finite_sum``, ``gemm_exact``) run torch's own reductions inside: one operator and one
-read where the Python formula takes several per tensor.
+uncomputed, so that the caller runs its torch formula instead. The tests (``any_nan``,
+``all_finite``, the exactness test of ``log_gemm_finish_``) scan the entries: one operator
+and one read where the Python formula takes several operators per tensor.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ SCHEMAS = {
     "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
     "log_space_rows": "(Tensor a, Tensor? r, Tensor(a!) out) -> (Tensor, Tensor)",
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
-    "any_nan_sum": "(Tensor[] tensors) -> Tensor",
-    "all_finite_sum": "(Tensor[] tensors) -> Tensor",
-    "gemm_exact": "(Tensor z, Tensor live, float tiny, bool may_overflow) -> Tensor",
+    "any_nan": "(Tensor[] tensors) -> Tensor",
+    "all_finite": "(Tensor[] tensors) -> Tensor",
+    "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
+    "Tensor live, float tiny, bool may_overflow) -> Tensor",
 }
 
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -148,18 +152,18 @@ def _(la, r):
     return la.new_empty(_row_shape(la)), la.new_empty(_row_shape(la)), _declined(la)
 
 
-@_fake("any_nan_sum")
+@_fake("any_nan")
 def _(tensors):
     return _declined(tensors[0])
 
 
-@_fake("all_finite_sum")
+@_fake("all_finite")
 def _(tensors):
     return _declined(tensors[0])
 
 
-@_fake("gemm_exact")
-def _(z, live, tiny, may_overflow):
+@_fake("log_gemm_finish_")
+def _(z, num, shift, shift_b, live, tiny, may_overflow):
     return _declined(z)
 
 

@@ -38,29 +38,48 @@ def log_live(a: Value, dim: int) -> Tensor:
     return a[0].amax(dim) != NEG_INF
 
 
-def _gemm_exact(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
-    """Whether every shifted GEMM sum in ``z`` (count, m, n) is trustworthy: none below
-    ``tiny`` (where the products may have underflowed) in the rows whose maximum is finite
-    (``live``, (count, m, 1): a row of -inf has no term and its sums are rightly 0) and, when
-    ``may_overflow``, none infinite. Reductions instead of elementwise masks, over the
-    whole tensor when every row is live (several times faster than per row); a NaN answers
-    False (then the caller checks element by element)."""
-    fused = kernels.gemm_exact(z, live, tiny, may_overflow)
-    if fused is not None:
-        return fused
-    return gemm_exact_formula(z, live, tiny, may_overflow)
-
-
 def gemm_exact_formula(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
-    """``_gemm_exact`` by torch operators (the fused test's definition)."""
+    """Whether every shifted GEMM sum in ``z`` (count, m, n) is trustworthy: in the rows
+    whose maximum is finite (``live``, (count, m, 1); a row of -inf has no term and its sums
+    are rightly 0), none below ``tiny`` (where the products may have underflowed; NaN fails
+    too) and, when ``may_overflow``, none infinite. Reductions instead of elementwise masks,
+    over the whole tensor when every row is live (several times faster than per row). The
+    operator ``log_gemm_finish_`` runs this test on the CPU."""
     if z.numel() == 0:
         return True
     if bool(live.all()):
         low, high = torch.aminmax(z)
     else:
         low, high = torch.aminmax(z, dim=-1, keepdim=True)
-        low, high = low.masked_fill(~live, POS_INF).min(), high.max()
+        low, high = low.masked_fill(~live, POS_INF).min(), high.masked_fill(~live, 0.0).max()
     return bool(low >= tiny) and not (may_overflow and bool(high == POS_INF))
+
+
+def _finish(
+    z: Tensor,
+    r: Tensor | None,
+    shift: Tensor,
+    shift_b: Tensor | None,
+    live: Tensor,
+    tiny: float,
+    may_overflow: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """From the shifted sums ``z`` and r's numerators: (log z + shift (+ shift_b), r / z (0
+    where z is 0), the entries to recompute exactly or None), in place."""
+    done = kernels.log_gemm_finish(z, r, shift, shift_b, live, tiny, may_overflow)
+    if done:
+        return z, r, None
+    bad = None
+    if done is False or not gemm_exact_formula(z, live, tiny, may_overflow):
+        bad = (z < tiny) & live
+        if may_overflow:  # |w| unshifted: the sum may overflow
+            bad |= torch.isinf(z)
+    if r is not None:  # 0 where no term (z = 0)
+        r = ratio_or_zero(r, z)
+    out = z.log_().add_(shift)
+    if shift_b is not None:
+        out.add_(shift_b)
+    return out, r, bad
 
 
 def _exact_terms(
@@ -148,16 +167,7 @@ class LogSpaceGemm:
         # r's numerators: Σ ea·eb·(ra + rb), then divided by z
         r = torch.bmm(stacked, b_lin) if with_r else None
         tiny = torch.finfo(z.dtype).tiny / torch.finfo(z.dtype).eps
-        bad = None
-        if not _gemm_exact(z, live, tiny, b3 is None):
-            bad = (z < tiny) & live
-            if b3 is None:
-                bad |= torch.isinf(z)  # |w| unshifted: the sum may overflow
-        if with_r:  # 0 where no term (z = 0)
-            r = ratio_or_zero(r, z)
-        out = z.log_().add_(ma)
-        if mb is not None:
-            out.add_(mb)
+        out, r, bad = _finish(z, r, ma, mb, live, tiny, b3 is None)
         if bad is not None and bad.any():
             if b3 is None:  # back to log space from the linear operands
                 eb = b_lin[:, :k]

@@ -21,39 +21,29 @@ POS_INF = float("inf")
 CHUNK_ELEMENTS = 1 << 22
 
 
-def _total(tensors: tuple[Tensor, ...]) -> Tensor:
-    """The sum of every entry of ``tensors`` (0-d): NaN where any entry is NaN or +inf and
-    -inf meet, ±inf where an infinity is summed (or the sum overflows)."""
-    total = tensors[0].sum()
-    for t in tensors[1:]:
-        total = total + t.sum()
-    return total
-
-
 def has_nan(*tensors: Tensor) -> bool:
-    """Whether any of ``tensors`` may hold a NaN: its sum is NaN (one reduction per tensor;
-    true also where +inf and -inf meet in one tensor, which only costs the eager path; the
-    tensors are not summed together, as the two ends of an empty signed pair are -inf and
-    +inf). The fused kernels read NaN as "no term", so a value with a real NaN takes the
-    eager path, where NaN propagates as in torch. The test runs in torch and only its
-    outcome is read, so a captured backward (``sa.grad(compile=True)``) guards on the
-    outcome, not on the sum."""
-    fused = kernels.any_nan_sum(tensors)
+    """Whether any of ``tensors`` holds a NaN, or both +inf and -inf (the two ends of an
+    empty signed pair meet only across tensors, so these are tested one tensor at a time).
+    The fused kernels read NaN as "no term", and a product of +inf and -inf entries with
+    0 is NaN, so such a value takes the eager path, where NaN propagates as in torch. The
+    test runs in one operator and only its outcome is read, so a captured backward
+    (``sa.grad(compile=True)``) guards on the outcome."""
+    fused = kernels.any_nan(tensors)
     if fused is not None:
         return fused
-    return any(bool(torch.isnan(t.sum())) for t in tensors)
+    return any(
+        bool(torch.isnan(t).any() | (torch.isposinf(t).any() & torch.isneginf(t).any()))
+        for t in tensors
+    )
 
 
 def all_finite(*tensors: Tensor) -> bool:
-    """Whether every entry of ``tensors`` is finite: their total is (total - total is 0,
-    not NaN; one reduction per tensor; a total of finite entries that overflows reads as
-    not finite, which only costs the eager path). Only the outcome is read, as in
+    """Whether every entry of ``tensors`` is finite. Only the outcome is read, as in
     ``has_nan``."""
-    fused = kernels.all_finite_sum(tensors)
+    fused = kernels.all_finite(tensors)
     if fused is not None:
         return fused
-    total = _total(tensors)
-    return not bool(torch.isnan(total - total))
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def filled(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
