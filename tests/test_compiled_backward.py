@@ -528,3 +528,37 @@ def test_checkpointed_region_runs_eagerly_with_a_warning():
     assert len(messages) == 1 and "checkpointed region" in messages[0]
     stats = sa.compiled_stats()
     assert stats["captures"] == 0 and stats["eager"] == 2, stats
+
+
+def test_identity_views_record_nothing():
+    """A view operator whose result is its input's view (same storage, offset, shape and
+    strides) is no step: its result stands for the input's value. Other views are steps."""
+    from semiring_autograd.engine.program import Program, Recorder
+
+    x = torch.randn(3, 4)
+    recorder = Recorder([x])
+    with recorder:
+        same = x.view(3, 4).expand(3, 4)[:, :]
+        flipped = same.t()
+        out = (same * 2 + flipped.t()).sum(dim=0)
+    program = Program(recorder, [("plain", recorder.ref(out))], 1)
+    kinds = [s.func for s in recorder.steps]
+    assert torch.ops.aten.view.default not in kinds and torch.ops.aten.expand.default not in kinds
+    assert torch.ops.aten.t.default in kinds
+    assert len(recorder.steps) == 5  # t, mul, t, add, sum
+    assert program.steps == 4  # the view of a view folded: one as_strided
+    y = torch.randn(3, 4)
+    (got,) = program.run([y])
+    _assert_identical(got, (y * 2 + y).sum(dim=0))
+
+
+def test_a_shape_changed_in_place_after_an_identity_view_is_refused():
+    """Two tensor objects stand for one value after an identity view; changing the shape of
+    one in place would change the other in a replay, so the capture is refused."""
+    from semiring_autograd.engine.program import Recorder
+    from semiring_autograd.engine.signature import Uncapturable
+
+    x = torch.randn(3, 4)
+    with pytest.raises(Uncapturable, match="changes the shape of a tensor in place"):
+        with Recorder([x]):
+            (x + 1).view(3, 4).t_()
