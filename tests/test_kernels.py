@@ -481,7 +481,9 @@ def test_entropy_weights_kernel_equals_formula(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-@pytest.mark.parametrize("shapes", [((4, 1000), (4, 1000)), ((3, 1, 5), (4, 1))], ids=str)
+@pytest.mark.parametrize(
+    "shapes", [((4, 1000), (4, 1000)), ((3, 1, 5), (4, 1)), ((4, 100), (100,))], ids=str
+)
 def test_entropy_mul_lift_kernel_equals_formula(dtype, shapes, monkeypatch):
     """Entropy's one-pass mul_lift against its torch formula (kernels off): log|w| within
     2 ulp, r = 0 where the new log Z is not finite, special weights, broadcasting."""

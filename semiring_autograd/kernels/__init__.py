@@ -112,16 +112,10 @@ def entropy_mul_lift(la: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor] 
     CPU: (la + log|w|, r - log|w|), with r = 0 where the new la is -inf (no path; a NaN
     in r stays). log|w| is within 2 ulp of torch.log's. A ``w`` smaller than the value (a
     scalar, a row or a column broadcast over it) takes torch.log of w alone and two
-    broadcasting torch ops instead: no w-sized copy of the value's size, no log per entry.
-    None off the CPU or without the kernels."""
+    broadcasting additions instead (inside the operator): no w-sized copy of the value's
+    size, no log per entry. None off the CPU or without the kernels."""
     if not _nonempty_ready(la, r, w):
         return None
-    if la.shape == r.shape and w.numel() < la.numel() and la.dim() >= w.dim():
-        log_w = torch.log(w.abs())
-        sum_, rest = torch.add(la, log_w), torch.sub(r, log_w)
-        if sum_.is_contiguous() and rest.is_contiguous():
-            op("zero_where_no_path_")(rest, sum_)
-            return sum_, rest
     return op("entropy_mul_lift")(la, r, w)
 
 

@@ -148,8 +148,29 @@ std::tuple<at::Tensor, at::Tensor> signed_mul_lift_op(const at::Tensor& a_hi,
     return {hi, lo};
 }
 
+// r = 0 where la is -inf (no path), in place
+void zero_where_no_path_in_place(at::Tensor& r, const at::Tensor& la) {
+    TORCH_CHECK(r.is_contiguous() && la.is_contiguous() && r.sizes() == la.sizes(),
+                "zero_where_no_path: r and la contiguous, of one shape");
+    FLOATING(r.scalar_type(), [&] {
+        zero_where_no_path<T>(r.data_ptr<T>(), la.data_ptr<T>(), r.numel(),
+                              entry_threads(r.numel()));
+    });
+}
+
+// A w smaller than the value (a scalar, a row or a column broadcast over it) takes log|w|
+// of w alone and two broadcasting additions: no w-sized copy of the value's size, no log
+// per entry.
 std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_op(const at::Tensor& la, const at::Tensor& r,
                                                        const at::Tensor& w) {
+    if (la.sizes() == r.sizes() && w.numel() < la.numel() && la.dim() >= w.dim()) {
+        const auto log_w = at::log(at::abs(w));
+        auto sum = at::add(la, log_w), rest = at::sub(r, log_w);
+        if (sum.is_contiguous() && rest.is_contiguous()) {
+            zero_where_no_path_in_place(rest, sum);
+            return {sum, rest};
+        }
+    }
     const auto in = broadcast_contiguous({la, r, w});
     auto la_out = at::empty_like(in[0]), r_out = at::empty_like(in[0]);
     FLOATING(la_out.scalar_type(), [&] {
@@ -170,15 +191,6 @@ std::tuple<at::Tensor, at::Tensor> entropy_add_op(const at::Tensor& la, const at
                        entry_threads(lo.numel()));
     });
     return {lo, ro};
-}
-
-void zero_where_no_path_op(at::Tensor r, const at::Tensor& la) {
-    TORCH_CHECK(r.is_contiguous() && la.is_contiguous() && r.sizes() == la.sizes(),
-                "zero_where_no_path_: r and la contiguous, of one shape");
-    FLOATING(r.scalar_type(), [&] {
-        zero_where_no_path<T>(r.data_ptr<T>(), la.data_ptr<T>(), r.numel(),
-                              entry_threads(r.numel()));
-    });
 }
 
 void ratio_where_positive_op(at::Tensor num, const at::Tensor& den) {
@@ -371,7 +383,6 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("signed_mul_lift", &signed_mul_lift_op);
     m.impl("entropy_mul_lift", &entropy_mul_lift_op);
     m.impl("entropy_add", &entropy_add_op);
-    m.impl("zero_where_no_path_", &zero_where_no_path_op);
     m.impl("ratio_where_positive_", &ratio_where_positive_op);
     m.impl("loo_log", &loo_log_op);
     m.impl("entropy_reduce_rows", &entropy_reduce_rows_op);

@@ -14,7 +14,6 @@ loads it). Every operator works on float32 or float64 operands of one dtype.
 ``signed_mul_lift``      the signed pair times lift(w), elementwise (broadcasting)
 ``entropy_mul_lift``     Entropy's (la, r) times lift(w), elementwise (broadcasting)
 ``entropy_add``          Entropy's ⊕, elementwise (broadcasting)
-``zero_where_no_path_``  r = 0 where la = -inf, in place
 ``ratio_where_positive_`` num / den where den > 0, else 0, in place
 ``loo_log``              leave-one-out log-sum-exp along the last dim (and Entropy's r)
 ``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
@@ -51,7 +50,6 @@ SCHEMAS = {
     "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
     "entropy_mul_lift": "(Tensor la, Tensor r, Tensor w) -> (Tensor, Tensor)",
     "entropy_add": "(Tensor la, Tensor ra, Tensor lb, Tensor rb) -> (Tensor, Tensor)",
-    "zero_where_no_path_": "(Tensor(a!) r, Tensor la) -> ()",
     "ratio_where_positive_": "(Tensor(a!) num, Tensor den) -> ()",
     "loo_log": "(Tensor x, Tensor? r) -> (Tensor, Tensor, Tensor)",
     "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
@@ -116,11 +114,6 @@ def _broadcast_pair(*inputs: Tensor) -> tuple[Tensor, Tensor]:
 _fake("signed_mul_lift")(_broadcast_pair)
 _fake("entropy_mul_lift")(_broadcast_pair)
 _fake("entropy_add")(_broadcast_pair)
-
-
-@_fake("zero_where_no_path_")
-def _(r, la):
-    return None
 
 
 @_fake("ratio_where_positive_")
