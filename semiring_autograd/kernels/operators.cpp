@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <array>
 #include <torch/library.h>
 
 #include "extreme_matmul.h"
@@ -126,26 +127,38 @@ std::tuple<at::Tensor, at::Tensor> lift_times_op(const at::Tensor& a_hi_, const 
     return {hi, lo};
 }
 
-// inputs broadcast together, contiguous, and the broadcast shape
+// inputs broadcast together (no broadcast when their shapes agree), contiguous
 std::vector<at::Tensor> broadcast_contiguous(std::vector<at::Tensor> inputs) {
-    auto expanded = at::broadcast_tensors(inputs);
+    bool same = true;
+    for (const auto& t : inputs) same = same && t.sizes() == inputs[0].sizes();
+    auto expanded = same ? std::move(inputs) : at::broadcast_tensors(inputs);
     for (auto& t : expanded) t = t.contiguous();
     return expanded;
 }
 
 int entry_threads(int64_t count) { return threads_for(count * ENTRY_COST); }
 
+// An elementwise kernel with two outputs over its inputs broadcast together: kernel(the
+// inputs' data, the outputs' data, the entry count, threads).
+template <typename Kernel>
+std::tuple<at::Tensor, at::Tensor> entries_to_pair(std::vector<at::Tensor> inputs,
+                                                   Kernel kernel) {
+    const auto in = broadcast_contiguous(std::move(inputs));
+    auto x = at::empty_like(in[0]), y = at::empty_like(in[0]);
+    FLOATING(x.scalar_type(), [&] {
+        std::array<const T*, 4> data{};
+        for (size_t i = 0; i < in.size(); ++i) data[i] = in[i].const_data_ptr<T>();
+        kernel(data, x.data_ptr<T>(), y.data_ptr<T>(), x.numel(), entry_threads(x.numel()));
+    });
+    return {x, y};
+}
+
 std::tuple<at::Tensor, at::Tensor> signed_mul_lift_op(const at::Tensor& a_hi,
                                                       const at::Tensor& a_lo,
                                                       const at::Tensor& w) {
-    const auto in = broadcast_contiguous({a_hi, a_lo, w});
-    auto hi = at::empty_like(in[0]), lo = at::empty_like(in[0]);
-    FLOATING(hi.scalar_type(), [&] {
-        signed_mul_lift<T>(in[0].data_ptr<T>(), in[1].data_ptr<T>(), in[2].data_ptr<T>(),
-                           hi.data_ptr<T>(), lo.data_ptr<T>(), hi.numel(),
-                           entry_threads(hi.numel()));
+    return entries_to_pair({a_hi, a_lo, w}, [](auto in, auto* hi, auto* lo, int64_t n, int t) {
+        signed_mul_lift(in[0], in[1], in[2], hi, lo, n, t);
     });
-    return {hi, lo};
 }
 
 // r = 0 where la is -inf (no path), in place
@@ -171,26 +184,16 @@ std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_op(const at::Tensor& la, con
             return {sum, rest};
         }
     }
-    const auto in = broadcast_contiguous({la, r, w});
-    auto la_out = at::empty_like(in[0]), r_out = at::empty_like(in[0]);
-    FLOATING(la_out.scalar_type(), [&] {
-        entropy_mul_lift<T>(in[0].data_ptr<T>(), in[1].data_ptr<T>(), in[2].data_ptr<T>(),
-                            la_out.data_ptr<T>(), r_out.data_ptr<T>(), la_out.numel(),
-                            entry_threads(la_out.numel()));
+    return entries_to_pair({la, r, w}, [](auto in, auto* l, auto* q, int64_t n, int t) {
+        entropy_mul_lift(in[0], in[1], in[2], l, q, n, t);
     });
-    return {la_out, r_out};
 }
 
 std::tuple<at::Tensor, at::Tensor> entropy_add_op(const at::Tensor& la, const at::Tensor& ra,
                                                   const at::Tensor& lb, const at::Tensor& rb) {
-    const auto in = broadcast_contiguous({la, ra, lb, rb});
-    auto lo = at::empty_like(in[0]), ro = at::empty_like(in[0]);
-    FLOATING(lo.scalar_type(), [&] {
-        entropy_add<T>(in[0].data_ptr<T>(), in[1].data_ptr<T>(), in[2].data_ptr<T>(),
-                       in[3].data_ptr<T>(), lo.data_ptr<T>(), ro.data_ptr<T>(), lo.numel(),
-                       entry_threads(lo.numel()));
+    return entries_to_pair({la, ra, lb, rb}, [](auto in, auto* l, auto* q, int64_t n, int t) {
+        entropy_add(in[0], in[1], in[2], in[3], l, q, n, t);
     });
-    return {lo, ro};
 }
 
 void ratio_where_positive_op(at::Tensor num, const at::Tensor& den) {
