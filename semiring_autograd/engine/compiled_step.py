@@ -69,7 +69,7 @@ class CompiledStep:
         try:
             inputs = tuple(sig.tensor(x) for x in ins)
             extra = sig.describe(kwargs)
-            held = [*self.model.parameters(), *self.model.buffers()]
+            held = _held_tensors(self.model)
             model = tuple((id(t), t.shape, t.dtype, t.device) for t in held)
         except Uncapturable as exc:
             compiled.refuse(str(exc))
@@ -80,6 +80,24 @@ class CompiledStep:
             return eager(False)
         parameters = frozenset(id(t) for t in held)
         return programs.call(sig.slots, eager, False, parameters)
+
+
+def _held_tensors(model: nn.Module) -> list[Tensor]:
+    """The parameters and buffers of ``model`` and its submodules, in a fixed order for a
+    fixed module tree (each module's own dicts read directly: ``model.parameters()``'s
+    generators and name prefixes cost several times more, on every call of a step)."""
+    held: list[Tensor] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        held += [t for t in module._parameters.values() if t is not None]
+        held += [t for t in module._buffers.values() if t is not None]
+        stack += [m for m in module._modules.values() if m is not None]
+    return held
 
 
 def compiled_step(
