@@ -46,6 +46,7 @@ def _samples(dtype):
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
         "any_nan": [([la, r],), ([la, r.masked_fill(r > 0.5, NAN)],)],
         "all_finite": [([la, r],), ([la.masked_fill(la > 1, INF), r],)],
+        "all_rows_live": [(rows, None, 0.0), (hi, lo, 0.0)],
         "log_gemm_finish_": [
             (r.exp(), la.clone(), la[:, :1], None, torch.ones(3, 1, dtype=torch.bool), 1e-30, True),
             (r.exp(), None, la[:, :1], la[:1], torch.tensor([[True], [False], [True]]), 2.0, False),
@@ -81,6 +82,41 @@ def test_tests_equal_their_formulas(dtype):
         nan = [bool(t.isnan().any() | (t.isposinf().any() & t.isneginf().any())) for t in tensors]
         assert kernels.any_nan(tensors) == any(nan)
         assert kernels.all_finite(tensors) == all(bool(t.isfinite().all()) for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_all_rows_live_equals_the_live_formulas(dtype):
+    """all_rows_live against the semirings' row tests it stands for (a maximum not equal to
+    the zero; a signed pair's hi - lo not below 0), with dead rows, NaN and infinities."""
+    from semiring_autograd.semirings.log_space import log_live
+    from semiring_autograd.semirings.max_product import _max_product_live
+    from semiring_autograd.semirings.signed_max_product import _signed_live
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 4, 5, generator=gen, dtype=dtype)
+    cases = []
+    for row in (None, (1, 2), (2, 0)):
+        for value in (None, NAN, INF):
+            bent = x.clone()
+            if row is not None:
+                bent[row] = -INF
+                if value is not None:
+                    bent[row][3] = value
+            cases.append(bent)
+    decided, decided_signed = set(), set()
+    for bent in cases:
+        expected = bool(log_live((bent,), -1).all())
+        decided.add(expected)
+        assert kernels.all_rows_live(bent, None, -INF) == expected
+        magnitude = bent.exp()
+        assert kernels.all_rows_live(magnitude, None, 0.0) == bool(
+            _max_product_live((magnitude,), -1).all()
+        )
+        lo = x - 1  # hi ≥ lo but where hi is -inf: an empty pair
+        signed = bool(_signed_live((bent, lo), -1).all())
+        decided_signed.add(signed)
+        assert kernels.all_rows_live(bent, lo, 0.0) == signed
+    assert decided == decided_signed == {True, False}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

@@ -222,6 +222,20 @@ def all_finite(tensors: tuple[Tensor, ...]) -> bool | None:
     return bool(op("all_finite")(list(tensors)))
 
 
+def all_rows_live(x: Tensor, y: Tensor | None, empty: float) -> bool | None:
+    """Whether every row (along the last dim) of ``x`` has a term: its maximum is not
+    ``empty``, or, given ``y`` (a signed pair's lo), the maximum of x - y is not below 0; a
+    NaN counts as a term. One scan on the CPU; None off the CPU, without the kernels, or
+    unless x (and y, of x's shape) are contiguous."""
+    if x.dim() == 0 or not x.is_contiguous():
+        return None
+    if y is not None and (y.shape != x.shape or not y.is_contiguous()):
+        return None
+    if not _cpu_ready(*((x,) if y is None else (x, y))):
+        return None
+    return bool(op("all_rows_live")(x, y, empty))
+
+
 def log_gemm_finish(
     z: Tensor,
     num: Tensor | None,
@@ -292,5 +306,6 @@ __all__ = [
     "entropy_weights",
     "any_nan",
     "all_finite",
+    "all_rows_live",
     "log_gemm_finish",
 ]

@@ -11,7 +11,8 @@
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add, zero_where_no_path and ratio_where_positive
 //   are elementwise; nan_or_opposite_infs and all_finite scan entries;
-//   loo_log, log_space_rows, entropy_reduce_rows and gemm_exact work along contiguous rows.
+//   loo_log, log_space_rows, entropy_reduce_rows, all_rows_live and gemm_exact work along
+//   contiguous rows.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
@@ -915,6 +916,33 @@ bool all_finite(const T* x, int64_t count, int threads) {
 #pragma omp for simd schedule(static) reduction(| : bad)
     for (int64_t i = 0; i < count; ++i) bad |= !(std::fabs(x[i]) <= largest);
     return !bad;
+}
+
+// Whether every row (n entries) of x has a term: its maximum is not `empty`, or, given y,
+// the maximum of x - y is not below 0 (a signed pair's hi ≥ lo); a NaN counts as a term,
+// as a NaN maximum does.
+template <typename T>
+bool all_rows_live(const T* x, const T* y, int64_t rows, int64_t n, T empty) {
+    for (int64_t row = 0; row < rows; ++row) {
+        const T* xr = x + row * n;
+        int live = 0;
+        if (y) {
+            const T* yr = y + row * n;
+#pragma omp simd reduction(| : live)
+            for (int64_t j = 0; j < n; ++j) live |= !(xr[j] - yr[j] < T(0));
+        } else {
+            int nan = 0;
+            T top = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(| : nan) reduction(max : top)
+            for (int64_t j = 0; j < n; ++j) {
+                nan |= xr[j] != xr[j];
+                top = std::max(top, xr[j]);
+            }
+            live = nan || top != empty;
+        }
+        if (!live) return false;
+    }
+    return true;
 }
 
 // Whether the shifted sums z (rows of n) of a log-space GEMM can be trusted: in every live

@@ -346,6 +346,19 @@ at::Tensor all_finite_op(at::TensorList tensors) {
     return flag(true);
 }
 
+// tensor_ops.on_live_rows: every row along the last dim of x has a term (x, y contiguous)
+at::Tensor all_rows_live_op(const at::Tensor& x, const std::optional<at::Tensor>& y,
+                            double empty) {
+    TORCH_CHECK(x.is_contiguous() && (!y || (y->is_contiguous() && y->sizes() == x.sizes())),
+                "all_rows_live: x (and y) contiguous, of one shape");
+    const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+    if (n == 0) return flag(rows == 0);
+    return flag(FLOATING(x.scalar_type(), [&] {
+        return all_rows_live<T>(x.const_data_ptr<T>(), y ? y->const_data_ptr<T>() : nullptr, rows,
+                                n, T(empty));
+    }));
+}
+
 // log_space.LogSpaceGemm's last steps, when its shifted sums z (…, m, n) are exact
 // (gemm_exact, with live (…, m, 1)): num = num / z (0 where z is 0), z = log z + shift
 // (+ shift_b), in place, and true; otherwise nothing is written, and false.
@@ -380,6 +393,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("any_nan", &any_nan_op);
     m.impl("all_finite", &all_finite_op);
     m.impl("log_gemm_finish_", &log_gemm_finish_op);
+    m.impl("all_rows_live", &all_rows_live_op);
     m.impl("max_times", &max_times_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);

@@ -22,6 +22,8 @@ loads it). Every operator works on float32 or float64 operands of one dtype.
 ``any_nan``              some tensor holds a NaN, or both +inf and -inf (0-d bool; CPU
                          tensors of any dtype)
 ``all_finite``           every entry of every tensor is finite (0-d bool)
+``all_rows_live``        every row (last dim) of x has a term: its maximum is not ``empty``
+                         (or, given y, the maximum of x - y is not below 0); NaN counts
 ``log_gemm_finish_``     a log-space GEMM's last steps, in place, when no sum of a live row
                          is below ``tiny`` (nor infinite, given ``may_overflow``): num / z
                          (0 at 0/0) and log z + shift (+ shift_b); whether it wrote (0-d
@@ -57,6 +59,7 @@ SCHEMAS = {
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
     "any_nan": "(Tensor[] tensors) -> Tensor",
     "all_finite": "(Tensor[] tensors) -> Tensor",
+    "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
     "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
     "Tensor live, float tiny, bool may_overflow) -> Tensor",
 }
@@ -153,6 +156,11 @@ def _(tensors):
 @_fake("all_finite")
 def _(tensors):
     return _declined(tensors[0])
+
+
+@_fake("all_rows_live")
+def _(x, y, empty):
+    return _declined(x)
 
 
 @_fake("log_gemm_finish_")

@@ -38,6 +38,12 @@ def log_live(a: Value, dim: int) -> Tensor:
     return a[0].amax(dim) != NEG_INF
 
 
+def log_all_live(a: Value) -> bool | None:
+    """Whether every row has a term (``log_live(a, -1).all()``) in one operator; None
+    without one."""
+    return kernels.all_rows_live(a[0], None, NEG_INF)
+
+
 def gemm_exact_formula(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:
     """Whether every shifted GEMM sum in ``z`` (count, m, n) is trustworthy: in the rows
     whose maximum is finite (``live``, (count, m, 1); a row of -inf has no term and its sums

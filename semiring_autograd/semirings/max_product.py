@@ -25,6 +25,11 @@ def _max_product_live(a: Value, dim: int) -> Tensor:
     return a[0].amax(dim) != 0
 
 
+def _max_product_all_live(a: Value) -> bool | None:
+    """``_max_product_live(a, -1).all()`` in one operator; None without one."""
+    return kernels.all_rows_live(a[0], None, 0.0)
+
+
 class MaxProduct(Semiring):
     """(max, ×) over |w|: the weight of the strongest path. Zero is 0, one is 1."""
 
@@ -69,7 +74,9 @@ class MaxProduct(Semiring):
         return (max_times(a[0], b[0]),)
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(a, _max_product_live, w, self._matmul_lift, (0.0,))
+        result = on_live_rows(
+            a, _max_product_live, w, self._matmul_lift, (0.0,), all_live=_max_product_all_live
+        )
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

@@ -27,6 +27,11 @@ def _signed_live(a: Value, dim: int) -> Tensor:
     return ~((a[0] - a[1]).amax(dim) < 0)
 
 
+def _signed_all_live(a: Value) -> bool | None:
+    """``_signed_live(a, -1).all()`` in one operator; None without one."""
+    return kernels.all_rows_live(a[0], a[1], 0.0)
+
+
 class SignedMaxProduct(Semiring):
     """Pairs (largest, smallest) signed path product. Zero is (-inf, +inf), the empty set;
     lift(w) = (w, w) and lift(0) = zero; ⊗ takes the extremes of the four cross products."""
@@ -83,7 +88,9 @@ class SignedMaxProduct(Semiring):
         return fused if fused is not None else _signed_combine(a, b, "matmul")
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(a, _signed_live, w, self._matmul_lift, (NEG_INF, POS_INF))
+        result = on_live_rows(
+            a, _signed_live, w, self._matmul_lift, (NEG_INF, POS_INF), all_live=_signed_all_live
+        )
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

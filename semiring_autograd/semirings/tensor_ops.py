@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -115,6 +115,7 @@ def on_live_rows(
     fn,
     empty: tuple[float, ...],
     dtype: torch.dtype | None = None,
+    all_live: Callable[[tuple[Tensor, ...]], bool | None] | None = None,
 ) -> Value | None:
     """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) where
     ``live_of(parts, -1)`` (…, m) holds only, the other rows' results set to ``empty``:
@@ -127,8 +128,12 @@ def on_live_rows(
     reaches (when every row is live no column is dropped, and IEEE arithmetic on such a
     weight in a column without a term still gives NaN). Without a live row the result's
     dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
-    row is live, k is 0 or ``w`` is batched (the caller then computes all rows)."""
+    row is live, k is 0 or ``w`` is batched (the caller then computes all rows).
+    ``all_live(parts)``, where given, answers "every row is live" in one operator (None
+    where it cannot)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:
+        return None
+    if all_live is not None and all_live(parts):
         return None
     live = live_of(parts, -1)
     if bool(live.all()):
