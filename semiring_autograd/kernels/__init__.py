@@ -15,9 +15,9 @@ There is no BLAS for max-times. Two fused paths compute it exactly:
   ``torch.utils.cpp_extension`` (``-O3 -march=native -fno-trapping-math -fopenmp``) into a
   per-machine cache. With OpenMP the kernels share the libgomp torch loaded, so their team
   is torch's intra-op threads.
-- CUDA: the operators' CUDA kernels are ``torch.compile`` of broadcast-multiply +
-  reduction, which Inductor turns into one Triton kernel (dynamic shapes, so one
-  compilation serves every shape).
+- CUDA: the operators' CUDA kernels are hand-tiled Triton kernels (``triton_matmul.py``):
+  one 64×64 output tile per program, k walked in order by rank-1 updates of a multiply and
+  a compare-and-select, bit-identical to the CPU kernels (tested in Triton's interpreter).
 
 The functions here check what the kernels take (device, dtype, shapes, non-empty) and call
 the operators; they return None (or False) where a kernel does not apply, and the callers
@@ -272,8 +272,8 @@ _CUDA_FAILED: set[str] = set()
 
 
 def _cuda_call(name: str, *args):
-    """The CUDA kernel of operator ``name`` (a compiled Triton kernel), or None for empty
-    operands or after its compilation failed once (with one warning)."""
+    """The CUDA kernel of operator ``name`` (a Triton kernel), or None for empty operands or
+    after it failed once to compile or launch (with one warning)."""
     if any(isinstance(a, Tensor) and a.numel() == 0 for a in args) or name in _CUDA_FAILED:
         return None
     try:

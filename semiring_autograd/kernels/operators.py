@@ -2,8 +2,8 @@
 
 Schemas are defined here, with fake implementations (shapes, dtypes and strides without
 data, for ``torch.compile``, ``torch.export`` and fake-tensor tracing) and the CUDA kernels
-of the two matmuls; the CPU kernels come from ``operators.cpp`` (``build.py`` compiles and
-loads it). Every operator works on float32 or float64 operands of one dtype.
+of the three matmuls (``triton_matmul.py``); the CPU kernels come from ``operators.cpp``
+(``build.py`` compiles and loads it). Every operator works on float32 or float64 operands of one dtype.
 
 ======================== ==================================================================
 ``max_times``            max(init, max_k a[b, i, k]·b[b, k, j]), a (B, m, k), b (B, k, n);
@@ -173,38 +173,12 @@ def _(a, r, out):
     return a.new_empty(_row_shape(a)), a.new_empty(_row_shape(a), dtype=torch.bool)
 
 
-# ----- CUDA: broadcast-multiply + reduction, which Inductor turns into one Triton kernel ----
-def _max_times_formula(a: Tensor, b: Tensor, init: float) -> Tensor:
-    p = a[:, :, :, None] * b[:, None, :, :]
-    p = torch.where(torch.isnan(p), torch.full_like(p, init), p)
-    return p.amax(dim=2).clamp_min(init)
-
-
-def _signed_formula(a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor):
-    ah, al = a_hi[:, :, :, None], a_lo[:, :, :, None]
-    bh, bl = b_hi[:, None, :, :], b_lo[:, None, :, :]
-    p1, p2, p3, p4 = ah * bh, ah * bl, al * bh, al * bl
-    top = torch.maximum(torch.maximum(p1, p2), torch.maximum(p3, p4))
-    bottom = torch.minimum(torch.minimum(p1, p2), torch.minimum(p3, p4))
-    empty = torch.isnan(top)
-    top = torch.where(empty, torch.full_like(top, float("-inf")), top)
-    bottom = torch.where(empty, torch.full_like(bottom, float("inf")), bottom)
-    return top.amax(dim=2), bottom.amin(dim=2)
-
-
-#: allow more than dynamo's default: one compilation per dtype and size-1 pattern
-_RECOMPILE_LIMIT = 64
-
-
+# ----- CUDA: the hand-tiled Triton kernels of triton_matmul.py, imported on first use -----
 @functools.cache
-def _compiled(name: str):
-    formula = {"max": _max_times_formula, "signed": _signed_formula}[name]
-    return torch.compile(formula, dynamic=True, fullgraph=True)
+def _triton():
+    from . import triton_matmul
 
-
-def _run_compiled(name: str, *args):
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-        return _compiled(name)(*args)
+    return triton_matmul
 
 
 def _cuda(name: str):
@@ -213,19 +187,17 @@ def _cuda(name: str):
 
 @_cuda("max_times")
 def _(a, b, init, abs_b):
-    return _run_compiled("max", a, b.abs() if abs_b else b, init)
+    return _triton().max_times(a, b, init, abs_b, _padded_result(a, b.shape[-1]))
 
 
 @_cuda("signed_times")
 def _(a_hi, a_lo, b_hi, b_lo):
-    return _run_compiled("signed", a_hi, a_lo, b_hi, b_hi if b_lo is None else b_lo)
+    n = b_hi.shape[-1]
+    out = _padded_result(a_hi, n), _padded_result(a_hi, n)
+    return _triton().signed_times(a_hi, a_lo, b_hi, b_lo, *out)
 
 
 @_cuda("lift_times")
 def _(a_hi, a_lo, w, zero_empty):
-    empty = a_hi < a_lo
-    nan = torch.tensor(float("nan"), dtype=w.dtype, device=w.device)
-    if zero_empty:
-        w = torch.where(w == 0, nan, w)
-    a_hi, a_lo = torch.where(empty, nan, a_hi), torch.where(empty, nan, a_lo)
-    return _run_compiled("signed", a_hi, a_lo, w, w)
+    shape = (a_hi.shape[0], a_hi.shape[1], w.shape[-1])
+    return _triton().lift_times(a_hi, a_lo, w, zero_empty, w.new_empty(shape), w.new_empty(shape))

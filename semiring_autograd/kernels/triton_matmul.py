@@ -138,7 +138,7 @@ def _corner(top, bottom, probe, p):
     """The extremes of a term's corners and the sum of their magnitudes, extended by corner
     p: a tie goes to the later corner, as in the CPU kernels' vmax(vmax(p1, p2), vmax(p3, p4))
     (which matters only for the sign of a zero); the sum is NaN once a corner is NaN."""
-    top = tl.where(p > top, p, top)
+    top = tl.where(p >= top, p, top)
     bottom = tl.where(p <= bottom, p, bottom)
     return top, bottom, probe + tl.abs(p)
 
