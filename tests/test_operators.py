@@ -186,3 +186,21 @@ def test_opcheck_cuda(name):
     for args in _samples(torch.float32)[name]:
         moved = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
         torch.library.opcheck(operators.op(name), moved)
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("max_times", (torch.rand(2, 3, 4), torch.rand(1, 4, 5), 0.0, False)),
+        ("max_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 5), 0.0, False)),
+        ("signed_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 3), torch.rand(2, 4, 5), None)),
+        ("signed_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(1, 4, 5), None)),
+        ("lift_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(3, 4, 5), True)),
+        ("lift_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(4, 5), True)),
+    ],
+)
+def test_matmul_operators_refuse_operands_that_do_not_fit(name, args):
+    """The kernels read operands at offsets from a's shape: an operand of another batch or
+    inner size is refused with its shape named, never read out of bounds."""
+    with pytest.raises(RuntimeError, match=f"{name}: .*(operand|w must be)"):
+        operators.op(name)(*args)

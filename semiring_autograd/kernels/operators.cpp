@@ -51,6 +51,23 @@ at::Tensor trim(const at::Tensor& out, int64_t n) {
     return out.size(-1) == n ? out : out.narrow(-1, 0, n);
 }
 
+// the matmul operands: 3-D, of a's dtype, with the leading sizes given (the kernels read
+// them at those offsets)
+void check_operands(const char* name, const at::Tensor& a, const std::vector<at::Tensor>& others,
+                    std::vector<int64_t> leading) {
+    TORCH_CHECK(a.dim() == 3, name, ": operands must be 3-D (batch, rows, cols), got ",
+                a.sizes());
+    for (const auto& t : others) {
+        TORCH_CHECK(t.dim() == 3 && t.scalar_type() == a.scalar_type(), name,
+                    ": operands must be 3-D of one dtype, got ", t.sizes(), " ",
+                    t.scalar_type(), " beside ", a.sizes(), " ", a.scalar_type());
+        for (size_t d = 0; d < leading.size(); ++d)
+            TORCH_CHECK(t.size(d) == leading[d], name, ": an operand of shape ", t.sizes(),
+                        " does not fit a of shape ", a.sizes(), " (size ", leading[d],
+                        " expected in dim ", d, ")");
+    }
+}
+
 #define FLOATING(dtype, ...)                                           \
     [&] {                                                              \
         if ((dtype) == at::kDouble) {                                  \
@@ -66,6 +83,7 @@ at::Tensor trim(const at::Tensor& out, int64_t n) {
 at::Tensor max_times_op(const at::Tensor& a_, const at::Tensor& b_, double init, bool abs_b) {
     const auto a = a_.contiguous();
     const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b_.size(-1);
+    check_operands("max_times", a, {b_}, {batch, k});
     const auto b = pad_columns(b_, block_width(a.scalar_type()), NAN);
     const int64_t padded = b.size(-1);
     auto out = at::empty({batch, m, padded}, a.options());
@@ -83,6 +101,10 @@ std::tuple<at::Tensor, at::Tensor> signed_times_op(const at::Tensor& a_hi_,
                                                    const std::optional<at::Tensor>& b_lo_) {
     const auto a_hi = a_hi_.contiguous(), a_lo = a_lo_.contiguous();
     const int64_t batch = a_hi.size(0), m = a_hi.size(1), k = a_hi.size(2), n = b_hi_.size(-1);
+    check_operands("signed_times", a_hi, {a_lo}, {batch, m, k});
+    check_operands("signed_times", a_hi, b_lo_ ? std::vector<at::Tensor>{b_hi_, *b_lo_}
+                                                : std::vector<at::Tensor>{b_hi_},
+                   {batch, k, n});
     const int64_t w = block_width(a_hi.scalar_type());
     const auto b_hi = pad_columns(b_hi_, w, NAN);
     const auto b_lo = b_lo_ ? pad_columns(*b_lo_, w, NAN) : at::Tensor();
@@ -114,6 +136,9 @@ std::tuple<at::Tensor, at::Tensor> lift_times_op(const at::Tensor& a_hi_, const 
         a_lo = a_lo.contiguous();
     }
     const int64_t batch = a_hi.size(0), m = a_hi.size(1), k = a_hi.size(2), n = w.size(-1);
+    check_operands("lift_times", a_hi, {a_lo}, {batch, m, k});
+    TORCH_CHECK(w.dim() == 3 && (w.size(0) == batch || w.size(0) == 1) && w.size(1) == k,
+                "lift_times: w must be (", batch, " or 1, ", k, ", n), got ", w.sizes());
     auto hi = at::empty({batch, m, n}, w.options());
     auto lo = at::empty({batch, m, n}, w.options());
     FLOATING(w.scalar_type(), [&] {
