@@ -17,7 +17,10 @@ minus the resident set just before it; on CUDA ``torch.cuda.max_memory_allocated
 A semiring's timing subprocess also times native calls, alternating with its own, and its
 time ratio divides the two medians of that process: a shared machine's speed drifts
 between subprocesses (10% and more on a 2-core VM), and pairing cancels the drift. Memory
-ratios divide by the native subprocess's figure.
+ratios divide by the native subprocess's figure. "Backward alone" pairs ``sa.grad`` with
+``torch.autograd.grad`` after untimed forwards; "its GEMMs alone" is the time the semiring
+backward spends in GEMM operators (``torch.profiler`` self time) over that native backward:
+the floor of "backward alone" while the semiring's matmuls run as GEMMs.
 
 Usage: ``python benchmarks/semiring_backward.py [--device cuda] [--out FILE]``.
 """
@@ -183,8 +186,13 @@ def backward_alone(work: Workload, mode: str, device: str) -> float:
     return time.perf_counter() - start
 
 
-def kernel_share(work: Workload, mode: str, device: str) -> float:
-    """The share of one semiring backward (sa.grad alone) spent inside operators."""
+#: the GEMM operators (BLAS on the CPU, cuBLAS on CUDA) a backward's matmuls run as
+GEMMS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::mv")
+
+
+def kernel_share(work: Workload, mode: str, device: str) -> tuple[float, float]:
+    """The share of one semiring backward (sa.grad alone) spent inside operators, and the
+    seconds of it spent in GEMM operators."""
     import semiring_autograd as sa
     from torch.profiler import ProfilerActivity, profile
 
@@ -197,15 +205,15 @@ def kernel_share(work: Workload, mode: str, device: str) -> float:
         sa.grad(out, work.leaf, compile=COMPILE)
         _sync(device)
         wall = time.perf_counter() - start
-    inside = 0.0
+    inside = gemm = 0.0
     for event in prof.key_averages():
         if not event.key.startswith(("aten::", "semiring_autograd::")):
             continue
-        if device == "cuda":
-            inside += event.self_device_time_total
-        else:
-            inside += event.self_cpu_time_total
-    return inside / 1e6 / wall
+        spent = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        inside += spent
+        if event.key in GEMMS:
+            gemm += spent
+    return inside / 1e6 / wall, gemm / 1e6
 
 
 def _sync(device: str) -> None:
@@ -256,14 +264,14 @@ def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -
     result = {"first_s": first, "median_s": statistics.median(times[mode])}
     if paired:
         result["native_median_s"] = statistics.median(times["native"])
-        result["kernel_share"] = kernel_share(work, mode, device)
+        result["kernel_share"], gemm_s = kernel_share(work, mode, device)
         alone: dict[str, list[float]] = {m: [] for m in (mode, "native")}
         for _ in range(len(times[mode])):
             for m in alone:
                 alone[m].append(backward_alone(work, m, device))
-        result["backward_ratio"] = statistics.median(alone[mode]) / statistics.median(
-            alone["native"]
-        )
+        native_alone = statistics.median(alone["native"])
+        result["backward_ratio"] = statistics.median(alone[mode]) / native_alone
+        result["gemm_ratio"] = gemm_s / native_alone
     return {**result, "reps": len(times[mode])}
 
 
@@ -325,8 +333,8 @@ def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str
             f"{native['peak_bytes'] / 2**20:.1f} MiB",
             "",
             "| semiring | median ms | paired native ms | time ratio | backward alone ratio "
-            "| first call ms | peak MiB | memory ratio | in kernels |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| its GEMMs alone | first call ms | peak MiB | memory ratio | in kernels |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for mode in modes:
             r = results[case][mode]
@@ -335,6 +343,7 @@ def table(results: dict, device: str, cases: list[str], modes: list[str]) -> str
                 f"| {mode} | {r['median_s'] * 1e3:.1f} | {paired * 1e3:.1f} | "
                 f"{r['median_s'] / paired:.2f}× | "
                 + (f"{r['backward_ratio']:.2f}× | " if "backward_ratio" in r else "– | ")
+                + (f"{r['gemm_ratio']:.2f}× | " if "gemm_ratio" in r else "– | ")
                 + f"{r['first_s'] * 1e3:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.1f} | "
                 f"{r['peak_bytes'] / max(native['peak_bytes'], 1):.2f}× | "
