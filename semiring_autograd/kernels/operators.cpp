@@ -333,42 +333,41 @@ at::Tensor distinct_dense(const at::Tensor& t) {
     return u.is_non_overlapping_and_dense() ? u : u.contiguous();
 }
 
-// tensor_ops.has_nan: some tensor holds a NaN, or both +inf and -inf
-at::Tensor any_nan_op(at::TensorList tensors) {
+// Whether some tensor that can hold NaN or infinities answers true: scan(data, count,
+// threads) on its distinct entries (float32/float64), `other(t)` for other dtypes.
+template <typename Scan, typename Other>
+bool some_tensor(at::TensorList tensors, Scan scan, Other other) {
     for (const auto& t : tensors) {
         if (exact_type(t) || t.numel() == 0) continue;
-        bool found;
-        if (scanned(t)) {
-            const auto u = distinct_dense(t);
-            found = FLOATING(u.scalar_type(), [&] {
-                return nan_or_opposite_infs<T>(u.const_data_ptr<T>(), u.numel(),
-                                               entry_threads(u.numel()));
-            });
-        } else {
-            found = at::isnan(t).any().item<bool>() ||
-                    (at::isposinf(t).any().item<bool>() && at::isneginf(t).any().item<bool>());
+        if (!scanned(t)) {
+            if (other(t)) return true;
+            continue;
         }
-        if (found) return flag(true);
+        const auto u = distinct_dense(t);
+        const bool hit = FLOATING(u.scalar_type(), [&] {
+            return scan(u.const_data_ptr<T>(), u.numel(), entry_threads(u.numel()));
+        });
+        if (hit) return true;
     }
-    return flag(false);
+    return false;
+}
+
+// tensor_ops.has_nan: some tensor holds a NaN, or both +inf and -inf
+at::Tensor any_nan_op(at::TensorList tensors) {
+    return flag(some_tensor(
+        tensors,
+        [](auto* x, int64_t count, int threads) { return nan_or_opposite_infs(x, count, threads); },
+        [](const at::Tensor& t) {
+            return at::isnan(t).any().item<bool>() ||
+                   (at::isposinf(t).any().item<bool>() && at::isneginf(t).any().item<bool>());
+        }));
 }
 
 // tensor_ops.all_finite: every entry of every tensor is finite
 at::Tensor all_finite_op(at::TensorList tensors) {
-    for (const auto& t : tensors) {
-        if (exact_type(t) || t.numel() == 0) continue;
-        bool finite;
-        if (scanned(t)) {
-            const auto u = distinct_dense(t);
-            finite = FLOATING(u.scalar_type(), [&] {
-                return all_finite<T>(u.const_data_ptr<T>(), u.numel(), entry_threads(u.numel()));
-            });
-        } else {
-            finite = at::isfinite(t).all().item<bool>();
-        }
-        if (!finite) return flag(false);
-    }
-    return flag(true);
+    return flag(!some_tensor(
+        tensors, [](auto* x, int64_t count, int threads) { return !all_finite(x, count, threads); },
+        [](const at::Tensor& t) { return !at::isfinite(t).all().item<bool>(); }));
 }
 
 // tensor_ops.on_live_rows: every row along the last dim of x has a term (x, y contiguous)

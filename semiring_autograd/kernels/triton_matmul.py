@@ -144,6 +144,15 @@ def _corner(top, bottom, probe, p):
 
 
 @triton.jit
+def _keep_extremes(acc_hi, acc_lo, top, bottom, live):
+    """The pair accumulators after a term (top, bottom): each end replaced where the term is
+    live and beyond it (a tie or a NaN keeps the accumulator)."""
+    acc_hi = tl.where(live & (top > acc_hi), top, acc_hi)
+    acc_lo = tl.where(live & (bottom < acc_lo), bottom, acc_lo)
+    return acc_hi, acc_lo
+
+
+@triton.jit
 def _signed_times_kernel(
     a_hi, a_lo, b_hi, b_lo, out_hi, out_lo, M, N, K,
     ah_sb, ah_sm, ah_sk, al_sb, al_sm, al_sk, bh_sb, bh_sk, bh_sn, bl_sb, bl_sk, bl_sn,
@@ -173,9 +182,7 @@ def _signed_times_kernel(
             top, bottom, probe = _corner(top, bottom, probe, xh * yl)
             top, bottom, probe = _corner(top, bottom, probe, xl * yl)
             bl_ptrs += bl_sk
-        live = probe == probe
-        acc_hi = tl.where(live & (top > acc_hi), top, acc_hi)
-        acc_lo = tl.where(live & (bottom < acc_lo), bottom, acc_lo)
+        acc_hi, acc_lo = _keep_extremes(acc_hi, acc_lo, top, bottom, probe == probe)
         ah_ptrs += ah_sk
         al_ptrs += al_sk
         bh_ptrs += bh_sk
@@ -215,9 +222,7 @@ def _lift_times_kernel(
         top = tl.where(positive, xh, xl) * y
         bottom = tl.where(positive, xl, xh) * y
         probe = tl.abs(top) + tl.abs(bottom)
-        live = probe == probe
-        acc_hi = tl.where(live & (top > acc_hi), top, acc_hi)
-        acc_lo = tl.where(live & (bottom < acc_lo), bottom, acc_lo)
+        acc_hi, acc_lo = _keep_extremes(acc_hi, acc_lo, top, bottom, probe == probe)
         ah_ptrs += ah_sk
         al_ptrs += al_sk
         w_ptrs += w_sk
