@@ -16,7 +16,8 @@ batch 1, float32, one thread. Per semiring, in one process:
   ``sa.grad``, divided by the number of backward nodes the patch recorded.
 
 Usage: ``python benchmarks/dispatch_bound.py [--repeats 15] [--semirings Log,MaxProduct]``.
-Prints one markdown row per semiring.
+Prints one markdown row per semiring. ``--operators N`` prints instead, per semiring, the N
+operators a warm compiled step spends most time in (``torch.profiler`` self time).
 """
 
 from __future__ import annotations
@@ -159,12 +160,51 @@ def measure(name: str, repeats: int) -> dict[str, float]:
     }
 
 
+def operator_table(name: str, top: int, steps: int = 20) -> list[str]:
+    """Markdown rows: the ``top`` operators of a warm compiled step by self time under
+    ``torch.profiler`` (which adds about a microsecond to every call), with calls per step
+    and microseconds per call, and the share of the step's operator time they take."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, emb, target = build()
+    sa.clear_compiled()
+    semiring = semiring_of(name)
+    step = sa.compiled_step(model, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, target])
+    for _ in range(3):
+        step(emb)  # captured, verified, warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(emb)
+    events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "semiring_autograd::"))]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    rows = []
+    for e in events[:top]:
+        rows.append(
+            f"| {name} | `{e.key}` | {e.count / steps:.0f} | "
+            f"{e.self_cpu_time_total / e.count:.1f} µs | {e.self_cpu_time_total / total:.0%} |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--semirings", default=",".join(SEMIRINGS))
+    parser.add_argument(
+        "--operators",
+        type=int,
+        metavar="N",
+        help="instead: the N operators a compiled step spends most in, per semiring",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.operators:
+        print("| semiring | operator | calls per step | self time per call | of operator time |")
+        print("|---|---|---:|---:|---:|")
+        for name in args.semirings.split(","):
+            print("\n".join(operator_table(name, args.operators)), flush=True)
+        return
     print(
         "| semiring | native fwd+bwd | eager | compile=True | of which forward | of which "
         "compiled backward | compiled step | first call (capture) | backward program "

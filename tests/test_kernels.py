@@ -93,15 +93,19 @@ def test_signed_times_equals_corner_products(shape, dtype, device, point):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("zero_empty", [False, True], ids=["zero", "zero_empty"])
-def test_pair_lift_matmul_equals_corner_products(shape, dtype, device, zero_empty):
+@pytest.mark.parametrize("w_layout", ["rows", "columns"])
+def test_pair_lift_matmul_equals_corner_products(shape, dtype, device, zero_empty, w_layout):
     """The point-first kernel (a ⊗ lift(w) for a signed pair a and a real w) against the
     corner products: empty entries given as hi < lo, exact zeros in w (no edge when
-    ``zero_empty``), a w shared by the batch, and transposed operands (any strides)."""
+    ``zero_empty``), a w shared by the batch, w read along its rows (small problems run
+    their terms directly) or across them (any strides)."""
     gen = torch.Generator().manual_seed(sum(shape) + zero_empty)
     batch, m, k, n = shape
     ah, al = _signed_operand((batch, m, k), dtype, device, gen, point=False)
     empty = torch.isnan(ah)
     w = torch.randn(1, n, k, dtype=dtype, generator=gen).to(device).mT  # strides (.., 1, k)
+    if w_layout == "rows":
+        w = w.contiguous()
     w = w.masked_fill(torch.rand(w.shape, generator=gen).to(device) < 0.2, 0.0)
     got = kernels.pair_lift_matmul(
         ah.masked_fill(empty, -INF), al.masked_fill(empty, INF), w, zero_empty

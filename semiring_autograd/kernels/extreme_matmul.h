@@ -666,6 +666,39 @@ void lift_times(const T* p, int64_t pbs, int64_t prs, int64_t pqs, const T* xh, 
     }
 }
 
+// lift_times for small problems, its terms in its order without packing, pruning or
+// scratch: hi/lo[bt, i, j] over q ascending of the pair x[bt, i, q] (strides xbs, xis, xqs;
+// empty where xhi < xlo) times the point p[bt, q, j] (strides pbs, pqs, and 1 along j;
+// NaN at 0 when zero_empty), an end replaced only by a product beyond it (ties and NaN
+// products keep it), so every bit equals lift_times'; out contiguous (batch, m, n).
+template <typename T>
+void lift_times_direct(const T* p, int64_t pbs, int64_t pqs, const T* xh, const T* xl,
+                       int64_t xbs, int64_t xis, int64_t xqs, T* hi, T* lo, int64_t batch,
+                       int64_t m, int64_t k, int64_t n, bool zero_empty) {
+    const T inf = std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
+    for (int64_t bt = 0; bt < batch; ++bt)
+        for (int64_t i = 0; i < m; ++i) {
+            T* __restrict h_out = hi + (bt * m + i) * n;
+            T* __restrict l_out = lo + (bt * m + i) * n;
+            std::fill(h_out, h_out + n, -inf);
+            std::fill(l_out, l_out + n, inf);
+            for (int64_t q = 0; q < k; ++q) {
+                const int64_t at = bt * xbs + i * xis + q * xqs;
+                const T h = xh[at], l = xl[at];
+                if (h < l) continue;  // an empty entry
+                const T* __restrict ps = p + bt * pbs + q * pqs;
+#pragma omp simd
+                for (int64_t j = 0; j < n; ++j) {
+                    const T s = zero_empty && ps[j] == T(0) ? nan : ps[j];
+                    const bool positive = s > T(0);
+                    const T top = (positive ? h : l) * s, bottom = (positive ? l : h) * s;
+                    h_out[j] = top > h_out[j] ? top : h_out[j];
+                    l_out[j] = bottom < l_out[j] ? bottom : l_out[j];
+                }
+            }
+        }
+}
+
 // (hi, lo) = (ahi, alo) ⊗ lift(w) elementwise, for `count` contiguous entries: w > 0 keeps
 // the pair's order, w < 0 swaps it, w = 0 is no edge (-inf, +inf); an empty pair
 // (-inf, +inf) stays empty. One pass, where torch needs eight (and its select is slow).
