@@ -14,36 +14,33 @@ columns past the matrix are read clamped to the last one, so the k loop has no m
 store is masked. The k loop is unrolled BLOCK_K times. Programs go in groups of GROUP_M tile
 rows, so that programs running together share their a rows and b columns in L2.
 
-Compiled ahead of time for sm_90 (Triton's ptxas; not run on a GPU), float32, the k loop takes
-per term: max_times 3.9 instructions (3 floating point), signed_times 26 (24; 14 and 12 for a
-point b), lift_times 13 (11); 128 to 168 registers a thread and no spills (float64: up to 252,
-no spills either).
+Compiled ahead of time for sm_90 (Triton's ptxas; not run on a GPU), float32, the k loop took
+per term max_times 3.9 instructions (3 floating point), 128 to 168 registers a thread and no
+spills (float64: up to 252, no spills either).
 
-Why no ``tl.dot``: tensor cores only add products; here ⊕ is max or min. Why a compare and
-select, ``acc = p > acc ? p : acc``, and not ``tl.maximum``: the select keeps the accumulator
-on a NaN product and on a tie, as the CPU kernels do, on the GPU and in the interpreter alike,
-where ``max.f32`` and numpy pick between -0.0 and +0.0 by rules of their own. With it, and k
-in ascending order, every entry is bit-identical to the CPU kernels' (zeros' signs included;
-one exception below), and no tiling can change a value: max and min are exact and each entry sees its terms in the
-same order whatever the tile sizes (a split of k over programs would change the sign of some
-zero results; there is none).
+Why no ``tl.dot``: tensor cores only add products; here ⊕ is max or min. Why compare and
+select, ``vmax(x, y) = x > y ? x : y``, and not ``tl.maximum``: these are the CPU kernels'
+own selects (``extreme_matmul.h``), applied in the same order, so every entry is
+bit-identical to the CPU kernels' on every input (zeros' signs and NaN cases included), on
+the GPU and in the interpreter alike, where ``max.f32`` and numpy pick between -0.0 and +0.0
+by rules of their own. No tiling can change a value: each entry sees its terms in the same
+order whatever the tile sizes (a split of k over programs would change the sign of some zero
+results; there is none).
 
-Per term and output entry:
+Per term and output entry (``acc = vmax(p, acc)``: a NaN never replaces the accumulator, a
+tie keeps it):
 
-- max_times: p = a·b' (b' = |b| when ``abs_b``, |-0.0| = -0.0 as on the CPU); a NaN product
-  (a NaN operand, ±inf·0) never wins; the accumulator starts at ``init``.
-- signed_times: the corners a_hi·b_hi, a_lo·b_hi, a_hi·b_lo, a_lo·b_lo (the first two when b
-  is a point); their max and min, a tie going to the later corner as in the CPU kernels'
-  vmax(vmax(p1, p2), vmax(p3, p4)); a term with a NaN corner is empty, found as
-  |p1| + |p2| + |p3| + |p4| != itself (a sum of magnitudes is NaN only from a NaN corner);
-  accumulators start at (-inf, +inf).
+- max_times: p = a·b' (b' = |b| when ``abs_b``, |-0.0| = -0.0 as on the CPU); the
+  accumulator starts at ``init``.
+- signed_times: the corners p1..p4 = a_hi·b_hi, a_lo·b_hi, a_hi·b_lo, a_lo·b_lo (the first
+  two when b is a point), top = vmax(vmax(p1, p2), vmax(p3, p4)) and bottom the same with
+  vmin; accumulators start at (-inf, +inf).
 - lift_times: an a entry with a_hi < a_lo is made NaN, and so is a w entry of 0 when
-  ``zero_empty``; (hi, lo) = (a_hi·w, a_lo·w) where w > 0, else (a_lo·w, a_hi·w); empty when
-  either product is NaN: the corner formula for the pair times (w, w), in 2 products.
+  ``zero_empty``; (top, bottom) = (a_hi·w, a_lo·w) where w > 0, else (a_lo·w, a_hi·w): the
+  corner products of the pair and the point w, in 2 products.
 
-A term whose products are NaN in some places but not all (a NaN end, ±inf·0) is skipped whole,
-as the torch formulas of ``operators.py`` do; the CPU kernels keep the ends their selects
-return there (tests/test_triton_kernels.py records the cases).
+A term whose corners are NaN in some places but not all (±inf·0) keeps, as on the CPU, what
+the selects return; the broadcast formulas of the tests skip such a term whole.
 
 The launchers take 3-D tensors on one device (CUDA, or CPU when the module was imported with
 ``TRITON_INTERPRET=1``), float32 or float64, any strides (passed to the kernels, no copies);
@@ -127,29 +124,22 @@ def _max_times_kernel(
         if ABS_B:
             y = tl.where(y < 0, -y, y)
         p = x * y
-        acc = tl.where(p > acc, p, acc)
+        acc = _vmax(p, acc)
         a_ptrs += a_sk
         b_ptrs += b_sk
     _store(out, bt, rows, cols, M, N, o_sb, o_sm, o_sn, acc)
 
 
 @triton.jit
-def _corner(top, bottom, probe, p):
-    """The extremes of a term's corners and the sum of their magnitudes, extended by corner
-    p: a tie goes to the later corner, as in the CPU kernels' vmax(vmax(p1, p2), vmax(p3, p4))
-    (which matters only for the sign of a zero); the sum is NaN once a corner is NaN."""
-    top = tl.where(p >= top, p, top)
-    bottom = tl.where(p <= bottom, p, bottom)
-    return top, bottom, probe + tl.abs(p)
+def _vmax(x, y):
+    """The CPU kernels' vmax: x > y ? x : y (y on a tie and where either is NaN)."""
+    return tl.where(x > y, x, y)
 
 
 @triton.jit
-def _keep_extremes(acc_hi, acc_lo, top, bottom, live):
-    """The pair accumulators after a term (top, bottom): each end replaced where the term is
-    live and beyond it (a tie or a NaN keeps the accumulator)."""
-    acc_hi = tl.where(live & (top > acc_hi), top, acc_hi)
-    acc_lo = tl.where(live & (bottom < acc_lo), bottom, acc_lo)
-    return acc_hi, acc_lo
+def _vmin(x, y):
+    """The CPU kernels' vmin: x < y ? x : y."""
+    return tl.where(x < y, x, y)
 
 
 @triton.jit
@@ -161,7 +151,7 @@ def _signed_times_kernel(
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """(out_hi, out_lo)[bt, i, j] = (max_k, min_k) of the corner products of a[bt, i, k] and
-    b[bt, k, j] (b = (b_hi, b_hi) when POINT), terms with a NaN corner skipped."""
+    b[bt, k, j] (b = (b_hi, b_hi) when POINT), by the CPU kernels' selects."""
     bt, rows, cols = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     ah_ptrs = _start(a_hi, bt, rows, M, ah_sb, ah_sm)
     al_ptrs = _start(a_lo, bt, rows, M, al_sb, al_sm)
@@ -174,15 +164,19 @@ def _signed_times_kernel(
         xh = tl.load(ah_ptrs)[None, :, None]
         xl = tl.load(al_ptrs)[None, :, None]
         yh = tl.load(bh_ptrs)[:, None, :]
-        p = xh * yh
-        top, bottom, probe = p, p, tl.abs(p)
-        top, bottom, probe = _corner(top, bottom, probe, xl * yh)
+        p1 = xh * yh
+        p2 = xl * yh
+        top = _vmax(p1, p2)
+        bottom = _vmin(p1, p2)
         if not POINT:
             yl = tl.load(bl_ptrs)[:, None, :]
-            top, bottom, probe = _corner(top, bottom, probe, xh * yl)
-            top, bottom, probe = _corner(top, bottom, probe, xl * yl)
+            p3 = xh * yl
+            p4 = xl * yl
+            top = _vmax(top, _vmax(p3, p4))
+            bottom = _vmin(bottom, _vmin(p3, p4))
             bl_ptrs += bl_sk
-        acc_hi, acc_lo = _keep_extremes(acc_hi, acc_lo, top, bottom, probe == probe)
+        acc_hi = _vmax(top, acc_hi)
+        acc_lo = _vmin(bottom, acc_lo)
         ah_ptrs += ah_sk
         al_ptrs += al_sk
         bh_ptrs += bh_sk
@@ -199,8 +193,8 @@ def _lift_times_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """(out_hi, out_lo)[bt, i, j] = (max_k, min_k) of a[bt, i, k] times lift(w[bt, k, j]):
-    (a_hi·w, a_lo·w) where w > 0, else (a_lo·w, a_hi·w); empty a entries (a_hi < a_lo),
-    zero w entries when ZERO_EMPTY and terms with a NaN product skipped."""
+    (a_hi·w, a_lo·w) where w > 0, else (a_lo·w, a_hi·w); empty a entries (a_hi < a_lo) and
+    zero w entries when ZERO_EMPTY are NaN, which never replaces an accumulator."""
     bt, rows, cols = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     ah_ptrs = _start(a_hi, bt, rows, M, ah_sb, ah_sm)
     al_ptrs = _start(a_lo, bt, rows, M, al_sb, al_sm)
@@ -221,8 +215,8 @@ def _lift_times_kernel(
         y = y[:, None, :]
         top = tl.where(positive, xh, xl) * y
         bottom = tl.where(positive, xl, xh) * y
-        probe = tl.abs(top) + tl.abs(bottom)
-        acc_hi, acc_lo = _keep_extremes(acc_hi, acc_lo, top, bottom, probe == probe)
+        acc_hi = _vmax(top, acc_hi)
+        acc_lo = _vmin(bottom, acc_lo)
         ah_ptrs += ah_sk
         al_ptrs += al_sk
         w_ptrs += w_sk
