@@ -65,6 +65,19 @@ def _assert_identical(got: Tensor, expected: Tensor) -> None:
     assert bool(same.all()), (got - expected).abs().nan_to_num().max()
 
 
+def _compiled_against_eager(model: nn.Module, semiring, inputs) -> list[str]:
+    """``sa.grad(model(x), x, compile=True)`` for each input, asserted identical to the
+    eager backward of the same graph; the compile=True warnings raised meanwhile."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in inputs:
+            with sa.patch(model, semiring):
+                y = model(x)
+            expected = sa.grad(y, x, retain_graph=True)
+            _assert_identical(sa.grad(y, x, compile=True), expected)
+    return [str(w.message) for w in caught if "compile=True" in str(w.message)]
+
+
 @pytest.mark.parametrize("semiring", SEMIRINGS, ids=repr)
 def test_replay_equals_eager_on_new_inputs(llama, semiring):
     """Captured on one input, verified on a second, replayed on three more: each result
@@ -194,17 +207,9 @@ def test_too_many_branches_run_eagerly_with_one_warning(llama, monkeypatch):
 
 def test_shapes_changing_every_call_stop_capturing(monkeypatch):
     monkeypatch.setattr(compiled, "NEW_SIGNATURE_LIMIT", 3)
-    semiring = sa.Log()
     lin = nn.Linear(4, 3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for rows in range(1, 7):
-            x = torch.rand(rows, 4).requires_grad_(True)
-            with sa.patch(lin, semiring):
-                y = lin(x)
-            expected = sa.grad(y, x, retain_graph=True)
-            _assert_identical(sa.grad(y, x, compile=True), expected)
-    messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    inputs = (torch.rand(rows, 4).requires_grad_(True) for rows in range(1, 7))
+    messages = _compiled_against_eager(lin, sa.Log(), inputs)
     assert len(messages) == 1 and "changed on each of 3 calls" in messages[0]
     stats = sa.compiled_stats()
     assert stats["captures"] == 3 and stats["eager"] == 3
@@ -515,16 +520,8 @@ def test_checkpointed_region_runs_eagerly_with_a_warning():
     results."""
     torch.manual_seed(0)
     model = _Checkpointed()
-    semiring = sa.Log()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for scale in (1.0, 2.0):
-            x = (torch.rand(4, 5) * scale).requires_grad_(True)
-            with sa.patch(model, semiring):
-                y = model(x)
-            expected = sa.grad(y, x, retain_graph=True)
-            _assert_identical(sa.grad(y, x, compile=True), expected)
-    messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    inputs = ((torch.rand(4, 5) * scale).requires_grad_(True) for scale in (1.0, 2.0))
+    messages = _compiled_against_eager(model, sa.Log(), inputs)
     assert len(messages) == 1 and "checkpointed region" in messages[0]
     stats = sa.compiled_stats()
     assert stats["captures"] == 0 and stats["eager"] == 2, stats

@@ -137,7 +137,7 @@ class Recorder(TorchDispatchMode):
         if torch.Tag.inplace_view in func.tags and getattr(source, "index", None) in self.aliased:
             raise Uncapturable(f"{func} changes the shape of a tensor in place")
         result = func(*args, **kwargs)
-        if self._identity_view(func, args, template[0], result):
+        if self._identity_view(func, args, source, result):
             return result
         sequence = isinstance(result, (tuple, list))
         flat = list(result) if sequence else [result]
@@ -164,13 +164,13 @@ class Recorder(TorchDispatchMode):
         self.steps.append(step)
         return result
 
-    def _identity_view(self, func, args: tuple, template: tuple, result: Any) -> bool:
+    def _identity_view(self, func, args: tuple, source: Any, result: Any) -> bool:
         """A view operator whose result is its input's view (same storage, offset, shape,
-        strides and dtype) records nothing: the result stands for the input's value (the
-        input's layout is the same in every replay, as ``_fold_views`` states)."""
+        strides and dtype) records nothing: the result stands for the input's value
+        (``source``, the first argument's template; the input's layout is the same in every
+        replay, as ``_fold_views`` states)."""
         if func not in _views() or not isinstance(result, Tensor):
             return False
-        source = template[0] if template else None
         if not isinstance(source, _Ref) or _view_key(result) != _view_key(args[0]):
             return False
         self._bind(result, source.index)

@@ -3,7 +3,8 @@
 Schemas are defined here, with fake implementations (shapes, dtypes and strides without
 data, for ``torch.compile``, ``torch.export`` and fake-tensor tracing) and the CUDA kernels
 of the three matmuls (``triton_matmul.py``); the CPU kernels come from ``operators.cpp``
-(``build.py`` compiles and loads it). Every operator works on float32 or float64 operands of one dtype.
+(``build.py`` compiles and loads it). Every operator works on float32 or float64 operands of
+one dtype.
 
 ======================== ==================================================================
 ``max_times``            max(init, max_k a[b, i, k]·b[b, k, j]), a (B, m, k), b (B, k, n);

@@ -60,8 +60,9 @@ from torch import Tensor
 TILE = (16, 16, 1) if triton.knobs.runtime.interpret else (64, 64, 4)
 
 #: BLOCK_K, the unroll of the k loop: 4 for max_times (3.9 instructions per term instead of
-#: 4.6 unrolled once; 128 registers instead of 72), 1 for the pairs (unrolling saves them under
-#: 3% of the instructions and takes the four-corner kernel from 128 registers to 246 at 4)
+#: 4.6 unrolled once; 128 registers instead of 72, from ptxas for sm_90), 1 for the pairs
+#: (their two accumulator tiles leave little room for unrolled registers; the unroll of the
+#: pair kernels in their present form is not measured)
 UNROLL = {"max_times": 4, "pairs": 1}
 
 #: tile rows per group of programs (the L2 reuse of the ordering)
@@ -294,9 +295,9 @@ def signed_times(
     out_lo: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """(max_k, min_k) over the corner products of the signed pairs a (B, m, k) and b
-    (B or 1, k, n); ``b_lo=None`` when b is a point. A term with a NaN corner is empty; an
-    output with no non-empty term is (-inf, +inf). Writes into ``out_hi`` and ``out_lo``
-    (B, m, n) and returns them."""
+    (B or 1, k, n); ``b_lo=None`` when b is a point. A NaN never replaces an accumulator
+    (the CPU kernels' selects); an output with no term that does is (-inf, +inf). Writes
+    into ``out_hi`` and ``out_lo`` (B, m, n) and returns them."""
     point = b_lo is None
     b_lo = b_hi if point else b_lo
     _check((a_hi, a_lo), (b_hi, b_lo), (out_hi, out_lo))
@@ -310,9 +311,9 @@ def lift_times(
 ) -> tuple[Tensor, Tensor]:
     """The signed matmul of the pair a (B, m, k) and lift(w) for a real w (B or 1, k, n):
     (max_k, min_k) of (a_hi·w, a_lo·w) where w > 0, else of (a_lo·w, a_hi·w). An a entry
-    with a_hi < a_lo is empty, and so is a w entry of 0 when ``zero_empty``; a term with a
-    NaN product is empty; an output with no non-empty term is (-inf, +inf). Writes into
-    ``out_hi`` and ``out_lo`` (B, m, n) and returns them."""
+    with a_hi < a_lo is empty, and so is a w entry of 0 when ``zero_empty``; a NaN product
+    never replaces an accumulator; an output with no term that does is (-inf, +inf). Writes
+    into ``out_hi`` and ``out_lo`` (B, m, n) and returns them."""
     _check((a_hi, a_lo), (w,), (out_hi, out_lo))
     operands = (a_hi, a_lo, w, out_hi, out_lo)
     _launch(

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..kernels import ratio_where_positive
 from ..kernels.workspace import scratch
 from .base import Value, message_dtype
 
@@ -91,7 +90,7 @@ def safe_weight(x: Tensor, total: Tensor) -> Tensor:
 def ratio_or_zero(num: Tensor, den: Tensor) -> Tensor:
     """num / den where den > 0, else 0 (a sum without terms), in place on a fresh ``num``
     where the kernel runs; a NaN in num stays where den > 0."""
-    if ratio_where_positive(num, den):
+    if kernels.ratio_where_positive(num, den):
         return num
     return torch.where(den > 0, num / den.masked_fill(den <= 0, 1.0), 0.0)
 
