@@ -244,6 +244,42 @@ def test_semiring_matmul_fused_equals_eager(semiring, monkeypatch):
             torch.testing.assert_close(fc, ec, rtol=0, atol=0)
 
 
+def test_signed_infinite_ends_take_the_formulas(monkeypatch):
+    """Where an infinite end of a non-empty pair (or an infinite weight) meets a 0, a
+    corner product is NaN: the kernels would read it as no term, the formulas propagate it
+    as torch does. SignedMaxProduct gives the formulas' value with the kernels on."""
+    S = SignedMaxProduct()
+    gen = torch.Generator().manual_seed(8)
+
+    def pair(*shape):
+        hi = torch.randn(*shape, dtype=torch.float64, generator=gen)
+        return hi, hi - torch.rand(*shape, dtype=torch.float64, generator=gen)
+
+    a, b, c = pair(3, 4), pair(4, 5), pair(3, 4)
+    a[0][0, 1], a[1][1, 2] = INF, -INF  # (inf, x) and (x, -inf): non-empty
+    b[0][1], b[1][1] = 0.0, -1.0  # (0, -1) meets hi = inf
+    b[0][2], b[1][2] = 1.0, 0.0  # (1, 0) meets lo = -inf
+    c[0][:, 0], c[1][:, 0] = 0.0, -1.0  # (0, -1) meets an infinite weight
+    w = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+    w[0, 3] = INF
+    w_elementwise = torch.randn(3, 4, dtype=torch.float64, generator=gen)
+    w_elementwise[2, 0], w_elementwise[0, 1] = -INF, 0.0
+    calls = [
+        lambda: S.matmul(a, b),
+        lambda: S.matmul((b[0].mT, b[1].mT), (a[0].mT, a[1].mT)),
+        lambda: S.matmul_lift(c, w),
+        lambda: S.mul_lift(c, w_elementwise),
+        lambda: S.mul_lift(a, w_elementwise),
+    ]
+    fused = [call() for call in calls]
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")
+    for call, got in zip(calls, fused):
+        expected = call()
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+    assert all(bool(torch.isnan(hi).any() | torch.isnan(lo).any()) for hi, lo in fused[:4])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_entropy_matmul_fused_equals_eager(dtype, monkeypatch):
     """Entropy's matmuls (two messages, and a message by a lifted weight) agree with the

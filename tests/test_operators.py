@@ -6,6 +6,8 @@ The values of the kernels are tested in test_kernels.py."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -44,8 +46,7 @@ def _samples(dtype):
         "entropy_reduce_rows": [(rows, rows.abs())],
         "log_space_rows": [(rows, None, torch.empty_like(rows)), (rows, rows, rows.repeat(1, 2))],
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
-        "any_nan": [([la, r],), ([la, r.masked_fill(r > 0.5, NAN)],)],
-        "all_finite": [([la, r],), ([la.masked_fill(la > 1, INF), r],)],
+        "any_nan_or_inf": [([la, r], [0, 0]), ([la.masked_fill(la > 1, INF), r], [-1, 1])],
         "all_rows_live": [(rows, None, 0.0), (hi, lo, 0.0)],
         "log_gemm_finish_": [
             (r.exp(), la.clone(), la[:, :1], None, torch.ones(3, 1, dtype=torch.bool), 1e-30, True),
@@ -67,21 +68,31 @@ def test_every_operator_has_a_sample():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_tests_equal_their_formulas(dtype):
-    """The fused-path tests against the torch formulas they stand for, on NaN, infinities of
-    one and both signs, strided tensors and integers."""
+    """any_nan_or_inf against the torch formula it stands for, with every sign, on NaN,
+    infinities of one and both signs, strided and broadcast tensors, integers and half
+    precision."""
     gen = torch.Generator().manual_seed(5)
     a, b = torch.randn(4, 7, generator=gen, dtype=dtype), torch.randn(3, generator=gen)
     cases = [(a, b), (a.masked_fill(a > 1, NAN), b), (a.masked_fill(a > 1, INF), b)]
-    cases += [(a.masked_fill(a > 1, INF), -b.abs() * INF), (b, a.masked_fill(a > 1, INF))]
+    cases += [(a.masked_fill(a > 1, -INF), b), (b, a.masked_fill(a > 1, INF))]
+    cases += [(a.masked_fill(a > 1, INF), -b.abs() * INF)]
     cases += [(a.masked_fill(a > 1, INF).masked_fill(a < -1, -INF), b)]
     cases += [(a.masked_fill(a > 1, NAN).t(), torch.arange(3))]
     cases += [(a[:, 1::2].masked_fill(a[:, 1::2] > 1, NAN), b[None].expand(5, 3))]
-    cases += [(a[:, 1::2], b.masked_fill(b > 0, INF)[None].expand(5, 3), torch.ones(2) > 0)]
-    cases += [(a.half().masked_fill(a > 1, INF), b.to(torch.bfloat16))]
+    cases += [(a[:, 1::2], b.masked_fill(b > 0, -INF)[None].expand(5, 3))]
+    cases += [(a.half().masked_fill(a > 1, INF), b.to(torch.bfloat16).masked_fill(b > 0, -INF))]
+    outcomes = set()
     for tensors in cases:
-        nan = [bool(t.isnan().any() | (t.isposinf().any() & t.isneginf().any())) for t in tensors]
-        assert kernels.any_nan(tensors) == any(nan)
-        assert kernels.all_finite(tensors) == all(bool(t.isfinite().all()) for t in tensors)
+        for signs in itertools.product((-1, 0, 1), repeat=2):
+            expected = any(
+                bool(t.isnan().any())
+                or (sign >= 0 and bool(t.isposinf().any()))
+                or (sign <= 0 and bool(t.isneginf().any()))
+                for t, sign in zip(tensors, signs)
+            )
+            outcomes.add(expected)
+            assert kernels.any_nan_or_inf(tensors, signs) == expected, (tensors, signs)
+    assert outcomes == {True, False}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

@@ -29,6 +29,7 @@ so does a failed build (with one warning).
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -206,20 +207,13 @@ def entropy_weights(w: Tensor, out: Tensor) -> bool:
     return True
 
 
-def any_nan(tensors: tuple[Tensor, ...]) -> bool | None:
-    """Whether some tensor holds a NaN, or both +inf and -inf, in one operator call on the
-    CPU; None off the CPU or without the kernels."""
-    if not tensors or not _tests_ready(tensors):
+def any_nan_or_inf(tensors: Sequence[Tensor], signs: Sequence[int]) -> bool | None:
+    """Whether some tensor holds a NaN or an infinity of the sign given for it (+1: +inf,
+    -1: -inf, 0: either), in one operator call on the CPU; None off the CPU or without the
+    kernels."""
+    if not tensors or not _tests_ready(tuple(tensors)):
         return None
-    return bool(op("any_nan")(list(tensors)))
-
-
-def all_finite(tensors: tuple[Tensor, ...]) -> bool | None:
-    """Whether every entry of ``tensors`` is finite, in one operator call on the CPU; None
-    off the CPU or without the kernels."""
-    if not tensors or not _tests_ready(tensors):
-        return None
-    return bool(op("all_finite")(list(tensors)))
+    return bool(op("any_nan_or_inf")(list(tensors), list(signs)))
 
 
 def all_rows_live(x: Tensor, y: Tensor | None, empty: float) -> bool | None:
@@ -304,8 +298,7 @@ __all__ = [
     "entropy_reduce_rows",
     "log_space_rows",
     "entropy_weights",
-    "any_nan",
-    "all_finite",
+    "any_nan_or_inf",
     "all_rows_live",
     "log_gemm_finish",
 ]

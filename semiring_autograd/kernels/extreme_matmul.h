@@ -10,7 +10,7 @@
 //   batches bt in [b0, b1), on `threads` OpenMP threads. lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add, zero_where_no_path and ratio_where_positive
-//   are elementwise; nan_or_opposite_infs and all_finite scan entries;
+//   are elementwise; nan_or_inf scans entries;
 //   loo_log, log_space_rows, entropy_reduce_rows, all_rows_live and gemm_exact work along
 //   contiguous rows.
 //
@@ -922,33 +922,19 @@ void ratio_where_positive(T* num, const T* den, int64_t count, int threads) {
     }
 }
 
-// Scans that choose a path. Whether entries [0, count) hold a NaN, or both +inf and -inf
-// (whose sum is NaN): a value the NaN-as-no-edge kernels cannot take.
+// The scan that chooses a path: whether entries [0, count) hold a NaN or an infinity of
+// sign `sign` (+1: +inf, -1: -inf, 0: either), a value the NaN-as-no-edge kernels would
+// read differently from the torch formulas. One comparison with two bounds per entry.
 template <typename T>
-bool nan_or_opposite_infs(const T* x, int64_t count, int threads) {
-    const T inf = std::numeric_limits<T>::infinity();
-    int nan = 0, pos = 0, neg = 0;
-    (void)threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#pragma omp for simd schedule(static) reduction(| : nan, pos, neg)
-    for (int64_t i = 0; i < count; ++i) {
-        nan |= x[i] != x[i];
-        pos |= x[i] == inf;
-        neg |= x[i] == -inf;
-    }
-    return nan || (pos && neg);
-}
-
-// Whether every entry of [0, count) is finite.
-template <typename T>
-bool all_finite(const T* x, int64_t count, int threads) {
-    const T largest = std::numeric_limits<T>::max();
+bool nan_or_inf(const T* x, int64_t count, int sign, int threads) {
+    const T inf = std::numeric_limits<T>::infinity(), largest = std::numeric_limits<T>::max();
+    const T low = sign > 0 ? -inf : -largest, high = sign < 0 ? inf : largest;
     int bad = 0;
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #pragma omp for simd schedule(static) reduction(| : bad)
-    for (int64_t i = 0; i < count; ++i) bad |= !(std::fabs(x[i]) <= largest);
-    return !bad;
+    for (int64_t i = 0; i < count; ++i) bad |= !(x[i] >= low && x[i] <= high);
+    return bad;
 }
 
 // Whether every row (n entries) of x has a term: its maximum is not `empty`, or, given y,

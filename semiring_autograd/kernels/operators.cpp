@@ -350,41 +350,30 @@ at::Tensor distinct_dense(const at::Tensor& t) {
     return u.is_non_overlapping_and_dense() ? u : u.contiguous();
 }
 
-// Whether some tensor that can hold NaN or infinities answers true: scan(data, count,
-// threads) on its distinct entries (float32/float64), `other(t)` for other dtypes.
-template <typename Scan, typename Other>
-bool some_tensor(at::TensorList tensors, Scan scan, Other other) {
-    for (const auto& t : tensors) {
+// Whether some tensor holds a NaN or an infinity of the sign given for it (+1: +inf, -1:
+// -inf, 0: either): its distinct float32/float64 entries scanned in C++, other floating
+// dtypes through torch operators.
+at::Tensor any_nan_or_inf_op(at::TensorList tensors, at::IntArrayRef signs) {
+    TORCH_CHECK(signs.size() == tensors.size(), "any_nan_or_inf: ", tensors.size(),
+                " tensors but ", signs.size(), " signs");
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        const auto& t = tensors[i];
+        const int sign = static_cast<int>(signs[i]);
         if (exact_type(t) || t.numel() == 0) continue;
-        if (!scanned(t)) {
-            if (other(t)) return true;
-            continue;
+        bool hit;
+        if (scanned(t)) {
+            const auto u = distinct_dense(t);
+            hit = FLOATING(u.scalar_type(), [&] {
+                return nan_or_inf(u.const_data_ptr<T>(), u.numel(), sign, entry_threads(u.numel()));
+            });
+        } else {
+            hit = at::isnan(t).any().item<bool>() ||
+                  (sign >= 0 && at::isposinf(t).any().item<bool>()) ||
+                  (sign <= 0 && at::isneginf(t).any().item<bool>());
         }
-        const auto u = distinct_dense(t);
-        const bool hit = FLOATING(u.scalar_type(), [&] {
-            return scan(u.const_data_ptr<T>(), u.numel(), entry_threads(u.numel()));
-        });
-        if (hit) return true;
+        if (hit) return flag(true);
     }
-    return false;
-}
-
-// tensor_ops.has_nan: some tensor holds a NaN, or both +inf and -inf
-at::Tensor any_nan_op(at::TensorList tensors) {
-    return flag(some_tensor(
-        tensors,
-        [](auto* x, int64_t count, int threads) { return nan_or_opposite_infs(x, count, threads); },
-        [](const at::Tensor& t) {
-            return at::isnan(t).any().item<bool>() ||
-                   (at::isposinf(t).any().item<bool>() && at::isneginf(t).any().item<bool>());
-        }));
-}
-
-// tensor_ops.all_finite: every entry of every tensor is finite
-at::Tensor all_finite_op(at::TensorList tensors) {
-    return flag(!some_tensor(
-        tensors, [](auto* x, int64_t count, int threads) { return !all_finite(x, count, threads); },
-        [](const at::Tensor& t) { return !at::isfinite(t).all().item<bool>(); }));
+    return flag(false);
 }
 
 // tensor_ops.on_live_rows: every row along the last dim of x has a term (x, y contiguous)
@@ -431,8 +420,7 @@ at::Tensor log_gemm_finish_op(at::Tensor z, const std::optional<at::Tensor>& num
 }  // namespace
 
 TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
-    m.impl("any_nan", &any_nan_op);
-    m.impl("all_finite", &all_finite_op);
+    m.impl("any_nan_or_inf", &any_nan_or_inf_op);
     m.impl("log_gemm_finish_", &log_gemm_finish_op);
     m.impl("all_rows_live", &all_rows_live_op);
     m.impl("max_times", &max_times_op);

@@ -20,9 +20,8 @@ one dtype.
 ``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
 ``log_space_rows``       the row shift, liveness and shifted exponentials of a log GEMM
 ``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
-``any_nan``              some tensor holds a NaN, or both +inf and -inf (0-d bool; CPU
-                         tensors of any dtype)
-``all_finite``           every entry of every tensor is finite (0-d bool)
+``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
+                         (+1, -1; 0: either) (0-d bool; CPU tensors of any dtype)
 ``all_rows_live``        every row (last dim) of x has a term: its maximum is not ``empty``
                          (or, given y, the maximum of x - y is not below 0); NaN counts
 ``log_gemm_finish_``     a log-space GEMM's last steps, in place, when no sum of a live row
@@ -32,8 +31,8 @@ one dtype.
 ======================== ==================================================================
 
 The row operators return a 0-d bool last: true when a row held NaN or +inf and was left
-uncomputed, so that the caller runs its torch formula instead. The tests (``any_nan``,
-``all_finite``, the exactness test of ``log_gemm_finish_``) scan the entries: one operator
+uncomputed, so that the caller runs its torch formula instead. The tests (``any_nan_or_inf``,
+the exactness test of ``log_gemm_finish_``) scan the entries: one operator
 and one read where the Python formula takes several operators per tensor.
 """
 
@@ -58,8 +57,7 @@ SCHEMAS = {
     "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
     "log_space_rows": "(Tensor a, Tensor? r, Tensor(a!) out) -> (Tensor, Tensor)",
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
-    "any_nan": "(Tensor[] tensors) -> Tensor",
-    "all_finite": "(Tensor[] tensors) -> Tensor",
+    "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
     "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
     "Tensor live, float tiny, bool may_overflow) -> Tensor",
@@ -149,13 +147,8 @@ def _(la, r):
     return la.new_empty(_row_shape(la)), la.new_empty(_row_shape(la)), _declined(la)
 
 
-@_fake("any_nan")
-def _(tensors):
-    return _declined(tensors[0])
-
-
-@_fake("all_finite")
-def _(tensors):
+@_fake("any_nan_or_inf")
+def _(tensors, signs):
     return _declined(tensors[0])
 
 

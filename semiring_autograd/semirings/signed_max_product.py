@@ -14,11 +14,24 @@ from .tensor_ops import (
     POS_INF,
     batch_flatten,
     filled,
-    has_nan,
+    any_nan_or_inf,
     loo_max,
     on_live_rows,
     scatter_extreme,
 )
+
+
+def _fusable(pairs: tuple[Value, ...], reals: tuple[Tensor, ...] = ()) -> bool:
+    """Whether the fused kernels agree with ``_signed_combine`` on a product of these
+    operands. The kernels read a NaN corner product as "no term"; in the formulas it
+    propagates, as in torch. A corner is NaN only from a NaN operand or from ±inf·0, so the
+    kernels take operands with no NaN and finite non-empty pairs: no hi = +inf and no
+    lo = -inf (the only infinite ends a non-empty pair hi ≥ lo can have besides these are
+    the other ends of (+inf, +inf) and (-inf, -inf)), and finite real weights. The empty
+    pair (-inf, +inf) passes."""
+    pairs_signs = (1, -1) * len(pairs)
+    tensors = tuple(c for pair in pairs for c in pair) + reals
+    return not any_nan_or_inf(tensors, pairs_signs + (0,) * len(reals))
 
 
 def _signed_live(a: Value, dim: int) -> Tensor:
@@ -99,7 +112,7 @@ class SignedMaxProduct(Semiring):
 
     def mul_lift(self, a, w):
         fused = None
-        if kernels.enabled() and not has_nan(*a, w):  # the kernel reads NaN ⊗ 0 as empty
+        if kernels.enabled() and _fusable((a,), (w,)):
             fused = kernels.signed_mul_lift(a[0], a[1], w)
         if fused is not None:
             return fused
@@ -134,7 +147,7 @@ def _signed_matmul_fused(a: Value, b: Value):
     """The fused signed matmul of a and b; None when the kernel is unavailable or a
     dimension is empty. A point operand halves the corner products; a point on the left is
     moved to the right by transposing. (a ⊗ lift(w) for a real w: `_signed_lift_fused`.)"""
-    if not kernels.enabled() or has_nan(*a, *b):  # the kernels read NaN as empty
+    if not kernels.enabled() or not _fusable((a, b)):
         return None
     ah, al, a_point = _nan_empty(a)
     bh, bl, b_point = _nan_empty(b)
@@ -156,7 +169,7 @@ def _signed_matmul_fused(a: Value, b: Value):
 def _signed_lift_fused(a: Value, w: Tensor) -> Value | None:
     """a ⊗ lift(w) (semiring matmul) on the fused path; a 2-D w folds a's batch dimensions
     into its rows. None when the kernel is unavailable or a dimension is empty."""
-    if not kernels.enabled() or has_nan(*a, w):  # the kernels read NaN as empty
+    if not kernels.enabled() or not _fusable((a,), (w,)):
         return None
     hi, lo = torch.broadcast_tensors(*a)
     if 0 in (hi.shape[-2], hi.shape[-1], w.shape[-1]):

@@ -20,29 +20,26 @@ POS_INF = float("inf")
 CHUNK_ELEMENTS = 1 << 22
 
 
-def has_nan(*tensors: Tensor) -> bool:
-    """Whether any of ``tensors`` holds a NaN, or both +inf and -inf (the two ends of an
-    empty signed pair meet only across tensors, so these are tested one tensor at a time).
-    The fused kernels read NaN as "no term", and a product of +inf and -inf entries with
-    0 is NaN, so such a value takes the eager path, where NaN propagates as in torch. The
-    test runs in one operator and only its outcome is read, so a captured backward
-    (``sa.grad(compile=True)``) guards on the outcome."""
-    fused = kernels.any_nan(tensors)
+def any_nan_or_inf(tensors: Sequence[Tensor], signs: Sequence[int]) -> bool:
+    """Whether some tensor holds a NaN or an infinity of the sign given for it (+1: +inf,
+    -1: -inf, 0: either). The test runs in one operator and only its outcome is read, so a
+    captured backward (``sa.grad(compile=True)``) guards on the outcome."""
+    fused = kernels.any_nan_or_inf(tensors, signs)
     if fused is not None:
         return fused
     return any(
-        bool(torch.isnan(t).any() | (torch.isposinf(t).any() & torch.isneginf(t).any()))
-        for t in tensors
+        bool(
+            torch.isnan(t).any()
+            | ((sign >= 0) & torch.isposinf(t).any())
+            | ((sign <= 0) & torch.isneginf(t).any())
+        )
+        for t, sign in zip(tensors, signs)
     )
 
 
 def all_finite(*tensors: Tensor) -> bool:
-    """Whether every entry of ``tensors`` is finite. Only the outcome is read, as in
-    ``has_nan``."""
-    fused = kernels.all_finite(tensors)
-    if fused is not None:
-        return fused
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """Whether every entry of ``tensors`` is finite (see ``any_nan_or_inf``)."""
+    return not any_nan_or_inf(tensors, (0,) * len(tensors))
 
 
 def filled(shape: Sequence[int], value: float, like: Tensor) -> Tensor:
