@@ -244,7 +244,8 @@ def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
 
 def test_compiled_attribution_over_texts_of_one_length(llama_directory):
     """attribute(compile=True) over several texts of one token length: one captured program
-    replayed, the scores equal the eager ones exactly."""
+    (forward and backward) replayed, the scores and the predictions equal the eager ones
+    exactly."""
     from semiring_autograd.engine import compiled
     from semiring_autograd.integrations.huggingface import load_model, load_tokenizer
 
@@ -260,6 +261,7 @@ def test_compiled_attribution_over_texts_of_one_length(llama_directory):
         )
         for e, f in zip(eager, fast):
             assert torch.equal(e.scores, f.scores) and e.tokens == f.tokens
+            assert e.prediction == f.prediction
     stats = sa.compiled_stats()
     assert stats["captures"] == 2 and stats["replays"] == 6 and stats["eager"] == 0, stats
     compiled.clear()

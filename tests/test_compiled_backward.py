@@ -430,6 +430,66 @@ def test_compiled_step_raw_and_several_inputs(llama):
                 _assert_identical(gc, ec)
 
 
+def test_compiled_step_has_aux(llama):
+    """With has_aux the step also returns forward tensors (the logits), detached, equal to
+    the eager forward's bit for bit in replays; aux as one tensor or a tuple."""
+    semiring = sa.MaxProduct()
+
+    def read(m, x):
+        logits = m(inputs_embeds=x).logits
+        return logits[0, -1, 7], logits[0]
+
+    def read_tuple(m, x):
+        logits = m(inputs_embeds=x).logits
+        return logits[0, -1, 7], (logits[0, -1], logits[0, 0] * 2)
+
+    step = sa.compiled_step(llama, semiring, read, has_aux=True)
+    step_tuple = sa.compiled_step(llama, semiring, read_tuple, has_aux=True)
+    for seed in range(3):
+        emb = _embeddings(llama, seed)
+        with sa.patch(llama, semiring):
+            out, logits = read(llama, emb)
+        expected = sa.grad(out, emb)
+        got, aux = step(emb)
+        _assert_identical(got, expected)
+        assert not aux.requires_grad
+        _assert_identical(aux, logits.detach())
+        got, (last, first) = step_tuple(emb)
+        _assert_identical(got, expected)
+        _assert_identical(last, logits[-1].detach())
+        _assert_identical(first, logits[0].detach() * 2)
+    stats = sa.compiled_stats()
+    assert stats["captures"] == 2 and stats["replays"] == 4 and stats["eager"] == 0, stats
+
+
+@pytest.mark.parametrize(
+    "read, message",
+    [
+        (lambda m, x: m(inputs_embeds=x).logits[0, -1, 7], "read must return \\(out, aux\\)"),
+        (lambda m, x: (m(inputs_embeds=x).logits[0, -1, 7], [x]), "aux must be a tensor"),
+    ],
+    ids=["no-aux", "list-aux"],
+)
+def test_compiled_step_has_aux_refuses_other_returns(llama, read, message):
+    step = sa.compiled_step(llama, sa.Log(), read, has_aux=True)
+    with pytest.raises(ValueError, match=message):
+        step(_embeddings(llama, 0))
+
+
+def test_compiled_step_aux_keeps_its_structure(llama):
+    calls = []
+
+    def read(m, x):
+        logits = m(inputs_embeds=x).logits
+        calls.append(None)
+        return logits.sum(), (logits[0] if len(calls) == 1 else (logits[0],))
+
+    step = sa.compiled_step(llama, sa.Log(), read, has_aux=True)
+    step(_embeddings(llama, 0))
+    with pytest.raises(ValueError, match="same structure"):
+        step(_embeddings(llama, 0, length=4))
+
+
 def test_compiled_step_refuses_inputs_without_grad(llama):
     step = sa.compiled_step(llama, sa.Log(), lambda m, x: m(inputs_embeds=x).logits[0, -1, 7])
     with pytest.raises(ValueError, match="input 0 is not a tensor that requires grad"):

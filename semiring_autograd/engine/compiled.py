@@ -206,7 +206,7 @@ def _result_refs(recorder: Recorder, result: Any) -> Any:
         refs = [recorder.ref(result)]
         found = ("plain", refs[0])
     if any(isinstance(r, Constant) for r in refs):
-        raise Uncapturable("a result of the backward is a tensor from outside it")
+        raise Uncapturable("a result is a tensor from outside the captured computation")
     return found
 
 

@@ -33,15 +33,23 @@ from .patch import patch
 
 class CompiledStep:
     """``step(*inputs, **kwargs)`` = the readouts of ``sa.grad(out, inputs)`` where
-    ``out = read(model, *inputs, **kwargs)`` ran under ``sa.patch(model, semiring)``."""
+    ``out = read(model, *inputs, **kwargs)`` ran under ``sa.patch(model, semiring)`` (with
+    ``has_aux``, ``read`` returns ``(out, aux)`` and the step ``(readouts, aux)``)."""
 
     def __init__(
-        self, model: nn.Module, semiring: Semiring, read: Callable[..., Tensor], raw: bool
+        self,
+        model: nn.Module,
+        semiring: Semiring,
+        read: Callable[..., Any],
+        raw: bool,
+        has_aux: bool = False,
     ) -> None:
         self.model = model
         self.semiring = semiring
         self.read = read
         self.raw = raw
+        self.has_aux = has_aux
+        self.single_aux: bool | None = None  # aux a tensor (True) or a tuple, once read ran
 
     def __call__(self, *inputs: Tensor, **kwargs: Any) -> Tensor | tuple:
         if not inputs:
@@ -58,11 +66,24 @@ class CompiledStep:
         def eager(retain: bool) -> tuple:
             with patch(self.model, self.semiring):
                 out = self.read(self.model, *ins, **kwargs)
-            return grad(out, ins, raw=True)
+            aux: tuple[Tensor, ...] = ()
+            if self.has_aux:
+                out, aux, single = _split_aux(out)
+                if self.single_aux not in (None, single):
+                    raise ValueError(
+                        "compiled step: read returned aux as a tensor on one call and as a "
+                        "tuple on another; return the same structure every time"
+                    )
+                self.single_aux = single
+            return (*grad(out, ins, raw=True), *(a.detach() for a in aux))
 
         results = self._run(ins, kwargs, eager)
-        final = readouts(self.semiring, ins, results, self.raw)
-        return final[0] if len(ins) == 1 else final
+        final = readouts(self.semiring, ins, results[: len(ins)], self.raw)
+        found = final[0] if len(ins) == 1 else final
+        if not self.has_aux:
+            return found
+        aux = tuple(results[len(ins) :])
+        return found, (aux[0] if self.single_aux else aux)
 
     def _run(self, ins: list[Tensor], kwargs: dict, eager: Callable[[bool], tuple]) -> Any:
         sig = Signature()  # its slots: the inputs, then the tensors among kwargs
@@ -80,6 +101,24 @@ class CompiledStep:
             return eager(False)
         parameters = frozenset(id(t) for t in held)
         return programs.call(sig.slots, eager, False, parameters)
+
+
+def _split_aux(result: Any) -> tuple[Tensor, tuple[Tensor, ...], bool]:
+    """``read``'s ``(out, aux)`` with ``has_aux``: out, aux's tensors, and whether aux is
+    one tensor (else a tuple of tensors)."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError(
+            "compiled step with has_aux=True: read must return (out, aux), got "
+            f"{type(result).__name__}"
+        )
+    out, aux = result
+    parts = aux if isinstance(aux, tuple) else (aux,)
+    if not all(isinstance(a, Tensor) for a in parts):
+        raise ValueError(
+            "compiled step with has_aux=True: aux must be a tensor or a tuple of tensors, "
+            f"got {type(aux).__name__}"
+        )
+    return out, parts, isinstance(aux, Tensor)
 
 
 def _held_tensors(model: nn.Module) -> list[Tensor]:
@@ -103,20 +142,24 @@ def _held_tensors(model: nn.Module) -> list[Tensor]:
 def compiled_step(
     model: nn.Module,
     semiring: Semiring,
-    read: Callable[..., Tensor],
+    read: Callable[..., Any],
     *,
     raw: bool = False,
+    has_aux: bool = False,
 ) -> CompiledStep:
     """A function ``step(*inputs, **kwargs)`` giving, per input, the readout of the semiring
     backward from ``read(model, *inputs, **kwargs)`` (the model's forward under
     ``sa.patch(model, semiring)`` and what is read from it) — ``sa.grad``'s result, or with
     ``raw=True`` the messages — as one program captured per signature: see the module
     docstring. Inputs are tensors that require grad; tensors among the keyword arguments
-    (an attention mask) are inputs of the program too."""
+    (an attention mask) are inputs of the program too. With ``has_aux=True`` (as in
+    ``torch.func.grad``), ``read`` returns ``(out, aux)``, aux a tensor or a tuple of
+    tensors of the forward (the logits a prediction is read from), and the step returns
+    ``(readouts, aux)`` with aux detached, replayed with the rest."""
     if not isinstance(model, nn.Module):
         raise SemiringAutogradError(f"compiled_step takes an nn.Module, got {type(model)}")
     if not isinstance(semiring, Semiring):
         raise SemiringAutogradError(
             f"compiled_step takes a semiring instance (e.g. sa.MaxProduct()), got {semiring!r}"
         )
-    return CompiledStep(model, semiring, read, raw)
+    return CompiledStep(model, semiring, read, raw, has_aux)

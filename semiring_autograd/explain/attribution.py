@@ -10,7 +10,10 @@ SignedMaxProduct) every token also gets its top path, element by element.
 
 from __future__ import annotations
 
+import functools
 import os
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path as FilePath
 from typing import Any, Sequence
@@ -18,6 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..engine.compiled_step import compiled_step
 from ..engine.grad import grad, message_value
 from ..engine.patch import patch
 from . import report
@@ -248,22 +252,18 @@ def _attribute_one(
     x = emb.detach().requires_grad_()
     spec = inherited_spec(semiring)
     want_paths = paths and spec is not None and spec.top_paths in ("max", "signed")
-    with patch(model, semiring, paths=want_paths):
-        out = model(inputs_embeds=x, attention_mask=mask)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    if not 0 <= index < logits.shape[-1]:
-        raise ValueError(
-            f"target id {index} is outside the model's {logits.shape[-1]} logits "
-            f"(give 0 … {logits.shape[-1] - 1}, or a token string with tokenizer=)"
-        )
-    y = logits[0, index] if logits.dim() == 2 else logits[0, position, index]
-    raw = grad(y, x, raw=True, retain_graph=want_paths, compile=compile)
+    if compile and not want_paths:
+        raw, first = _compiled_scores(model, semiring, x, mask, index, position)
+    else:
+        with patch(model, semiring, paths=want_paths):
+            y, first = _read_logit(model, x, mask, index=index, position=position)
+        raw = grad(y, x, raw=True, retain_graph=want_paths, compile=compile)
     if tokenizer is None:
         tokens = [f"#{i}" for i in ids[0].tolist()]
     else:
         tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]
-    row = logits[0] if logits.dim() == 2 else logits[0, position]
-    read = None if logits.dim() == 2 else position % length
+    row = first if first.dim() == 1 else first[position]
+    read = None if first.dim() == 1 else position % length
     prediction = _prediction(row.detach(), index, tokenizer, model_name, text, read, tokens)
     token_values = semiring.sum(message_value(raw, semiring, x), -1)
     scores = semiring.readout(token_values)
@@ -271,6 +271,50 @@ def _attribute_one(
     found = _token_paths(y, x, "max") if want_paths else []
     smallest = _token_paths(y, x, "min") if want_paths and spec.top_paths == "signed" else []
     return Attribution(tokens, scores.detach(), semiring, label, found, smallest, prediction)
+
+
+def _read_logit(
+    model: nn.Module, x: Tensor, attention_mask: Tensor | None = None, *, index: int, position: int
+) -> tuple[Tensor, Tensor]:
+    """The target logit of the forward from the embeddings ``x`` and the first sequence's
+    logits (n_labels,) or (n, vocabulary)."""
+    out = model(inputs_embeds=x, attention_mask=attention_mask)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    if not 0 <= index < logits.shape[-1]:
+        raise ValueError(
+            f"target id {index} is outside the model's {logits.shape[-1]} logits "
+            f"(give 0 … {logits.shape[-1] - 1}, or a token string with tokenizer=)"
+        )
+    y = logits[0, index] if logits.dim() == 2 else logits[0, position, index]
+    return y, logits[0]
+
+
+# Per model, the compiled steps of the (semiring, target, position) asked for most recently.
+_STEPS: weakref.WeakKeyDictionary[nn.Module, OrderedDict] = weakref.WeakKeyDictionary()
+_STEPS_PER_MODEL = 16
+
+
+def _compiled_scores(
+    model: nn.Module,
+    semiring: Semiring,
+    x: Tensor,
+    mask: Tensor | None,
+    index: int,
+    position: int,
+) -> tuple[Any, Tensor]:
+    """``_read_logit``'s forward and the semiring backward to ``x`` as one compiled step
+    (``sa.compiled_step``, captured per input shape): the raw message at ``x`` and the
+    first sequence's logits, detached."""
+    steps = _STEPS.setdefault(model, OrderedDict())
+    key = (semiring, index, position)
+    step = steps.get(key)
+    if step is None:
+        read = functools.partial(_read_logit, index=index, position=position)
+        step = steps[key] = compiled_step(model, semiring, read, raw=True, has_aux=True)
+        while len(steps) > _STEPS_PER_MODEL:
+            steps.popitem(last=False)
+    steps.move_to_end(key)
+    return step(x) if mask is None else step(x, attention_mask=mask)
 
 
 def _token_paths(y: Tensor, x: Tensor, which: str) -> list[Path | None]:
@@ -336,9 +380,10 @@ def attribute(
     models; default the last). ``paths``: recover each token's top path (max semirings
     only; SignedMaxProduct also the path of the smallest signed product). ``model_name``
     names the model in reports (default: its ``name_or_path``, else its class).
-    ``compile``: the scores' backward runs as ``sa.grad(..., compile=True)``, one captured
-    program per input length, replayed for the texts of that length (top paths, when asked
-    for, still run their own eager backward). The model runs in eval mode; every module's
+    ``compile``: without top paths, the patched forward and the scores' backward run as one
+    ``sa.compiled_step`` per (semiring, target, position), one captured program per input
+    length replayed for the texts of that length; with top paths (which run their own
+    eager backward) the scores' backward runs as ``sa.grad(..., compile=True)``. The model runs in eval mode; every module's
     train/eval mode is restored after.
     """
     semiring = semiring_named(semiring)

@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--compile",
         action="store_true",
-        help="replay the semiring backward as a program captured once per prompt length "
-        "(many prompts of few lengths); top paths still run their own backward",
+        help="replay the forward and the semiring backward as a program captured once per "
+        "prompt length (many prompts of few lengths); top paths still run their own backward",
     )
     explain.add_argument(
         "--no-paths",
