@@ -264,7 +264,9 @@ def test_compiled_attribution_over_texts_of_one_length(llama_directory):
             assert e.prediction == f.prediction
     stats = sa.compiled_stats()
     assert stats["captures"] == 2 and stats["replays"] == 6 and stats["eager"] == 0, stats
+    assert len(compiled.OWN_STEPS) == 2  # one step per semiring, kept for the next text
     compiled.clear()
+    assert not compiled.OWN_STEPS
 
 
 def test_explain_command_compile_and_no_paths(llama_directory, tmp_path, capsys):

@@ -51,6 +51,11 @@ _CACHE: OrderedDict[Key, "Captured"] = OrderedDict()
 #: guards the cache and the program lists (sa.grad may run in several threads)
 _LOCK = threading.Lock()
 _COUNTS = {"captures": 0, "replays": 0, "eager": 0}
+#: compiled steps the library makes for its own callers (``sa.attribute``), most recently
+#: used last, at most MAX_OWN_STEPS: their programs are found by the step, so a step is kept
+#: as long as its programs are worth keeping, and forgotten with them
+OWN_STEPS: OrderedDict[Any, Any] = OrderedDict()
+MAX_OWN_STEPS = 16
 #: this many calls in a row, each with a signature never seen, stop capturing new ones
 NEW_SIGNATURE_LIMIT = 8
 _new_in_a_row = 0
@@ -70,10 +75,12 @@ def refuse(reason: str) -> None:
 
 
 def clear() -> None:
-    """Forget every captured program, the counts and the warnings given."""
+    """Forget every captured program (and the library's own compiled steps), the counts and
+    the warnings given."""
     global _new_in_a_row
     with _LOCK:
         _CACHE.clear()
+        OWN_STEPS.clear()
     _COUNTS.update(dict.fromkeys(_COUNTS, 0))
     _WARNED.clear()
     _new_in_a_row = 0

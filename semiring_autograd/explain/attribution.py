@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path as FilePath
 from typing import Any, Sequence
@@ -21,6 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..engine import compiled
 from ..engine.compiled_step import compiled_step
 from ..engine.grad import grad, message_value
 from ..engine.patch import patch
@@ -289,11 +288,6 @@ def _read_logit(
     return y, logits[0]
 
 
-# Per model, the compiled steps of the (semiring, target, position) asked for most recently.
-_STEPS: weakref.WeakKeyDictionary[nn.Module, OrderedDict] = weakref.WeakKeyDictionary()
-_STEPS_PER_MODEL = 16
-
-
 def _compiled_scores(
     model: nn.Module,
     semiring: Semiring,
@@ -304,14 +298,16 @@ def _compiled_scores(
 ) -> tuple[Any, Tensor]:
     """``_read_logit``'s forward and the semiring backward to ``x`` as one compiled step
     (``sa.compiled_step``, captured per input shape): the raw message at ``x`` and the
-    first sequence's logits, detached."""
-    steps = _STEPS.setdefault(model, OrderedDict())
-    key = (semiring, index, position)
+    first sequence's logits, detached. The step is kept among the library's own (up to 16,
+    until ``sa.clear_compiled()``) for the next text with this model, semiring, target and
+    position; it holds the model, as its programs hold the parameters."""
+    steps = compiled.OWN_STEPS
+    key = ("attribute", id(model), semiring, index, position)
     step = steps.get(key)
     if step is None:
         read = functools.partial(_read_logit, index=index, position=position)
         step = steps[key] = compiled_step(model, semiring, read, raw=True, has_aux=True)
-        while len(steps) > _STEPS_PER_MODEL:
+        while len(steps) > compiled.MAX_OWN_STEPS:
             steps.popitem(last=False)
     steps.move_to_end(key)
     return step(x) if mask is None else step(x, attention_mask=mask)
