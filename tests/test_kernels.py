@@ -198,21 +198,35 @@ def test_pruned_pair_lift_matmul_is_exact(scenario, dtype, zero_empty, layout):
 @pytest.mark.parametrize("shapes", [((70000,), (70000,)), ((300, 1), (300, 250))], ids=str)
 def test_signed_mul_lift_kernel_equals_formula(dtype, shapes, monkeypatch):
     """The one-pass signed a ⊗ lift(w) above the threading threshold and with a broadcast
-    operand, against the semiring's torch formula (kernels switched off)."""
+    operand, against the semiring's torch formula (kernels switched off), bit for bit: with
+    empty pairs, zero weights of both signs, NaN and infinite ends and weights (a NaN end
+    times lift(0) is NaN, an infinite end times a finite weight infinite, 0 times an
+    infinite weight NaN)."""
     gen = torch.Generator().manual_seed(5)
     a_shape, w_shape = shapes
+
+    def where(p, shape):
+        return torch.rand(shape, generator=gen) < p
+
     hi = torch.randn(a_shape, dtype=dtype, generator=gen)
     lo = hi - torch.rand(a_shape, dtype=dtype, generator=gen)
-    empty = torch.rand(a_shape, generator=gen) < 0.2
-    a = (hi.masked_fill(empty, -INF), lo.masked_fill(empty, INF))
+    empty = where(0.2, a_shape)
+    hi = hi.masked_fill(empty, -INF).masked_fill(where(0.05, a_shape), NAN)
+    hi = hi.masked_fill(where(0.05, a_shape), INF).masked_fill(where(0.05, a_shape), 0.0)
+    lo = lo.masked_fill(empty, INF).masked_fill(where(0.05, a_shape), NAN)
+    lo = lo.masked_fill(where(0.05, a_shape), -INF)
     w = torch.randn(w_shape, dtype=dtype, generator=gen)
-    w[torch.rand(w_shape, generator=gen) < 0.2] = 0.0
-    got = kernels.signed_mul_lift(*a, w)
+    w = w.masked_fill(where(0.2, w_shape), 0.0).masked_fill(where(0.1, w_shape), -0.0)
+    w = w.masked_fill(where(0.05, w_shape), INF).masked_fill(where(0.05, w_shape), NAN)
+    got = kernels.signed_mul_lift(hi, lo, w)
     assert got is not None, "the fused kernel is unavailable on this machine"
     monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "eager")
-    expected = SignedMaxProduct().mul_lift(a, w)
+    expected = SignedMaxProduct().mul_lift((hi, lo), w)
     for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        assert torch.equal(g.isnan(), e.isnan())
+        assert torch.equal(g.nan_to_num(0.0).signbit(), e.nan_to_num(0.0).signbit())
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+        assert bool(e.isnan().any()) and bool(e.isinf().any())
 
 
 def test_all_empty_row_is_the_semiring_zero():

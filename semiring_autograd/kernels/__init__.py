@@ -102,7 +102,9 @@ def pair_lift_matmul(
 def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tensor] | None:
     """The signed pair a times lift(w) elementwise (broadcasting), in one pass on the CPU:
     w > 0 keeps (a_hi, a_lo), w < 0 swaps them, each times w; w = 0 gives the empty
-    (-inf, +inf), and an empty a stays empty. None off the CPU or without the kernels."""
+    (-inf, +inf) but from a NaN end, and an empty a stays empty: the semiring's torch
+    formula to the bit, NaN and infinities included. None off the CPU or without the
+    kernels."""
     if not _nonempty_ready(a_hi, a_lo, w):
         return None
     return op("signed_mul_lift")(a_hi, a_lo, w)

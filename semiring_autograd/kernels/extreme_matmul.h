@@ -711,7 +711,8 @@ void signed_mul_lift(const T* ah, const T* al, const T* w, T* hi, T* lo, int64_t
 #pragma omp for simd schedule(static)
     for (int64_t i = 0; i < count; ++i) {
         const T x = w[i], h = ah[i], l = al[i];
-        const bool pos = x > T(0), none = x == T(0);
+        // w = 0 is no edge, except from a NaN value (NaN ⊗ lift(0) is NaN, as in torch)
+        const bool pos = x > T(0), none = x == T(0) && h == h && l == l;
         hi[i] = none ? -inf : (pos ? h : l) * x;
         lo[i] = none ? inf : (pos ? l : h) * x;
     }

@@ -111,9 +111,7 @@ class SignedMaxProduct(Semiring):
         return fused if fused is not None else _signed_combine(a, self.lift(w), "matmul")
 
     def mul_lift(self, a, w):
-        fused = None
-        if kernels.enabled() and _fusable((a,), (w,)):
-            fused = kernels.signed_mul_lift(a[0], a[1], w)
+        fused = kernels.signed_mul_lift(a[0], a[1], w)  # the formula below, in one pass
         if fused is not None:
             return fused
         # w > 0 keeps the order of (hi, lo), w < 0 swaps it; an empty (-inf, +inf) stays
