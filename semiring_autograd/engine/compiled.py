@@ -51,9 +51,9 @@ _CACHE: OrderedDict[Key, "Captured"] = OrderedDict()
 #: guards the cache and the program lists (sa.grad may run in several threads)
 _LOCK = threading.Lock()
 _COUNTS = {"captures": 0, "replays": 0, "eager": 0}
-#: compiled steps the library makes for its own callers (``sa.attribute``), most recently
-#: used last, at most MAX_OWN_STEPS: their programs are found by the step, so a step is kept
-#: as long as its programs are worth keeping, and forgotten with them
+#: compiled steps the library makes for its own callers (``sa.attribute`` keeps one per
+#: model, semiring, target and position for its next text), most recently used last, at
+#: most MAX_OWN_STEPS; cleared with the programs
 OWN_STEPS: OrderedDict[Any, Any] = OrderedDict()
 MAX_OWN_STEPS = 16
 #: this many calls in a row, each with a signature never seen, stop capturing new ones
