@@ -97,12 +97,12 @@ def test_tests_equal_their_formulas(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_all_rows_live_equals_the_live_formulas(dtype):
-    """all_rows_live against the semirings' row tests it stands for (a maximum not equal to
-    the zero; a signed pair's hi - lo not below 0), with dead rows, NaN and infinities."""
-    from semiring_autograd.semirings.log_space import log_live
-    from semiring_autograd.semirings.max_product import _max_product_live
-    from semiring_autograd.semirings.signed_max_product import _signed_live
+    """all_rows_live (behind ``Terms.all_live``) against the row tests it stands for
+    (``Terms.live``: a maximum not equal to the zero; a signed pair's hi - lo not below 0),
+    with dead rows, NaN and infinities."""
+    from semiring_autograd.semirings.tensor_ops import Terms
 
+    log_terms, magnitude_terms, signed_terms = Terms(-INF), Terms(0.0), Terms(signed=True)
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 4, 5, generator=gen, dtype=dtype)
     cases = []
@@ -116,17 +116,19 @@ def test_all_rows_live_equals_the_live_formulas(dtype):
             cases.append(bent)
     decided, decided_signed = set(), set()
     for bent in cases:
-        expected = bool(log_live((bent,), -1).all())
+        expected = bool(log_terms.live((bent,), -1).all())
         decided.add(expected)
         assert kernels.all_rows_live(bent, None, -INF) == expected
-        magnitude = bent.exp()
-        assert kernels.all_rows_live(magnitude, None, 0.0) == bool(
-            _max_product_live((magnitude,), -1).all()
-        )
-        lo = x - 1  # hi ≥ lo but where hi is -inf: an empty pair
-        signed = bool(_signed_live((bent, lo), -1).all())
+        assert log_terms.all_live((bent,)) == expected
+        magnitude = (bent.exp(),)
+        expected = bool(magnitude_terms.live(magnitude, -1).all())
+        assert kernels.all_rows_live(magnitude[0], None, 0.0) == expected
+        assert magnitude_terms.all_live(magnitude) == expected
+        pair = (bent, x - 1)  # hi ≥ lo but where hi is -inf: an empty pair
+        signed = bool(signed_terms.live(pair, -1).all())
         decided_signed.add(signed)
-        assert kernels.all_rows_live(bent, lo, 0.0) == signed
+        assert kernels.all_rows_live(*pair, 0.0) == signed
+        assert signed_terms.all_live(pair) == signed
     assert decided == decided_signed == {True, False}
 
 

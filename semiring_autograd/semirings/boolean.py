@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from .base import InlineForms, Semiring, Value
-from .tensor_ops import nonzero_operand, on_live_rows
+from .base import InlineForms, Semiring
+from .tensor_ops import Terms, nonzero_operand, on_live_rows
 
-
-def _boolean_live(a: Value, dim: int) -> Tensor:
-    """Rows (dim -1) or columns (dim -2) with a path: a true entry."""
-    return a[0].any(dim)
+#: a truth value has a term where true
+_TERMS = Terms(False)
 
 
 class Boolean(Semiring):
@@ -55,7 +52,7 @@ class Boolean(Semiring):
     def matmul_lift(self, a, w):
         """On the GEMM operand w ≠ 0 in scratch storage, without a bool lift(w) and its
         float copy per call; on the live rows and columns only (see ``on_live_rows``)."""
-        result = on_live_rows(a, _boolean_live, w, self._matmul_lift, (False,), torch.bool)
+        result = on_live_rows(a, _TERMS, w, self._matmul_lift, (False,), torch.bool)
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

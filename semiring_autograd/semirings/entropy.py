@@ -8,7 +8,7 @@ from torch import Tensor
 from .. import kernels
 from ..kernels.workspace import scratch
 from .base import Semiring, Value
-from .log_space import LogSpaceGemm, log_all_live, log_live, top_two_shifts
+from .log_space import LOG_TERMS, LogSpaceGemm, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
     POS_INF,
@@ -111,9 +111,7 @@ class Entropy(Semiring):
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(
-            a, log_live, w, self._matmul_lift, (NEG_INF, 0.0), all_live=log_all_live
-        )
+        result = on_live_rows(a, LOG_TERMS, w, self._matmul_lift, (NEG_INF, 0.0))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring
-from .log_space import LogSpaceGemm, log_all_live, log_live, log_loo
+from .log_space import LOG_TERMS, LogSpaceGemm, log_loo
 from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
 
 
@@ -55,7 +55,7 @@ class Log(Semiring):
         return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(a, log_live, w, self._matmul_lift, (NEG_INF,), all_live=log_all_live)
+        result = on_live_rows(a, LOG_TERMS, w, self._matmul_lift, (NEG_INF,))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

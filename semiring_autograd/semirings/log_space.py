@@ -10,13 +10,13 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.workspace import scratch
-from .base import Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     NEG_INF,
     POS_INF,
     batch_flatten,
     flat_batch,
+    Terms,
     ratio_or_zero,
     safe_weight,
     top_two,
@@ -32,16 +32,8 @@ def finite_max(x: Tensor, dim: int) -> Tensor:
     return m.masked_fill(~torch.isfinite(m), 0.0)
 
 
-def log_live(a: Value, dim: int) -> Tensor:
-    """Rows (dim -1) or columns (dim -2) with a term (a log value above -inf; NaN counts as
-    live)."""
-    return a[0].amax(dim) != NEG_INF
-
-
-def log_all_live(a: Value) -> bool | None:
-    """Whether every row has a term (``log_live(a, -1).all()``) in one operator; None
-    without one."""
-    return kernels.all_rows_live(a[0], None, NEG_INF)
+#: a log value has a term above -inf
+LOG_TERMS = Terms(NEG_INF)
 
 
 def gemm_exact_formula(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:

@@ -7,27 +7,20 @@ from torch import Tensor
 
 from .. import kernels
 from .tensor_level import TensorMaxProduct, tensor_level_instance
-from .base import InlineForms, Semiring, Value
+from .base import InlineForms, Semiring
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     all_finite,
     batch_flatten,
     filled,
     loo_max,
+    Terms,
     on_live_rows,
     scatter_extreme,
 )
 
-
-def _max_product_live(a: Value, dim: int) -> Tensor:
-    """Rows (dim -1) or columns (dim -2) with a path: a non-zero entry (NaN counts as
-    live)."""
-    return a[0].amax(dim) != 0
-
-
-def _max_product_all_live(a: Value) -> bool | None:
-    """``_max_product_live(a, -1).all()`` in one operator; None without one."""
-    return kernels.all_rows_live(a[0], None, 0.0)
+#: a path weight has a term above 0
+_TERMS = Terms(0.0)
 
 
 class MaxProduct(Semiring):
@@ -74,9 +67,7 @@ class MaxProduct(Semiring):
         return (max_times(a[0], b[0]),)
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(
-            a, _max_product_live, w, self._matmul_lift, (0.0,), all_live=_max_product_all_live
-        )
+        result = on_live_rows(a, _TERMS, w, self._matmul_lift, (0.0,))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

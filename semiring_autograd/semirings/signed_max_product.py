@@ -16,6 +16,7 @@ from .tensor_ops import (
     filled,
     any_nan_or_inf,
     loo_max,
+    Terms,
     on_live_rows,
     scatter_extreme,
 )
@@ -34,15 +35,8 @@ def _fusable(pairs: tuple[Value, ...], reals: tuple[Tensor, ...] = ()) -> bool:
     return not any_nan_or_inf(tensors, pairs_signs + (0,) * len(reals))
 
 
-def _signed_live(a: Value, dim: int) -> Tensor:
-    """Rows (dim -1) or columns (dim -2) with a non-empty entry (hi ≥ lo; NaN counts as
-    live). One reduction, cheaper than comparing every entry and reducing the bools."""
-    return ~((a[0] - a[1]).amax(dim) < 0)
-
-
-def _signed_all_live(a: Value) -> bool | None:
-    """``_signed_live(a, -1).all()`` in one operator; None without one."""
-    return kernels.all_rows_live(a[0], a[1], 0.0)
+#: a pair has a term where hi ≥ lo (the empty pair is (-inf, +inf))
+_TERMS = Terms(signed=True)
 
 
 class SignedMaxProduct(Semiring):
@@ -101,9 +95,7 @@ class SignedMaxProduct(Semiring):
         return fused if fused is not None else _signed_combine(a, b, "matmul")
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(
-            a, _signed_live, w, self._matmul_lift, (NEG_INF, POS_INF), all_live=_signed_all_live
-        )
+        result = on_live_rows(a, _TERMS, w, self._matmul_lift, (NEG_INF, POS_INF))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

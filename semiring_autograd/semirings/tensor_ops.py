@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -104,17 +105,38 @@ def flat_batch(x: Tensor, batch: tuple[int, ...]) -> Tensor:
     return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
 
 
+@dataclass(frozen=True)
+class Terms:
+    """Which entries of a semiring's values hold a term (a path reaches them): those whose
+    first component is not ``zero`` (the semiring zero's), or with ``signed`` the pairs
+    (hi, lo) with hi ≥ lo. NaN counts as a term."""
+
+    zero: float = 0.0
+    signed: bool = False
+
+    def live(self, a: Value, dim: int) -> Tensor:
+        """Rows (dim -1) or columns (dim -2) with a term: one reduction (cheaper than
+        testing every entry and reducing the bools)."""
+        if self.signed:
+            return ~((a[0] - a[1]).amax(dim) < 0)
+        return a[0].amax(dim) != self.zero
+
+    def all_live(self, a: Value) -> bool | None:
+        """Whether every row has a term (``live(a, -1).all()``) in one operator; None where
+        the kernels do not take ``a``."""
+        return kernels.all_rows_live(a[0], a[1] if self.signed else None, self.zero)
+
+
 def on_live_rows(
     parts: tuple[Tensor, ...],
-    live_of,
+    terms: Terms,
     w: Tensor,
     fn,
     empty: tuple[float, ...],
     dtype: torch.dtype | None = None,
-    all_live: Callable[[tuple[Tensor, ...]], bool | None] | None = None,
 ) -> Value | None:
-    """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) where
-    ``live_of(parts, -1)`` (…, m) holds only, the other rows' results set to ``empty``:
+    """``fn(parts, w)`` (a matmul by a 2-D ``w``) on the rows of ``parts`` (…, m, k) with
+    a term (``terms.live(parts, -1)``, (…, m)) only, the other rows' results set to ``empty``:
     rows without a term (where no path reaches, e.g. every token but the read-out one in a
     last layer) cost nothing. Among those rows, the k columns without a term in any of them
     are dropped too, with their rows of ``w`` (a read-out of one logit reaches one row of an
@@ -124,14 +146,10 @@ def on_live_rows(
     reaches (when every row is live no column is dropped, and IEEE arithmetic on such a
     weight in a column without a term still gives NaN). Without a live row the result's
     dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
-    row is live, k is 0 or ``w`` is batched (the caller then computes all rows).
-    ``all_live(parts)``, where given, answers "every row is live" in one operator (None
-    where it cannot)."""
-    if w.dim() != 2 or parts[0].shape[-1] == 0:
+    row is live, k is 0 or ``w`` is batched (the caller then computes all rows)."""
+    if w.dim() != 2 or parts[0].shape[-1] == 0 or terms.all_live(parts):
         return None
-    if all_live is not None and all_live(parts):
-        return None
-    live = live_of(parts, -1)
+    live = terms.live(parts, -1)
     if bool(live.all()):
         return None
     parts = torch.broadcast_tensors(*parts)
@@ -142,7 +160,7 @@ def on_live_rows(
     results = None
     if rows.numel():
         picked = tuple(p[rows] for p in flat)
-        columns = live_of(picked, -2)
+        columns = terms.live(picked, -2)
         if not bool(columns.all()):
             kept = columns.nonzero().squeeze(1)
             picked, w = tuple(p[:, kept] for p in picked), w[kept]
