@@ -119,6 +119,8 @@ class Terms:
         testing every entry and reducing the bools)."""
         if self.signed:
             return ~((a[0] - a[1]).amax(dim) < 0)
+        if a[0].dtype == torch.bool:  # truth values (zero False): one any
+            return a[0].any(dim)
         return a[0].amax(dim) != self.zero
 
     def all_live(self, a: Value) -> bool | None:
