@@ -625,6 +625,36 @@ def test_matmul_lift_rows_without_terms(semiring):
             torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize(
+    "semiring",
+    [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Counting(), sa.Entropy(), sa.Boolean()],
+    ids=repr,
+)
+def test_low_precision_weight_converts_the_rows_it_reaches(semiring):
+    """The matmul_lift primitive converts a bfloat16 weight to message precision after
+    dropping the k columns no live row reaches (a read-out of one logit: one row of an
+    lm_head), and gives what the semiring's matmul_lift gives on the whole float32 weight,
+    bit for bit; with every row live the whole weight is converted."""
+    from semiring_autograd.ops import primitives as P
+
+    gen = torch.Generator().manual_seed(14)
+    w = torch.randn(9, 5, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 4, 9, generator=gen)
+    a = semiring.mul(semiring.lift(x), semiring.one(x.shape, x))
+    zero = semiring.zero(x.shape, x)
+    reached = torch.zeros(2, 4, 9, dtype=torch.bool)
+    reached[1, 3, [2, 6]] = True  # one live row, two of its columns
+    sparse = tuple(torch.where(reached, c, z) for c, z in zip(a, zero))
+    ref = (torch.bfloat16, x.device)
+    for value, rows in ((sparse, 2), (a, 9)):
+        parts, weight = P.weight_operands(semiring, value, w, ref)
+        assert weight.dtype == torch.float32 and weight.shape == (rows, 5)
+        got = P.matmul_lift(semiring, value, w, ref)
+        expected = semiring.matmul_lift(value, w.float())
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)
+
+
 def test_nan_in_entropy_r_is_never_zeroed():
     """A NaN in the r component survives ⊗, ⊗ by a lift, ⊕, matmuls and the leave-one-out
     wherever its log Z is finite (the 0-where-no-path rules hide nothing), kernels on."""

@@ -51,7 +51,7 @@ def contract_lift(S: Semiring, a: Tensor, w: Tensor, spec: Contraction, ref: Ref
 
 
 def matmul_lift(S: Semiring, a: Tensor, w: Tensor, ref: Ref) -> Tensor:
-    return S.matmul_lift((a,), as_message(w, ref))[0]
+    return S.matmul_lift(*P.weight_operands(S, (a,), w, ref))[0]
 
 
 def mul_lift(S: Semiring, a: Tensor, w: Tensor | Number, ref: Ref) -> Tensor:

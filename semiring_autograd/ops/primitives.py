@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..semirings.base import Semiring, Value, message_dtype
+from ..semirings.tensor_ops import live_columns, live_rows
 from .einsum_helpers import Contraction, contraction_dims
 
 Ref = tuple[torch.dtype, torch.device]
@@ -139,7 +140,26 @@ def _contract(S: Semiring, a: Value, b: tuple, spec: Contraction, matmul) -> Val
 def matmul_lift(S: Semiring, a: Value, w: Tensor, ref: Ref) -> Value:
     """matmul(a, lift(w)), which the generator emits for that pattern: a semiring may skip
     materialising lift(w) (the log-space semirings never take log|w| only to exp it)."""
-    return S.matmul_lift(a, as_message(w, ref))
+    return S.matmul_lift(*weight_operands(S, a, w, ref))
+
+
+def weight_operands(S: Semiring, a: Value, w: Tensor, ref: Ref) -> tuple[Value, Tensor]:
+    """``a`` and ``w`` in message precision for ``S.matmul_lift(a, w)``. A 2-D weight
+    stored in lower precision (bfloat16, half) is converted after dropping the columns of
+    ``a`` that ``S.matmul_lift`` drops (those without a term in any row that has one, where
+    some row has none: see ``on_live_rows``) with their rows of ``w``: a read-out of one
+    logit converts one row of an lm_head, not the whole weight."""
+    terms = S.terms
+    if terms is None or w.dim() != 2 or w.dtype == message_dtype(w.dtype):
+        return a, as_message(w, ref)
+    found = live_rows(a, terms)
+    if found is None or not found[2].numel():
+        return a, as_message(w, ref)
+    parts, _, rows = found
+    kept = live_columns(tuple(p.reshape(-1, p.shape[-1])[rows] for p in parts), terms)
+    if kept is None:
+        return a, as_message(w, ref)
+    return tuple(p.index_select(-1, kept) for p in parts), as_message(w[kept], ref)
 
 
 def mul_lift(S: Semiring, a: Value, w: Tensor | Number, ref: Ref) -> Value:

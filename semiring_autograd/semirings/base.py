@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .tensor_ops import Terms
 
 Value = tuple[Tensor, ...]
 
@@ -89,6 +92,9 @@ class Semiring:
     inline: ClassVar[InlineForms | None] = None
     #: messages are brought to a canonical form (:meth:`settle`) as they enter an op
     settles: ClassVar[bool] = False
+    #: which entries of a value hold a term, where the zero annihilates (0 ⊗ x = 0 for
+    #: every x): rows and columns without one are skipped in a matmul by a weight
+    terms: ClassVar[Terms | None] = None
 
     # ----- the definition: subclasses implement these -------------------------------
     def zero(self, shape: Sequence[int], like: Tensor) -> Value:

@@ -7,14 +7,12 @@ import torch
 from .base import InlineForms, Semiring
 from .tensor_ops import Terms, nonzero_operand, on_live_rows
 
-#: a truth value has a term where true
-_TERMS = Terms(False)
-
 
 class Boolean(Semiring):
     """(or, and): whether any path with all local derivatives non-zero exists."""
 
     name = "boolean"
+    terms = Terms(False)  # a true entry
     inline = InlineForms(
         lift="{w} != 0", mul="{a} & {b}", add="{a} | {b}", mul_lift="{a} & ({w} != 0)"
     )
@@ -52,7 +50,7 @@ class Boolean(Semiring):
     def matmul_lift(self, a, w):
         """On the GEMM operand w ≠ 0 in scratch storage, without a bool lift(w) and its
         float copy per call; on the live rows and columns only (see ``on_live_rows``)."""
-        result = on_live_rows(a, _TERMS, w, self._matmul_lift, (False,), torch.bool)
+        result = on_live_rows(a, self.terms, w, self._matmul_lift, (False,), torch.bool)
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

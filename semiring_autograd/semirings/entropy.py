@@ -66,6 +66,7 @@ class Entropy(Semiring):
     The readout log Z + r is the entropy (nats) of paths with p ∝ Π|w| (0 for ≤ 1 path)."""
 
     name = "entropy"
+    terms = LOG_TERMS
     n_components = 2
 
     def zero(self, shape, like):
@@ -111,7 +112,7 @@ class Entropy(Semiring):
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(a, LOG_TERMS, w, self._matmul_lift, (NEG_INF, 0.0))
+        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, 0.0))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

@@ -15,6 +15,7 @@ class Log(Semiring):
     """(logaddexp, +) over log|w|: log of the total |path| weight, -inf where no path."""
 
     name = "log"
+    terms = LOG_TERMS
     inline = InlineForms(
         lift="torch.log({w}.abs())",
         mul="{a} + {b}",
@@ -55,7 +56,7 @@ class Log(Semiring):
         return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(a, LOG_TERMS, w, self._matmul_lift, (NEG_INF,))
+        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF,))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

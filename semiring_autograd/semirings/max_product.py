@@ -19,14 +19,12 @@ from .tensor_ops import (
     scatter_extreme,
 )
 
-#: a path weight has a term above 0
-_TERMS = Terms(0.0)
-
 
 class MaxProduct(Semiring):
     """(max, ×) over |w|: the weight of the strongest path. Zero is 0, one is 1."""
 
     name = "max_product"
+    terms = Terms(0.0)  # a path weight above 0
     inline = InlineForms(
         lift="{w}.abs()", mul="{a} * {b}", add="torch.maximum({a}, {b})", mul_lift="{a} * {w}.abs()"
     )
@@ -67,7 +65,7 @@ class MaxProduct(Semiring):
         return (max_times(a[0], b[0]),)
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(a, _TERMS, w, self._matmul_lift, (0.0,))
+        result = on_live_rows(a, self.terms, w, self._matmul_lift, (0.0,))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

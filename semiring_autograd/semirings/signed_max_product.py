@@ -35,15 +35,12 @@ def _fusable(pairs: tuple[Value, ...], reals: tuple[Tensor, ...] = ()) -> bool:
     return not any_nan_or_inf(tensors, pairs_signs + (0,) * len(reals))
 
 
-#: a pair has a term where hi ≥ lo (the empty pair is (-inf, +inf))
-_TERMS = Terms(signed=True)
-
-
 class SignedMaxProduct(Semiring):
     """Pairs (largest, smallest) signed path product. Zero is (-inf, +inf), the empty set;
     lift(w) = (w, w) and lift(0) = zero; ⊗ takes the extremes of the four cross products."""
 
     name = "signed_max_product"
+    terms = Terms(signed=True)  # a pair with hi ≥ lo (the empty pair is (-inf, +inf))
     n_components = 2
 
     def __new__(cls, granularity: str = "element"):
@@ -95,7 +92,7 @@ class SignedMaxProduct(Semiring):
         return fused if fused is not None else _signed_combine(a, b, "matmul")
 
     def matmul_lift(self, a, w):
-        result = on_live_rows(a, _TERMS, w, self._matmul_lift, (NEG_INF, POS_INF))
+        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, POS_INF))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):

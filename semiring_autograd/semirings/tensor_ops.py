@@ -129,6 +129,26 @@ class Terms:
         return kernels.all_rows_live(a[0], a[1] if self.signed else None, self.zero)
 
 
+def live_rows(parts: Value, terms: Terms) -> tuple[Value, Tensor, Tensor] | None:
+    """None when every row (…, m) of ``parts`` (…, m, k) has a term; else ``parts``
+    broadcast to one shape, the rows with a term (…, m) and their flat indices."""
+    if terms.all_live(parts):
+        return None
+    live = terms.live(parts, -1)
+    if bool(live.all()):
+        return None
+    parts = torch.broadcast_tensors(*parts)
+    live = live.expand(parts[0].shape[:-1])
+    return parts, live, live.reshape(-1).nonzero().squeeze(1)
+
+
+def live_columns(picked: Value, terms: Terms) -> Tensor | None:
+    """The indices of the columns of ``picked`` (rows, k) with a term in some row; None
+    when every column has one."""
+    columns = terms.live(picked, -2)
+    return None if bool(columns.all()) else columns.nonzero().squeeze(1)
+
+
 def on_live_rows(
     parts: tuple[Tensor, ...],
     terms: Terms,
@@ -149,22 +169,19 @@ def on_live_rows(
     weight in a column without a term still gives NaN). Without a live row the result's
     dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
     row is live, k is 0 or ``w`` is batched (the caller then computes all rows)."""
-    if w.dim() != 2 or parts[0].shape[-1] == 0 or terms.all_live(parts):
+    if w.dim() != 2 or parts[0].shape[-1] == 0:
         return None
-    live = terms.live(parts, -1)
-    if bool(live.all()):
+    found = live_rows(parts, terms)
+    if found is None:
         return None
-    parts = torch.broadcast_tensors(*parts)
-    live = live.expand(parts[0].shape[:-1])
+    parts, live, rows = found
     k, n = parts[0].shape[-1], w.shape[-1]
     flat = [p.reshape(-1, k) for p in parts]
-    rows = live.reshape(-1).nonzero().squeeze(1)
     results = None
     if rows.numel():
         picked = tuple(p[rows] for p in flat)
-        columns = terms.live(picked, -2)
-        if not bool(columns.all()):
-            kept = columns.nonzero().squeeze(1)
+        kept = live_columns(picked, terms)
+        if kept is not None:
             picked, w = tuple(p[:, kept] for p in picked), w[kept]
         results = fn(tuple(p[None] for p in picked), w)
     if results:
