@@ -100,7 +100,7 @@ def test_all_rows_live_equals_the_live_formulas(dtype):
     """all_rows_live (behind ``Terms.all_live``) against the row tests it stands for
     (``Terms.live``: a maximum not equal to the zero; a signed pair's hi - lo not below 0),
     with dead rows, NaN and infinities."""
-    from semiring_autograd.semirings.tensor_ops import Terms
+    from semiring_autograd.semirings.base import Terms
 
     log_terms, magnitude_terms, signed_terms = Terms(-INF), Terms(0.0), Terms(signed=True)
     gen = torch.Generator().manual_seed(6)

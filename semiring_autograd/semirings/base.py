@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .tensor_ops import Terms
+from .. import kernels
 
 Value = tuple[Tensor, ...]
 
@@ -75,6 +74,30 @@ class InlineForms:
     mul: str
     add: str
     mul_lift: str | None
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Which entries of a semiring's values hold a term (a path reaches them): those whose
+    first component is not ``zero`` (the semiring zero's), or with ``signed`` the pairs
+    (hi, lo) with hi ≥ lo. NaN counts as a term."""
+
+    zero: float = 0.0
+    signed: bool = False
+
+    def live(self, a: Value, dim: int) -> Tensor:
+        """Rows (dim -1) or columns (dim -2) with a term: one reduction (cheaper than
+        testing every entry and reducing the bools)."""
+        if self.signed:
+            return ~((a[0] - a[1]).amax(dim) < 0)
+        if a[0].dtype == torch.bool:  # truth values (zero False): one any
+            return a[0].any(dim)
+        return a[0].amax(dim) != self.zero
+
+    def all_live(self, a: Value) -> bool | None:
+        """Whether every row has a term (``live(a, -1).all()``) in one operator; None where
+        the kernels do not take ``a``."""
+        return kernels.all_rows_live(a[0], a[1] if self.signed else None, self.zero)
 
 
 class Semiring:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import InlineForms, Semiring
-from .tensor_ops import Terms, nonzero_operand, on_live_rows
+from .base import InlineForms, Semiring, Terms
+from .tensor_ops import nonzero_operand, on_live_rows
 
 
 class Boolean(Semiring):

@@ -10,13 +10,13 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.workspace import scratch
+from .base import Terms
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     NEG_INF,
     POS_INF,
     batch_flatten,
     flat_batch,
-    Terms,
     ratio_or_zero,
     safe_weight,
     top_two,

@@ -7,14 +7,13 @@ from torch import Tensor
 
 from .. import kernels
 from .tensor_level import TensorMaxProduct, tensor_level_instance
-from .base import InlineForms, Semiring
+from .base import InlineForms, Semiring, Terms
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     all_finite,
     batch_flatten,
     filled,
     loo_max,
-    Terms,
     on_live_rows,
     scatter_extreme,
 )

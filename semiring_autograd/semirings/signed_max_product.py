@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import kernels
 from .tensor_level import TensorSignedMaxProduct, tensor_level_instance
-from .base import Semiring, Value
+from .base import Semiring, Terms, Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     NEG_INF,
@@ -16,7 +16,6 @@ from .tensor_ops import (
     filled,
     any_nan_or_inf,
     loo_max,
-    Terms,
     on_live_rows,
     scatter_extreme,
 )

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -12,7 +11,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.workspace import scratch
-from .base import Value, message_dtype
+from .base import Terms, Value, message_dtype
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -103,30 +102,6 @@ def nonzero_operand(w: Tensor, dtype: torch.dtype) -> Tensor:
 def flat_batch(x: Tensor, batch: tuple[int, ...]) -> Tensor:
     """``x`` broadcast to ``batch`` and flattened to (count, rows, cols)."""
     return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
-
-
-@dataclass(frozen=True)
-class Terms:
-    """Which entries of a semiring's values hold a term (a path reaches them): those whose
-    first component is not ``zero`` (the semiring zero's), or with ``signed`` the pairs
-    (hi, lo) with hi ≥ lo. NaN counts as a term."""
-
-    zero: float = 0.0
-    signed: bool = False
-
-    def live(self, a: Value, dim: int) -> Tensor:
-        """Rows (dim -1) or columns (dim -2) with a term: one reduction (cheaper than
-        testing every entry and reducing the bools)."""
-        if self.signed:
-            return ~((a[0] - a[1]).amax(dim) < 0)
-        if a[0].dtype == torch.bool:  # truth values (zero False): one any
-            return a[0].any(dim)
-        return a[0].amax(dim) != self.zero
-
-    def all_live(self, a: Value) -> bool | None:
-        """Whether every row has a term (``live(a, -1).all()``) in one operator; None where
-        the kernels do not take ``a``."""
-        return kernels.all_rows_live(a[0], a[1] if self.signed else None, self.zero)
 
 
 def live_rows(parts: Value, terms: Terms) -> tuple[Value, Tensor, Tensor] | None:
