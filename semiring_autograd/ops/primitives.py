@@ -152,7 +152,7 @@ def weight_operands(S: Semiring, a: Value, w: Tensor, ref: Ref) -> tuple[Value, 
     terms = S.terms
     if terms is None or w.dim() != 2 or w.dtype == message_dtype(w.dtype):
         return a, as_message(w, ref)
-    found = live_rows(a, terms)
+    found = live_rows(a, terms, w)
     if found is None or not found[2].numel():
         return a, as_message(w, ref)
     parts, _, rows = found

@@ -80,10 +80,13 @@ class InlineForms:
 class Terms:
     """Which entries of a semiring's values hold a term (a path reaches them): those whose
     first component is not ``zero`` (the semiring zero's), or with ``signed`` the pairs
-    (hi, lo) with hi ≥ lo. NaN counts as a term."""
+    (hi, lo) with hi ≥ lo. NaN counts as a term. With ``nan_at_zero_times_inf`` the zero
+    annihilates finite weights only: zero ⊗ lift(±∞ or NaN) is NaN (IEEE 0·∞, as in torch's
+    backward), so an entry without a term still meets every non-finite weight."""
 
     zero: float = 0.0
     signed: bool = False
+    nan_at_zero_times_inf: bool = False
 
     def live(self, a: Value, dim: int) -> Tensor:
         """Rows (dim -1) or columns (dim -2) with a term: one reduction (cheaper than

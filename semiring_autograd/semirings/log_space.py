@@ -32,8 +32,8 @@ def finite_max(x: Tensor, dim: int) -> Tensor:
     return m.masked_fill(~torch.isfinite(m), 0.0)
 
 
-#: a log value has a term above -inf
-LOG_TERMS = Terms(NEG_INF)
+#: a log value has a term above -inf; -inf + log|±∞ or NaN| is NaN
+LOG_TERMS = Terms(NEG_INF, nan_at_zero_times_inf=True)
 
 
 def gemm_exact_formula(z: Tensor, live: Tensor, tiny: float, may_overflow: bool) -> bool:

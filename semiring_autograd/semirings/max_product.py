@@ -23,7 +23,7 @@ class MaxProduct(Semiring):
     """(max, ×) over |w|: the weight of the strongest path. Zero is 0, one is 1."""
 
     name = "max_product"
-    terms = Terms(0.0)  # a path weight above 0
+    terms = Terms(0.0, nan_at_zero_times_inf=True)  # a path weight above 0; 0·∞ is NaN
     inline = InlineForms(
         lift="{w}.abs()", mul="{a} * {b}", add="torch.maximum({a}, {b})", mul_lift="{a} * {w}.abs()"
     )

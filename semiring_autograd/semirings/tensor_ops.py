@@ -104,13 +104,27 @@ def flat_batch(x: Tensor, batch: tuple[int, ...]) -> Tensor:
     return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
 
 
-def live_rows(parts: Value, terms: Terms) -> tuple[Value, Tensor, Tensor] | None:
-    """None when every row (…, m) of ``parts`` (…, m, k) has a term; else ``parts``
-    broadcast to one shape, the rows with a term (…, m) and their flat indices."""
+def finite_weight(w: Tensor) -> bool:
+    """Whether every entry of ``w`` is finite, from its extremes (NaN propagates through
+    them): one pass in any dtype, no tensor of ``w``'s size."""
+    if w.numel() == 0:
+        return True
+    low, high = torch.aminmax(w)
+    return bool(torch.isfinite(torch.stack([low, high])).all())
+
+
+def live_rows(parts: Value, terms: Terms, w: Tensor) -> tuple[Value, Tensor, Tensor] | None:
+    """The rows of ``parts`` (…, m, k) a matmul by the real weight ``w`` (k, n) needs:
+    None when every row (…, m) has a term, or some row has none and ``w`` holds an infinity
+    or NaN where ``terms.nan_at_zero_times_inf`` (zero ⊗ lift(w) is then NaN, as in torch's
+    backward, and the rows and columns without a term must stay); else ``parts`` broadcast
+    to one shape, the rows with a term (…, m) and their flat indices."""
     if terms.all_live(parts):
         return None
     live = terms.live(parts, -1)
     if bool(live.all()):
+        return None
+    if terms.nan_at_zero_times_inf and not finite_weight(w):
         return None
     parts = torch.broadcast_tensors(*parts)
     live = live.expand(parts[0].shape[:-1])
@@ -137,16 +151,16 @@ def on_live_rows(
     rows without a term (where no path reaches, e.g. every token but the read-out one in a
     last layer) cost nothing. Among those rows, the k columns without a term in any of them
     are dropped too, with their rows of ``w`` (a read-out of one logit reaches one row of an
-    lm_head's weight). Such a row's result is the semiring zero whatever w holds (the zero
-    annihilates: 0 ⊗ x = 0), and a dropped column adds nothing, where IEEE arithmetic would
-    give NaN for an inf or NaN weight; such a weight still shows in every live row it
-    reaches (when every row is live no column is dropped, and IEEE arithmetic on such a
-    weight in a column without a term still gives NaN). Without a live row the result's
+    lm_head's weight). Such a row's result is the semiring zero and a dropped column adds
+    nothing where the zero annihilates every entry of ``w`` (0 ⊗ x = 0); where zero ⊗
+    lift(∞) is NaN (``terms.nan_at_zero_times_inf``) nothing is dropped from a matmul by a
+    weight with an infinity or NaN, so each row's result is the same in any batch. Without a live row the result's
     dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
-    row is live, k is 0 or ``w`` is batched (the caller then computes all rows)."""
+    row is live, k is 0, ``w`` is batched, or ``w`` is not finite where zero ⊗ lift(w) is
+    NaN (see ``live_rows``; the caller then computes all rows)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:
         return None
-    found = live_rows(parts, terms)
+    found = live_rows(parts, terms, w)
     if found is None:
         return None
     parts, live, rows = found
