@@ -1,10 +1,14 @@
-"""The explain report: its prediction context, its zero-anchored colour scale (HTML and
-PNG alike), readable paths (identity steps hidden, parameters, normalisation and attention
-named) checked against the model's own numbers, and the semiring comparison page."""
+"""The explain report: its prediction context, each semiring's colour scale (HTML and PNG
+alike; log-domain readouts from the largest, Boolean in two colours, the rest from zero;
+one scale per semiring across texts unless asked), readable paths (identity steps hidden,
+parameters, normalisation and attention named) checked against the model's own numbers,
+and the semiring comparison page."""
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from semiring_autograd.explain import report
 from semiring_autograd.explain.report import NEGATIVE, POSITIVE, ZERO, Scale
 
 IDS = torch.tensor([[3, 17, 5, 29, 11, 8]])
+OTHER_IDS = torch.tensor([[9, 4, 21, 2, 30, 6, 12]])
 
 
 def _llama(eager: bool = False):
@@ -58,27 +63,58 @@ def test_prediction_is_the_unpatched_models(attributions):
         assert [q for _, q in p.top] == pytest.approx(top.values.tolist(), rel=1e-12)
 
 
-def test_scale_is_anchored_at_zero_and_diverges_for_signed_readouts(attributions):
+#: each built-in semiring's scale kind: log-domain readouts by their difference from the
+#: largest, Boolean in two colours, the rest anchored at zero
+KINDS = {
+    "Real": "diverging",
+    "MaxProduct": "sequential",
+    "SignedMaxProduct": "diverging",
+    "Log": "from_best",
+    "Entropy": "from_best",
+    "Counting": "from_best",
+    "Boolean": "presence",
+}
+
+
+def _finite(result) -> torch.Tensor:
+    values = result.display_scores()
+    if result.min_scores() is not None:
+        values = torch.cat([values, result.min_scores()])
+    return values[torch.isfinite(values)]
+
+
+def test_each_semiring_has_its_kind_of_scale(attributions):
     for name, result in attributions.items():
         scale = Scale.of(result)
-        finite = result.display_scores()[torch.isfinite(result.display_scores())]
-        if result.min_scores() is not None:
-            finite = torch.cat([finite, result.min_scores()])
-        assert scale.limit == pytest.approx(float(finite.abs().max()))
-        assert scale.diverging == (name in ("Real", "SignedMaxProduct", "Log")), name
-        assert scale.colour(0.0) == ZERO
-        assert scale.colour(scale.limit) == POSITIVE
-        assert scale.colour(-scale.limit) == (NEGATIVE if scale.diverging else ZERO)
-        assert scale.ticks()[0] == (-scale.limit if scale.diverging else 0.0)
+        finite = _finite(result)
+        assert scale.kind == KINDS[name], name
         assert result.unit in scale.label and result.meaning in scale.label
+        if scale.kind == "from_best":
+            assert (scale.lower, scale.upper) == (float(finite.min()), float(finite.max()))
+            assert scale.colour(float(finite.max())) == POSITIVE
+            assert scale.colour(float(finite.min())) == ZERO
+            assert [label for _, label in scale.ticks()] == [
+                f"{float(finite.min() - finite.max()):.4g}",
+                "0",
+            ]
+        elif scale.kind == "presence":
+            assert scale.colour(1.0) == POSITIVE and scale.colour(0.0) == ZERO
+        else:
+            assert scale.upper == pytest.approx(float(finite.abs().max()))
+            assert scale.colour(0.0) == ZERO
+            assert scale.colour(scale.upper) == POSITIVE
+            low = NEGATIVE if scale.kind == "diverging" else ZERO
+            assert scale.colour(-scale.upper) == low
+        assert scale.colour(float("nan")) == report.NOT_FINITE
 
 
-def test_scale_keeps_close_large_scores_close():
-    """Entropy-like scores 1013.8–1023.1 are all near the full colour, not white to red."""
-    scale = Scale(False, 1023.1, "nats")
-    low, high = scale.colour(1013.8), scale.colour(1023.1)
-    assert max(abs(a - b) for a, b in zip(low, high)) <= 3
-    assert scale.colour(float("nan")) == report.NOT_FINITE
+def test_log_domain_scale_spreads_large_close_readouts():
+    """Log readouts 384.6–386.9 (SmolLM2's): the smallest white, the largest red, the middle
+    halfway, where a zero-anchored scale would draw all three within 1 of the full colour."""
+    scale = Scale("from_best", 384.6, 386.9, "nats")
+    assert scale.colour(384.6) == ZERO and scale.colour(386.9) == POSITIVE
+    halfway = tuple(round((z + p) / 2) for z, p in zip(ZERO, POSITIVE))
+    assert max(abs(a - b) for a, b in zip(scale.colour(385.75), halfway)) <= 1
 
 
 def _spans(page: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -105,17 +141,26 @@ def test_html_heat_map_legend_and_context(attributions):
         assert ") (" not in page  # no doubled parentheses
 
 
-def test_png_bars_use_the_reports_colours(attributions, tmp_path):
+@pytest.mark.parametrize("name", ["Real", "Log", "Boolean"])
+def test_png_bars_use_the_reports_colours(attributions, tmp_path, name):
     image = pytest.importorskip("matplotlib.image")
-    result = attributions["Real"]
+    result = attributions[name]
     result.plot(tmp_path / "r.png")
     pixels = (image.imread(tmp_path / "r.png")[..., :3] * 255).round().astype(int)
     seen = {tuple(p) for p in pixels.reshape(-1, 3).tolist()}
     scale = Scale.of(result)
     for score in result.display_scores().tolist():
+        if not math.isfinite(score):
+            continue
         colour = scale.colour(score)
         near = [c for c in seen if max(abs(a - b) for a, b in zip(c, colour)) <= 1]
         assert near, f"bar colour {colour} of score {score} is not in the PNG"
+
+
+def test_png_title_names_model_text_position_and_target(attributions):
+    title = report._plot_title(attributions["MaxProduct"])
+    assert title.startswith("tiny") and "position 4 ('#11')" in title
+    assert attributions["MaxProduct"].target in title and "probability" in title
 
 
 def test_comparison_page_has_every_semiring_on_its_own_scale(attributions, tmp_path):
@@ -133,6 +178,94 @@ def test_comparison_page_has_every_semiring_on_its_own_scale(attributions, tmp_p
     assert first_row == want
     with pytest.raises(ValueError, match="same tokens"):
         report.html_page([[group[0], sa.attribute(_llama(), {"input_ids": IDS[:, :3]}, 7)]])
+
+
+def _column_colours(page: str, columns: int) -> list[list[tuple[int, ...]]]:
+    """The comparison table's cell colours, per column (semiring)."""
+    cells = re.findall(r'<td class="num" style="background: rgb\((\d+), (\d+), (\d+)\)', page)
+    colours = [tuple(int(c) for c in cell) for cell in cells]
+    return [colours[j::columns] for j in range(columns)]
+
+
+def _spread(colours: list[tuple[int, ...]]) -> int:
+    """The largest difference in any colour channel between two of ``colours``."""
+    return max(max(c[k] for c in colours) - min(c[k] for c in colours) for k in range(3))
+
+
+@pytest.mark.parametrize("offset", [0.0, 380.0], ids=["tiny", "shifted"])
+def test_no_comparison_column_is_one_colour_when_its_scores_differ(attributions, offset):
+    """Each column whose finite scores differ spans at least half its colour range.
+    ``shifted``: the log-domain readouts moved by 380, as a deep model's are (SmolLM2:
+    Log 384.6–386.9), which a zero-anchored scale draws in one dark red."""
+    group = [
+        replace(r, scores=r.scores + offset) if KINDS[name] == "from_best" else r
+        for name, r in attributions.items()
+    ]
+    page = report.html_page([group])
+    for result, colours in zip(group, _column_colours(page, len(group))):
+        scores = result.display_scores().tolist()
+        finite = [(s, c) for s, c in zip(scores, colours) if math.isfinite(s)]
+        values = [s for s, _ in finite]
+        if max(values) - min(values) <= 1e-9 * max(1.0, abs(max(values))):
+            continue
+        name = type(result.semiring).__name__
+        assert _spread([c for _, c in finite]) >= 116, (name, values, colours)
+
+
+def _log_of_two_texts():
+    model = _llama()
+    return [
+        sa.attribute(model, {"input_ids": ids}, 7, sa.Log(), position=-2, model_name="tiny")
+        for ids in (IDS, OTHER_IDS)
+    ]
+
+
+def _from_best_colour(value: float, lower: float, upper: float) -> tuple[int, ...]:
+    t = (value - lower) / (upper - lower)
+    return tuple(round(z + (p - z) * t) for z, p in zip(ZERO, POSITIVE))
+
+
+def test_texts_share_one_scale_per_semiring():
+    texts = _log_of_two_texts()
+    page = report.html_page(texts)
+    assert "one scale per semiring, shared by the 2 texts" in page
+    scores = [s for r in texts for s in r.display_scores().tolist()]
+    finite = [s for s in scores if math.isfinite(s)]
+    lower, upper = min(finite), max(finite)
+    spans = _spans(page)
+    assert len(spans) == len(scores)
+    for (_, colour), score in zip(spans, scores):
+        want = _from_best_colour(score, lower, upper) if math.isfinite(score) else None
+        assert colour == (want or report.NOT_FINITE), score
+    assert [colour for _, colour in spans].count(POSITIVE) == scores.count(upper)
+
+
+def test_texts_on_their_own_scales_when_asked():
+    texts = _log_of_two_texts()
+    page = report.html_page(texts, per_text_scales=True)
+    assert "each text on its own scale" in page
+    spans = iter(_spans(page))
+    for result in texts:
+        scores = result.display_scores().tolist()
+        finite = [s for s in scores if math.isfinite(s)]
+        for score in scores:
+            _, colour = next(spans)
+            if math.isfinite(score):
+                assert colour == _from_best_colour(score, min(finite), max(finite))
+
+
+def test_every_legend_says_what_its_colours_mean(attributions):
+    group = list(attributions.values())
+    page = report.html_page([group])
+    meanings = re.findall(r'<div class="meaning">([^<]+)</div>', page)
+    assert len(meanings) == len(group)
+    by_name = dict(zip(attributions, meanings))
+    assert "path" in by_name["Boolean"] and "no path" in by_name["Boolean"]
+    assert "<span>no path</span><span>path</span>" in page
+    for name in ("Log", "Entropy", "Counting"):
+        best = Scale.of(attributions[name]).upper
+        assert f"difference from the largest score, {best:.6g}" in by_name[name]
+    assert "white at 0" in by_name["Real"] and "white at 0" in by_name["MaxProduct"]
 
 
 #: Llama's RMSNorm computes in float32 inside the float64 model: a path's weight (its

@@ -375,7 +375,7 @@ def attribute(
     ``tokenizer``). ``position``: the sequence position whose logits are read (language
     models; default the last). ``paths``: recover each token's top path (max semirings
     only; SignedMaxProduct also the path of the smallest signed product). ``model_name``
-    names the model in reports (default: its ``name_or_path``, else its class).
+    names the model in reports (default: :func:`model_label`).
     ``compile``: without top paths, the patched forward and the scores' backward run as one
     ``sa.compiled_step`` per (semiring, target, position), one captured program per input
     length replayed for the texts of that length; with top paths (which run their own
@@ -390,7 +390,7 @@ def attribute(
             "granularity='element', or sa.grad for per-element tensor-level readouts"
         )
     if model_name is None:
-        model_name = getattr(model, "name_or_path", "") or type(model).__name__
+        model_name = model_label(model)
     if isinstance(inputs, os.PathLike):
         inputs = read_texts(inputs)
     modes = [(m, m.training) for m in model.modules()]
@@ -411,6 +411,18 @@ def attribute(
     finally:
         for m, training in modes:
             m.training = training
+
+
+def model_label(model: nn.Module) -> str:
+    """The model's name for a report: its ``name_or_path`` as a Hub id, or the last
+    component of a local directory (never the directory itself), else its class name."""
+    source = str(getattr(model, "name_or_path", "") or "")
+    if not source:
+        return type(model).__name__
+    where = FilePath(source)
+    if where.is_absolute() or where.exists():
+        return where.name or type(model).__name__
+    return source
 
 
 def read_texts(path: str | os.PathLike) -> list[str]:

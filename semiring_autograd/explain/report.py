@@ -1,11 +1,14 @@
 """Reports of an attribution: a self-contained HTML page and a PNG bar chart.
 
-Both draw a token's score on the same colour scale, anchored at zero: white at 0 and red
-at the largest score for readouts that are never negative (MaxProduct, Entropy, Counting,
-Boolean), diverging — blue below zero, red above — for signed ones (Real,
-SignedMaxProduct, Log), with a colour-bar legend in the readout's unit. A page opens with
-what the model predicted (model, text, the position read, the target's logit and
-probability, the most probable tokens); several semirings on one text make one comparison.
+Both colour a token's score on its semiring's scale (the registry's ``scale``): anchored at
+zero — white at 0 and red at the largest score for readouts that are never negative
+(MaxProduct), diverging — blue below zero, red above — for signed ones (Real,
+SignedMaxProduct); for log-domain readouts (Log, Entropy, Counting) by the difference from
+the largest score, which is red, down to the smallest, which is white; for Boolean two
+colours, path and no path. Each scale has a legend saying what its colours mean. A page
+opens with what the model predicted (model, text, the position read, the target's logit
+and probability, the most probable tokens); several semirings on one text make one
+comparison; several texts share one scale per semiring unless asked otherwise.
 """
 
 from __future__ import annotations
@@ -15,19 +18,21 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path as FilePath
-from typing import Any, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from ..semirings.registry import inherited_spec
 
-#: the scale's colours: below zero, at zero, above zero (sRGB)
+#: the scale's colours: below zero, at zero (or the smallest), at the top (sRGB)
 NEGATIVE = (33, 102, 172)
 ZERO = (255, 255, 255)
 POSITIVE = (178, 24, 43)
 #: a token whose score is not a number (NaN, or ±inf: no path) is drawn in grey
 NOT_FINITE = (190, 190, 190)
+
+ScaleKind = Literal["sequential", "diverging", "from_best", "presence"]
 
 
 class Scores(Protocol):
@@ -57,49 +62,120 @@ class Scores(Protocol):
 
 @dataclass(frozen=True)
 class Scale:
-    """A colour scale anchored at zero. Sequential: 0 → white, ``limit`` → red. Diverging:
-    −``limit`` → blue, 0 → white, ``limit`` → red. Values beyond the limit are clipped."""
+    """A colour scale of one semiring's scores. ``sequential``: ``lower`` (0) → white,
+    ``upper`` → red. ``diverging``: −``upper`` → blue, 0 → white, ``upper`` → red.
+    ``from_best``: the largest score ``upper`` → red, the smallest ``lower`` → white (a
+    token's colour is its difference from the largest). ``presence``: red where a path
+    exists (score > 0), white where none. Values beyond the ends are clipped; a value that
+    is not a number is grey."""
 
-    diverging: bool
-    limit: float
+    kind: ScaleKind
+    lower: float
+    upper: float
     label: str
 
     @classmethod
     def of(cls, result: Scores) -> "Scale":
-        """The scale of an attribution's scores (SignedMaxProduct: both rows): diverging for
-        a semiring whose readouts can be negative, or when a score is negative; the limit is
-        the largest finite magnitude (1 when there is none or it is 0)."""
-        scores = result.display_scores()
-        low = result.min_scores()
-        values = scores if low is None else torch.cat([scores, low])
-        finite = values[torch.isfinite(values)]
-        spec = inherited_spec(result.semiring)
+        """The scale of one attribution's scores."""
+        return cls.over([result])
+
+    @classmethod
+    def over(cls, results: Sequence[Scores]) -> "Scale":
+        """One scale for the scores of ``results`` (attributions under one semiring, e.g.
+        of several texts; SignedMaxProduct: both rows), of the kind the semiring's registry
+        entry names. Zero-anchored: diverging for a semiring whose readouts can be negative
+        or when a score is negative, up to the largest finite magnitude (1 when there is
+        none or it is 0). From the best: from the smallest finite score to the largest
+        (the largest − 1 when they are equal)."""
+        first = results[0]
+        spec = inherited_spec(first.semiring)
+        kind = "zero" if spec is None else spec.scale
+        finite = _finite_scores(results)
+        label = f"{first.meaning} [{first.unit}]"
+        if kind == "presence":
+            return cls("presence", 0.0, 1.0, label)
+        if kind == "from_best" and finite.numel():
+            best, worst = float(finite.max()), float(finite.min())
+            return cls("from_best", worst if worst < best else best - 1.0, best, label)
         signed = (spec is not None and spec.signed) or bool((finite < 0).any())
         limit = float(finite.abs().max()) if finite.numel() else 0.0
-        label = f"{result.meaning} [{result.unit}]"
-        return cls(signed, limit if limit > 0 else 1.0, label)
-
-    @property
-    def lower(self) -> float:
-        return -self.limit if self.diverging else 0.0
+        limit = limit if limit > 0 else 1.0
+        return (
+            cls("diverging", -limit, limit, label)
+            if signed
+            else cls("sequential", 0.0, limit, label)
+        )
 
     def colour(self, value: float) -> tuple[int, int, int]:
         """The sRGB colour of ``value``."""
         if not math.isfinite(value):
             return NOT_FINITE
-        t = max(-1.0, min(1.0, value / self.limit))
-        if t < 0 and not self.diverging:
-            t = 0.0
+        if self.kind == "presence":
+            return POSITIVE if value > 0 else ZERO
+        if self.kind == "diverging":
+            t = max(-1.0, min(1.0, value / self.upper))
+        else:
+            t = max(0.0, min(1.0, (value - self.lower) / (self.upper - self.lower)))
         end = POSITIVE if t >= 0 else NEGATIVE
-        a = abs(t)
-        return tuple(round(z + (e - z) * a) for z, e in zip(ZERO, end))  # type: ignore
+        return tuple(round(z + (e - z) * abs(t)) for z, e in zip(ZERO, end))  # type: ignore
 
     def css_gradient(self) -> str:
-        stops = [NEGATIVE, ZERO, POSITIVE] if self.diverging else [ZERO, POSITIVE]
+        """The legend bar's background: the scale from ``lower`` to ``upper``."""
+        if self.kind == "presence":
+            return f"linear-gradient(to right, {_css(ZERO)} 50%, {_css(POSITIVE)} 50%)"
+        stops = [NEGATIVE, ZERO, POSITIVE] if self.kind == "diverging" else [ZERO, POSITIVE]
         return "linear-gradient(to right, " + ", ".join(_css(c) for c in stops) + ")"
 
-    def ticks(self) -> list[float]:
-        return [self.lower, 0.0, self.limit] if self.diverging else [0.0, self.limit]
+    def ticks(self) -> list[tuple[float, str]]:
+        """(score, its label) under the legend bar, left to right: from the best, the labels
+        are differences from the largest score."""
+        if self.kind == "presence":
+            return [(0.0, "no path"), (1.0, "path")]
+        if self.kind == "from_best":
+            return [(self.lower, f"{self.lower - self.upper:.4g}"), (self.upper, "0")]
+        ends = [self.lower, 0.0, self.upper] if self.kind == "diverging" else [0.0, self.upper]
+        return [(v, f"{v:.4g}") for v in ends]
+
+    @property
+    def axis_label(self) -> str:
+        """What a tick's number is."""
+        if self.kind == "from_best":
+            return f"difference from the largest score, {self.upper:.6g}: {self.label}"
+        return self.label
+
+    def explanation(self) -> str:
+        """What the colours mean, in a sentence."""
+        grey = " Grey: not a number (−inf: no path)."
+        if self.kind == "presence":
+            return "Red: a path from the token reaches the output; white: no path."
+        if self.kind == "from_best":
+            return (
+                f"Colour: the score's difference from the largest score, {self.upper:.6g} "
+                f"(red), down to the smallest, {self.lower - self.upper:.4g} below it "
+                f"(white); a log-domain readout carries its meaning in differences." + grey
+            )
+        if self.kind == "diverging":
+            return (
+                f"Colour: blue below zero, white at 0, red above; full colour at "
+                f"±{self.upper:.4g}." + grey
+            )
+        return f"Colour: white at 0, red at the largest score, {self.upper:.4g}." + grey
+
+    def sample(self, k: int) -> float:
+        """The score ``k``/255 of the way from ``lower`` to ``upper``."""
+        return self.lower + (self.upper - self.lower) * k / 255
+
+
+def _finite_scores(results: Sequence[Scores]) -> Tensor:
+    """Every finite score of ``results`` (SignedMaxProduct: both rows), flattened."""
+    parts = []
+    for r in results:
+        parts.append(r.display_scores().reshape(-1))
+        low = r.min_scores()
+        if low is not None:
+            parts.append(low.reshape(-1))
+    values = torch.cat(parts)
+    return values[torch.isfinite(values)]
 
 
 def _css(colour: tuple[int, int, int]) -> str:
@@ -123,16 +199,44 @@ def _groups(result: Any) -> list[list[Scores]]:
     return groups
 
 
+def _scales(groups: list[list[Scores]], per_text: bool) -> list[list[Scale]]:
+    """Per text, per attribution, its scale: one per semiring over every text, or with
+    ``per_text`` one per attribution."""
+    if per_text:
+        return [[Scale.of(r) for r in group] for group in groups]
+    by_semiring: dict[type, list[Scores]] = {}
+    for group in groups:
+        for r in group:
+            by_semiring.setdefault(type(r.semiring), []).append(r)
+    shared = {kind: Scale.over(results) for kind, results in by_semiring.items()}
+    return [[shared[type(r.semiring)] for r in group] for group in groups]
+
+
+def _scales_note(texts: int, per_text: bool) -> str:
+    """What the colours of a page of several texts compare."""
+    if per_text:
+        return (
+            "Colours: each text on its own scale per semiring; the same colour can mean "
+            "different scores in different texts."
+        )
+    return f"Colours: one scale per semiring, shared by the {texts} texts."
+
+
 def html_page(
     result: Scores | Sequence[Scores] | Sequence[Sequence[Scores]],
     path: str | os.PathLike | None = None,
+    *,
+    per_text_scales: bool = False,
 ) -> str:
     """A self-contained HTML page: per text, what the model predicted, the tokens as a heat
-    map of their scores on a zero-anchored scale with its colour-bar legend, a score table
-    and the headline paths (every token's path in a collapsible section). ``result``: one
+    map of their scores on the semiring's scale with its legend, a score table and the
+    headline paths (every token's path in a collapsible section). ``result``: one
     attribution, one per text, or per text a list of attributions under several semirings
-    (a comparison). Written to ``path`` when given; returned either way."""
+    (a comparison). Several texts share one scale per semiring; ``per_text_scales`` gives
+    each text its own (the page says which). Written to ``path`` when given; returned
+    either way."""
     groups = _groups(result)
+    scales = _scales(groups, per_text_scales)
     first = groups[0][0]
     names = [type(r.semiring).__name__ for r in groups[0]]
     what = f"{names[0]} attribution" if len(names) == 1 else f"{len(names)} semirings compared"
@@ -140,29 +244,32 @@ def html_page(
     if len(groups) > 1:
         title = f"{what} on {len(groups)} texts — target {first.target}"
     numbered = len(groups) > 1
+    note = f"<p>{_scales_note(len(groups), per_text_scales)}</p>" if numbered else ""
     body = "\n".join(
-        _text_section(group, i if numbered else None) for i, group in enumerate(groups)
+        _text_section(group, group_scales, i if numbered else None)
+        for i, (group, group_scales) in enumerate(zip(groups, scales))
     )
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
-body {{ font-family: sans-serif; margin: 0 2em 2em; color: #111; }}
+body {{ font-family: sans-serif; margin: 0 2em 2em; color: #111; overflow-wrap: anywhere; }}
 header.report {{ background: #e8eef6; margin: 0 -2em 1em; padding: 0.6em 2em; }}
 header.report h1 {{ font-size: 1.4em; margin: 0.3em 0; }}
-dl.context {{ display: grid; grid-template-columns: max-content auto; gap: 2px 1em; margin: 0.5em 0; }}
+dl.context {{ display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 2px 1em; margin: 0.5em 0; }}
 dl.context dt {{ font-weight: bold; }} dl.context dd {{ margin: 0; }}
-.tok {{ padding: 3px 4px; margin: 1px; border-radius: 3px; white-space: pre; font-size: 1.2em; }}
-.legend {{ display: inline-block; margin: 0.5em 0 1em; font-size: 0.85em; }}
+.tok {{ display: inline-block; padding: 3px 4px; margin: 1px; border-radius: 3px; white-space: pre; font-size: 1.2em; }}
+.legend {{ display: inline-block; width: 322px; margin: 0.5em 0 1em; font-size: 0.85em; }}
 .legends {{ display: flex; flex-wrap: wrap; gap: 0 2em; margin-top: 1em; }}
 .legend .bar {{ width: 320px; height: 16px; border: 1px solid #444; }}
 .legend .ticks {{ display: flex; justify-content: space-between; width: 322px; }}
+.legend .meaning {{ color: #444; margin-top: 0.3em; }}
 table {{ border-collapse: collapse; }} td, th {{ padding: 2px 8px; text-align: left; }}
-td {{ white-space: pre; }}
-td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
-pre {{ background: #f6f6f6; padding: 1em; overflow-x: auto; }}
+td {{ white-space: pre-wrap; }}
+td.num {{ text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }}
+pre {{ background: #f6f6f6; padding: 1em; white-space: pre-wrap; overflow-wrap: anywhere; }}
 </style></head><body>
 <header class="report"><h1>{html.escape(title)}</h1>
-{_context(first, "shared" if numbered else "all")}</header>
+{_context(first, "shared" if numbered else "all")}{note}</header>
 {body}
 </body></html>
 """
@@ -198,10 +305,12 @@ def _context(result: Scores, which: str) -> str:
 
 
 def _legend(scale: Scale) -> str:
-    ticks = "".join(f"<span>{v:.4g}</span>" for v in scale.ticks())
+    """The colour bar, its tick labels, what the numbers are and what the colours mean."""
+    ticks = "".join(f"<span>{html.escape(label)}</span>" for _, label in scale.ticks())
     return (
         f'<div class="legend"><div class="bar" style="background: {scale.css_gradient()}">'
-        f'</div><div class="ticks">{ticks}</div><div>{html.escape(scale.label)}</div></div>'
+        f'</div><div class="ticks">{ticks}</div><div>{html.escape(scale.axis_label)}</div>'
+        f'<div class="meaning">{html.escape(scale.explanation())}</div></div>'
     )
 
 
@@ -238,7 +347,7 @@ def _paths(result: Scores) -> str:
     return "\n".join(parts)
 
 
-def _text_section(group: list[Scores], number: int | None) -> str:
+def _text_section(group: list[Scores], scales: list[Scale], number: int | None) -> str:
     """One text: one semiring's heat map, table and paths, or a comparison of several."""
     first = group[0]
     head = ""
@@ -247,12 +356,11 @@ def _text_section(group: list[Scores], number: int | None) -> str:
         about = f": {text!r}" if text is not None else ""
         head = f"<h2>Text {number + 1}{html.escape(about)}</h2>\n{_context(first, 'own')}\n"
     if len(group) == 1:
-        return head + _single(first)
-    return head + _comparison(group)
+        return head + _single(first, scales[0])
+    return head + _comparison(group, scales)
 
 
-def _single(result: Scores) -> str:
-    scale = Scale.of(result)
+def _single(result: Scores, scale: Scale) -> str:
     scores = result.display_scores().tolist()
     low = result.min_scores()
     spans = "".join(
@@ -284,13 +392,12 @@ def _cell(value: float, scale: Scale) -> str:
     )
 
 
-def _comparison(group: list[Scores]) -> str:
-    """Several semirings on one text: a table of tokens × semirings, each column on its own
-    scale, the legends, and the paths of the semirings that have them."""
+def _comparison(group: list[Scores], scales: list[Scale]) -> str:
+    """Several semirings on one text: a table of tokens × semirings, each column on its
+    semiring's scale, the legends, and the paths of the semirings that have them."""
     tokens = group[0].tokens
     if any(r.tokens != tokens for r in group):
         raise ValueError("a comparison needs attributions of the same tokens")
-    scales = [Scale.of(r) for r in group]
     heads = "".join(
         f"<th>{html.escape(type(r.semiring).__name__)}<br><small>{html.escape(r.meaning)}"
         "</small></th>"
@@ -310,8 +417,9 @@ def _comparison(group: list[Scores]) -> str:
     )
     return f"""<h2>Semirings compared</h2>
 <p>Score per token: each semiring's ⊕ over the token's embedding elements; each column is
-coloured on its own zero-anchored scale (legends below). SignedMaxProduct: the largest
-signed product.</p>
+coloured on its semiring's scale (legends below): zero-anchored for Real, MaxProduct and
+SignedMaxProduct (the largest signed product), the difference from the largest score for
+the log-domain readouts (Log, Entropy, Counting), path or no path for Boolean.</p>
 <table><tr><th>#</th><th>token</th>{heads}</tr>
 {"".join(rows)}
 </table>
@@ -321,15 +429,14 @@ signed product.</p>
 
 def plot_scores(result: Scores | Sequence[Scores], path: str | os.PathLike) -> None:
     """A PNG bar chart of the token scores, one panel per attribution (several: semirings
-    compared on one text), each bar coloured on the report's scale, with its colour bar
-    (needs matplotlib: the ``plot`` extra)."""
+    compared on one text), each bar coloured on the report's scale, with its colour bar;
+    log-domain readouts are drawn as the difference from the largest score (needs
+    matplotlib: the ``plot`` extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.cm import ScalarMappable
-        from matplotlib.colors import ListedColormap, Normalize
     except ImportError as exc:
         raise ImportError(
             "Attribution.plot needs matplotlib: pip install 'semiring-autograd[plot]'"
@@ -344,38 +451,61 @@ def plot_scores(result: Scores | Sequence[Scores], path: str | os.PathLike) -> N
         layout="constrained",
     )
     for ax, r in zip(axes[:, 0], results):
-        scale = Scale.of(r)
-        scores = r.display_scores().tolist()
-        shown = [s if math.isfinite(s) else 0.0 for s in scores]
-        colours = [tuple(c / 255 for c in scale.colour(s)) for s in scores]
-        ax.bar(range(len(tokens)), shown, color=colours, edgecolor="#444", linewidth=0.6)
-        ax.axhline(0.0, color="#444", linewidth=0.8)
-        ax.set_xticks(range(len(tokens)), [repr(t) for t in tokens], rotation=60, fontsize=8)
-        ax.set_ylabel("score", fontsize=8)
-        ax.set_title(f"{type(r.semiring).__name__}: {r.meaning}", fontsize=9)
-        ax.set_ylim(*_limits(scale, shown))
-        samples = [
-            scale.colour(scale.lower + (scale.limit - scale.lower) * k / 255) for k in range(256)
-        ]
-        cmap = ListedColormap([tuple(c / 255 for c in rgb) for rgb in samples])
-        bar = fig.colorbar(
-            ScalarMappable(Normalize(scale.lower, scale.limit), cmap), ax=ax, pad=0.02
-        )
-        bar.set_label(r.unit, fontsize=8)
-    first = results[0]
-    title = f"target {first.target}"
-    if first.prediction is not None:
-        p = first.prediction
-        text = "" if p.text is None else f" — {p.text!r}"
-        title = f"{p.model}{text}; {title}, probability {p.target_probability:.3g}"
-    fig.suptitle(title, fontsize=9)
+        _panel(fig, ax, r, Scale.of(r))
+    fig.suptitle(_plot_title(results[0]), fontsize=9)
     fig.savefig(path, format="png")
     plt.close(fig)
 
 
-def _limits(scale: Scale, values: list[float]) -> tuple[float, float]:
-    """y limits that include zero and every bar, with a margin."""
-    lo = min([0.0, *values])
-    hi = max([0.0, *values])
-    span = (hi - lo) or scale.limit
-    return lo - 0.05 * span * (lo < 0), hi + 0.05 * span
+def _plot_title(result: Scores) -> str:
+    """The chart's title: the model, the text, the position read, the target."""
+    title = f"target {result.target}"
+    p = result.prediction
+    if p is None:
+        return title
+    text = "" if p.text is None else f" — {p.text!r}"
+    read = "" if p.position is None else f"; logits read at position {p.position} ({p.token!r})"
+    return f"{p.model}{text}{read}; {title}, probability {p.target_probability:.3g}"
+
+
+def _panel(fig: Any, ax: Any, result: Scores, scale: Scale) -> None:
+    """One attribution's bars, coloured on ``scale``, with its colour bar. From the best:
+    each bar rises from below the smallest score to the score's difference from the
+    largest, so every token's bar shows."""
+    scores = result.display_scores().tolist()
+    colours = [tuple(c / 255 for c in scale.colour(s)) for s in scores]
+    offset = scale.upper if scale.kind == "from_best" else 0.0
+    span = scale.upper - scale.lower
+    base = scale.lower - offset - 0.1 * span if scale.kind == "from_best" else 0.0
+    heights = [s - offset - base if math.isfinite(s) else 0.0 for s in scores]
+    ax.bar(range(len(scores)), heights, bottom=base, color=colours, edgecolor="#444", linewidth=0.6)
+    ax.axhline(0.0, color="#444", linewidth=0.8)
+    ax.set_xticks(range(len(scores)), [repr(t) for t in result.tokens], rotation=60, fontsize=8)
+    ax.set_ylabel("Δ from the largest" if scale.kind == "from_best" else "score", fontsize=8)
+    ax.set_title(f"{type(result.semiring).__name__}: {result.meaning}", fontsize=9)
+    ax.set_ylim(*_limits([base + h for h in heights], base, span))
+    _colour_bar(fig, ax, scale, offset, result.unit)
+
+
+def _colour_bar(fig: Any, ax: Any, scale: Scale, offset: float, unit: str) -> None:
+    """The scale's colours beside ``ax``, its numbers shifted by ``offset``."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import ListedColormap, Normalize
+
+    samples = [scale.colour(scale.sample(k)) for k in range(256)]
+    if scale.kind == "presence":
+        samples = [ZERO, POSITIVE]
+    cmap = ListedColormap([tuple(c / 255 for c in rgb) for rgb in samples])
+    norm = Normalize(scale.lower - offset, scale.upper - offset)
+    bar = fig.colorbar(ScalarMappable(norm, cmap), ax=ax, pad=0.02)
+    if scale.kind == "presence":
+        bar.set_ticks([0.25, 0.75], labels=["no path", "path"])
+    bar.set_label(f"Δ from the largest [{unit}]" if scale.kind == "from_best" else unit, fontsize=8)
+
+
+def _limits(tops: list[float], base: float, span: float) -> tuple[float, float]:
+    """y limits that include the bars' base, zero and every bar's top, with a margin."""
+    lo = min([0.0, base, *tops])
+    hi = max([0.0, *tops])
+    margin = 0.05 * ((hi - lo) or span or 1.0)
+    return lo - margin * (lo < 0), hi + margin

@@ -37,8 +37,10 @@ class SemiringSpec:
     graph of each op unless the instance asks for the formulas (``Real(formulas=True)``).
     ``kernels``: the fused kernels (:mod:`semiring_autograd.kernels`) its primitives use.
     ``meaning`` and ``unit``: what a readout from an output to an input element is, and its
-    unit; ``signed``: readouts can be negative (reports draw them on a scale diverging at
-    zero; the others on a scale from zero).
+    unit; ``signed``: readouts can be negative. ``scale``: how reports colour readouts —
+    ``"zero"``: anchored at zero (diverging when ``signed``); ``"from_best"``: by the
+    difference from the largest readout (logs, in nats: only differences carry meaning);
+    ``"presence"``: two colours, path or no path.
     """
 
     cls: type[Semiring]
@@ -51,6 +53,7 @@ class SemiringSpec:
     plain_messages: bool = False
     torch_graph: bool = False
     kernels: tuple[str, ...] = ()
+    scale: Literal["zero", "from_best", "presence"] = "zero"
 
     @property
     def name(self) -> str:
@@ -101,6 +104,7 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         module="own",
         signed=True,
         kernels=("log_space_rows", "loo_log"),
+        scale="from_best",
     ),
     SemiringSpec(
         Entropy,
@@ -117,6 +121,7 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
             "entropy_weights",
             "ratio_where_positive",
         ),
+        scale="from_best",
     ),
     SemiringSpec(
         Boolean,
@@ -125,6 +130,7 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         "1 = yes, 0 = no",
         module="own",
         top_paths="witness",
+        scale="presence",
     ),
     SemiringSpec(
         Counting,
@@ -133,6 +139,7 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         "ln of a count",
         module="own",
         kernels=("log_space_rows", "loo_log"),
+        scale="from_best",
     ),
 )
 
