@@ -24,9 +24,11 @@ def test_top_path_is_the_argmax_of_path_enumeration(name: str, element: tuple[in
     assert oracle, "the oracle found no path"
     for j, (product, trail) in oracle.items():
         path = finder.path(j)
-        steps = path.steps[1:]
-        if steps and steps[-1].module == "(outside sa.patch)":
-            steps = steps[:-1]  # out[element] taken outside the patch: weight-1 edges
+        # out[element] is taken outside the patch: its select steps are weight-1 edges
+        outside = [s for s in path.steps[1:] if s.module == "(outside sa.patch)"]
+        assert [s.op for s in outside] == ["SelectBackward0"] * 2
+        assert all(s.local_derivative == 1.0 for s in outside)
+        steps = [s for s in path.steps[1:] if s.module != "(outside sa.patch)"]
         assert [flat_index(s.index, s.shape) for s in steps] == [node[1] for node, _ in trail]
         assert [s.shape for s in steps] == [tuple(program.values[n[0]].shape) for n, _ in trail]
         torch.testing.assert_close(
@@ -63,7 +65,7 @@ def test_default_index_is_the_best_element_and_path_prints():
     assert path.weight == pytest.approx(float(readout.max()), rel=1e-12)
     text = path.format(hide_identity=False)
     assert "MaxProduct path" in text and "v  linear" in text and "(outside sa.patch)" in text
-    assert "(outside sa.patch)" not in str(path) and "1 step of weight 1 hidden" in str(path)
+    assert "(outside sa.patch)" not in str(path) and "2 steps of weight 1 hidden" in str(path)
 
 
 def test_tiny_bert_path_names_modules_indices_and_edges():

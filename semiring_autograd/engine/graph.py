@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from .replay import Replay
@@ -81,3 +84,30 @@ def internal_nodes(node: Any, info: NodeInfo) -> list[Any]:
             found.append(child)
             stack.append(child)
     return found
+
+
+def native_column(node: Any, metas: Sequence[Tensor | None], position: int, element: int):
+    """∂out_k/∂x[element] for every output k of a native backward ``node`` (flattened;
+    None where ``metas`` has None), x its input ``position``: one column of the op's local
+    Jacobian J. The node computes g = Jᵀv from its outputs' gradients v, linearly, so the
+    column is ∂g[element]/∂v. ``metas``: per output, a tensor of its shape, dtype and
+    device (its incoming message), or None where no gradient reaches it."""
+    probes = [
+        None if m is None else torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in metas
+    ]
+    live = [p.requires_grad_() for p in probes if p is not None]
+    with torch.enable_grad():
+        grads = node(*probes)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    g = grads[position] if position < len(grads) else None
+    found: Sequence[Tensor | None] = [None] * len(live)
+    if g is not None and g.requires_grad:
+        found = torch.autograd.grad(g.reshape(-1)[element], live, allow_unused=True)
+    columns = iter(found)
+    return tuple(None if p is None else _flat_or_zeros(next(columns), p) for p in probes)
+
+
+def _flat_or_zeros(column: Tensor | None, probe: Tensor) -> Tensor:
+    if column is None:  # the input does not depend on this output
+        return torch.zeros(probe.numel(), dtype=probe.dtype, device=probe.device)
+    return column.reshape(-1)

@@ -32,7 +32,7 @@ from torch import Tensor
 from ..engine.graph import node_info
 from ..errors import SemiringAutogradError
 from ..ops.decompositions import DECOMPOSITIONS
-from .paths import WRITE_BACK_NODES, Key, Path, PathFinder, Step, composition_steps, edge_note
+from .paths import WRITE_BACK_NODES, Key, Path, PathFinder, Step, composition_steps
 
 #: a path's steps as a linked list, newest first: (step, rest) or None
 Cells = tuple[Step, Any] | None
@@ -170,12 +170,10 @@ class KPathSearch:
         children: list[tuple[float, _State]] = []
         for node, position in finder.consumers.get(state.key, []):
             info = node_info(node)
-            if info is None or info.replay is None:
-                if node.name() not in WRITE_BACK_NODES:
-                    children += self._tail(state, node, position)
-                elif WRITE_BACK_NODES[node.name()] == position:
+            if (info is None or info.replay is None) and node.name() in WRITE_BACK_NODES:
+                if WRITE_BACK_NODES[node.name()] == position:
                     children.append(self._through_write_back(state, node))
-            elif info.op in DECOMPOSITIONS:
+            elif info is not None and info.op in DECOMPOSITIONS:
                 self._enter(state, node, position)
             else:
                 children += self._through_op(state, node, position)
@@ -185,14 +183,19 @@ class KPathSearch:
 
     def _through_op(self, state: _State, node, position: int) -> list[tuple[float, _State]]:
         """The best children over the edges x[e] → y[i] of one op (its local-Jacobian
-        column at e, every output y of the op)."""
-        finder, info = state.finder, node_info(node)
+        column at e, every output y of the op; a native node's too: ops outside
+        ``sa.patch`` up to the output)."""
+        finder = state.finder
         cache = (node, position, state.element)
         if cache not in self._columns:
-            self._columns[cache] = info.replay.column(position, state.element)
+            self._columns[cache] = finder.column(node, position, state.element)
         candidates = []
         for nr, w in enumerate(self._columns[cache]):
-            if nr >= len(finder.incoming.get(node, ())) or finder.incoming[node][nr] is None:
+            if (
+                w is None
+                or nr >= len(finder.incoming.get(node, ()))
+                or finder.incoming[node][nr] is None
+            ):
                 continue
             w = w.double()
             hi, lo = self._suffix(finder, (node, nr))
@@ -202,13 +205,10 @@ class KPathSearch:
             for p, i in zip(top.values.tolist(), top.indices.tolist()):
                 if p != -torch.inf:
                     candidates.append((p, nr, i, float(w[i])))
-        entry = finder._unravel(state.element, info.replay.inputs()[position].shape)
         children = []
         for p, nr, i, w in candidates:
-            shape = tuple(finder.incoming[node][nr].shape)
-            index = finder._unravel(i, shape)
-            note = edge_note(info, position, entry, index)
-            step = Step(info.module, info.op, shape, index, w, note)
+            shape = finder.incoming[node][nr].shape
+            step = finder.edge_step(node, position, state.element, shape, i, w)
             child = _State(
                 finder, (node, nr), i, state.product * w, (step, state.cells), state.frames
             )
@@ -223,22 +223,6 @@ class KPathSearch:
         hi, lo = self._suffix(state.finder, child.key)
         product = torch.tensor(state.product, dtype=torch.float64)
         return float(self._priority(product, hi[state.element], lo[state.element])), child
-
-    def _tail(self, state: _State, node, position: int) -> list[tuple[float, _State]]:
-        """Native structural ops outside ``sa.patch`` up to the output (weight-1 edges):
-        the path ends here, weighted by the message they pass back."""
-        finder = state.finder
-        grads = finder.outgoing.get(node)
-        if grads is None or position >= len(grads) or grads[position] is None:
-            return []
-        hi, lo = _bounds(grads[position], self.signed)
-        e = state.element
-        product = torch.tensor(state.product, dtype=torch.float64)
-        priority = float(self._priority(product, hi[e], lo[e]))
-        total = float(product * hi[e]) if self.signed else abs(state.product) * float(hi[e])
-        step = finder._tail(node)
-        done = _State(finder, None, e, total, (step, state.cells), ())
-        return [(priority, done)]
 
     def _enter(self, state: _State, node, position: int) -> None:
         """Continue inside composite op ``node``'s composition."""

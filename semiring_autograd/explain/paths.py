@@ -21,6 +21,7 @@ element: the path's weight.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from ..engine import trace as tracing
 from ..ops import demand
 from ..engine.grad import recorded_semiring, seed_message
-from ..engine.graph import NodeInfo, node_info, reachable_nodes
+from ..engine.graph import NodeInfo, native_column, node_info, reachable_nodes
 from ..engine.patch import patch
 from ..ops.decompositions import DECOMPOSITIONS
 from ..errors import SemiringAutogradError
@@ -177,6 +178,51 @@ class _Sub(nn.Module):
 WRITE_BACK_NODES = {"CloneBackward0": 0, "torch::autograd::CopyBackwards": 1}
 
 
+#: the module of a step over a native backward node: an op run outside ``sa.patch``
+OUTSIDE = "(outside sa.patch)"
+
+
+def flat_position(index: int | Sequence[int], shape: Sequence[int]) -> int:
+    """The row-major position of element ``index`` of the input, of ``shape``: ``index`` is
+    a flat int in [−numel, numel) or one int per dimension, each in [−size, size); negative
+    values count from the end, as Python's."""
+    shape = tuple(shape)
+    if isinstance(index, Sequence) and not isinstance(index, str):
+        entries = tuple(_as_int(i, index) for i in index)
+        if len(entries) != len(shape):
+            raise IndexError(
+                f"path index {tuple(index)} has {len(entries)} entries for the input of shape "
+                f"{shape}: give one per dimension ({len(shape)}) or a flat int"
+            )
+        flat = 0
+        for d, (i, size) in enumerate(zip(entries, shape)):
+            if not -size <= i < size:
+                raise IndexError(
+                    f"path index {entries} is out of range for the input of shape {shape}: "
+                    f"entry {d} is {i}, dimension {d} has size {size} (allowed {-size}..{size - 1})"
+                )
+            flat = flat * size + i % size
+        return flat
+    i, numel = _as_int(index, index), math.prod(shape)
+    if not -numel <= i < numel:
+        raise IndexError(
+            f"path index {i} is out of range for the input of shape {shape}: a flat index "
+            f"lies in {-numel}..{numel - 1}"
+        )
+    return i % numel
+
+
+def _as_int(i: Any, index: Any) -> int:
+    if isinstance(i, bool):
+        raise TypeError(f"path index {index!r}: use ints, not {type(i).__name__}")
+    try:
+        return operator.index(i)
+    except TypeError:
+        raise TypeError(
+            f"path index {index!r}: use a flat int or a tuple of ints, not {type(i).__name__}"
+        ) from None
+
+
 def _replay_of(node: Any):
     info = node_info(node)
     return None if info is None else info.replay
@@ -311,14 +357,11 @@ class PathFinder:
         return Path(weight, name, (start, *steps))
 
     def flat_index(self, index: int | Sequence[int] | None) -> int:
+        """The row-major position of ``input[index]`` (see :func:`flat_position`); None: the
+        element with the best readout."""
         if index is None:
             return self.default_index()
-        if isinstance(index, int):
-            return index
-        flat = 0
-        for i, size in zip(index, self.input_shape):
-            flat = flat * size + (i % size)
-        return flat
+        return flat_position(index, self.input_shape)
 
     def _unravel(self, flat: int, shape: Sequence[int] | None = None) -> tuple[int, ...]:
         shape = tuple(self.input_shape if shape is None else shape)
@@ -335,13 +378,11 @@ class PathFinder:
         steps: list[Step] = []
         while key != self.root:
             node, position = self._winning_consumer(key, element, which)
-            if _replay_of(node) is None:
-                if WRITE_BACK_NODES.get(node.name()) == position:
-                    key = (node, 0)
-                    continue
-                steps.append(self._tail(node))
-                break
-            if node_info(node).op in DECOMPOSITIONS:
+            if _replay_of(node) is None and WRITE_BACK_NODES.get(node.name()) == position:
+                key = (node, 0)
+                continue
+            info = node_info(node)
+            if info is not None and info.op in DECOMPOSITIONS:
                 inner, element, which = self._through_composition(node, position, element, which)
                 steps += inner
                 key = (node, 0)
@@ -365,13 +406,38 @@ class PathFinder:
             raise SemiringAutogradError("path recovery lost the path (no consumer carries it)")
         return best
 
+    def column(self, node, position: int, element: int) -> tuple[Tensor | None, ...]:
+        """∂y/∂x[element] for every output y of ``node`` (flattened; None where no message
+        reached y), x its input ``position``: the recorded call re-run by forward-mode AD,
+        or, for a native node (ops run outside ``sa.patch``, such as a read-out's indexing,
+        scaling or mean), the node's own backward differentiated."""
+        info = node_info(node)
+        if info is None:
+            return native_column(node, self.incoming.get(node, ()), position, element)
+        if info.replay is None:
+            raise SemiringAutogradError(
+                f"{info.op} in {info.module or 'the model'} was recorded without paths: run "
+                "the whole forward under `sa.patch(model, semiring, paths=True)`"
+            )
+        return info.replay.column(position, element)
+
+    def edge_step(self, node, position: int, element: int, shape, out: int, w: float) -> Step:
+        """The step over the edge from element ``element`` of ``node``'s input ``position``
+        to element ``out`` of its output of ``shape``, of local derivative ``w``."""
+        index = self._unravel(out, shape)
+        info = node_info(node)
+        if info is None:
+            return Step(OUTSIDE, node.name(), tuple(shape), index, w)
+        entry = self._unravel(element, info.replay.inputs()[position].shape)
+        note = edge_note(info, position, entry, index)
+        return Step(info.module, info.op, tuple(shape), index, w, note)
+
     def _through_op(self, node, position: int, element: int, which: str):
         """The output element that won inside ``node``'s op, and the edge taken to it."""
-        info = node_info(node)
-        columns = info.replay.column(position, element)
+        columns = self.column(node, position, element)
         best = None
         for k, (w, message) in enumerate(zip(columns, self.incoming.get(node, ()))):
-            if message is None:
+            if message is None or w is None:
                 continue
             w = w.double()
             if self.signed:
@@ -390,14 +456,14 @@ class PathFinder:
             if best is None or cand[i] > best[0]:
                 best = (cand[i], k, i, float(w[i]), tuple(message.shape))
         if best is None or not torch.isfinite(best[0]):
-            raise SemiringAutogradError(f"path recovery lost the path inside {info.op}")
+            info = node_info(node)
+            raise SemiringAutogradError(
+                f"path recovery lost the path inside {info.op if info else node.name()}"
+            )
         _, k, i, w, shape = best
         if self.signed and w < 0:
             which = "min" if which == "max" else "max"
-        index = self._unravel(i, shape)
-        entry = self._unravel(element, info.replay.inputs()[position].shape)
-        note = edge_note(info, position, entry, index)
-        step = Step(info.module, info.op, shape, index, w, note)
+        step = self.edge_step(node, position, element, shape, i, w)
         return step, (node, k), i, which
 
     def composition(self, node, position: int, which: str) -> "PathFinder":
@@ -429,19 +495,6 @@ class PathFinder:
         entry = self._unravel(element, inner.input_shape)
         steps, element, which = inner._walk(inner.start, element, which)
         return composition_steps(node, steps, entry), element, which
-
-    def _tail(self, node) -> Step:
-        """Native structural ops between the last patched op and the output (indexing, views,
-        sums taken outside ``sa.patch``): edges of weight 1."""
-        names = []
-        current = node
-        while current is not None:
-            names.append(current.name())
-            if current is self.root[0]:
-                break
-            parents = self.consumers.get((current, 0), [])
-            current = parents[0][0] if parents else None
-        return Step("(outside sa.patch)", " → ".join(names), tuple(self.output.shape), (), 1.0)
 
 
 def composition_steps(node, steps: Sequence[Step], entry: tuple[int, ...]) -> list[Step]:
