@@ -141,7 +141,14 @@ def weight_norm_dims(ndim: int, dim: int) -> tuple[int, ...]:
     return tuple(d for d in range(ndim) if d != dim % ndim)
 
 
+def row_matrix_shape(shape: Sequence[int], width: int) -> tuple[int, int]:
+    """A tensor of ``shape`` (…, n) viewed as rows of ``width`` entries: (prod(shape[:-1]),
+    ``width``), the shape ``reshape(-1, width)`` cannot infer when ``width`` is 0."""
+    return (math.prod(shape[:-1]), width)
+
+
 HELPERS = (
+    "row_matrix_shape",
     "column_shape",
     "weight_norm_dims",
     "repeat_blocks",
