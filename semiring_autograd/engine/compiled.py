@@ -99,12 +99,14 @@ def stats() -> dict[str, int]:
 
 class Captured:
     """The programs of one signature: replayed when their guards hold, the first replay of
-    each checked against eager; a new variant captured when none holds; or, once refused,
-    the reason it runs eagerly."""
+    each checked against eager; a new variant captured when none holds (one capture at a
+    time: a thread that finds another capturing waits, then replays what it captured); or,
+    once refused, the reason it runs eagerly."""
 
     def __init__(self) -> None:
         self.programs: list[Program] = []
         self.refused: str | None = None
+        self.capturing = threading.Lock()
 
     def call(
         self,
@@ -113,14 +115,26 @@ class Captured:
         retain_graph: bool,
         parameters: frozenset[int] = frozenset(),
     ) -> Sequence[Any]:
+        found = self._replay(slots, eager, retain_graph)
+        if found is not None:
+            return found
+        with self.capturing:
+            found = self._replay(slots, eager, retain_graph)  # captured meanwhile?
+            if found is not None:
+                return found
+            return self._capture(slots, eager, retain_graph, parameters)
+
+    def _replay(
+        self, slots: list[Tensor], eager: Callable[[bool], Sequence[Any]], retain_graph: bool
+    ) -> Sequence[Any] | None:
+        """The results of the first program whose guards hold (of eager where refused, or
+        on the first replay, which is checked against it); None where none holds."""
         if self.refused is not None:
             _COUNTS["eager"] += 1
             return eager(retain_graph)
         for program in list(self.programs):
             try:
-                # as the engine runs a backward; no torch function modes (a patch) see it
-                with torch.no_grad(), torch._C.DisableTorchFunction():
-                    values = program.run(slots)
+                values = program.replay(slots)
             except GuardFailure:
                 continue
             results = _assemble(program.results, values)
@@ -137,6 +151,16 @@ class Captured:
                     self.refused = "its captured program disagreed with the eager run"
                 refuse(self.refused)
             return expected
+        return None
+
+    def _capture(
+        self,
+        slots: list[Tensor],
+        eager: Callable[[bool], Sequence[Any]],
+        retain_graph: bool,
+        parameters: frozenset[int],
+    ) -> Sequence[Any]:
+        """Eager's results, recorded as a new program of this signature where it can be."""
         if len(self.programs) >= MAX_VARIANTS:
             refuse(
                 f"the data read in the computation took more than {MAX_VARIANTS} branches for "

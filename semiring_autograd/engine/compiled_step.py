@@ -19,16 +19,22 @@ to the next) is not replayed.
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
 from typing import Any, Callable
 
 from torch import Tensor, nn
+from torch.nn.modules import module as module_hooks
 
 from ..errors import SemiringAutogradError
 from ..semirings.base import Semiring
 from . import compiled
-from .signature import Key, Signature, Uncapturable
+from .signature import Identities, Key, Signature, Uncapturable, context
 from .grad import grad, readouts
 from .patch import patch
+
+_GENERATIONS = itertools.count()
 
 
 class CompiledStep:
@@ -50,6 +56,8 @@ class CompiledStep:
         self.raw = raw
         self.has_aux = has_aux
         self.single_aux: bool | None = None  # aux a tensor (True) or a tuple, once read ran
+        #: this step's programs are its own: a number no other step gets, unlike an id()
+        self.generation = next(_GENERATIONS)
 
     def __call__(self, *inputs: Tensor, **kwargs: Any) -> Tensor | tuple:
         if not inputs:
@@ -64,7 +72,7 @@ class CompiledStep:
         ins = list(inputs)
 
         def eager(retain: bool) -> tuple:
-            with patch(self.model, self.semiring):
+            with _running_eagerly(self.model), patch(self.model, self.semiring):
                 out = self.read(self.model, *ins, **kwargs)
             aux: tuple[Tensor, ...] = ()
             if self.has_aux:
@@ -87,20 +95,46 @@ class CompiledStep:
 
     def _run(self, ins: list[Tensor], kwargs: dict, eager: Callable[[bool], tuple]) -> Any:
         sig = Signature()  # its slots: the inputs, then the tensors among kwargs
+        ids = Identities()
         try:
             inputs = tuple(sig.tensor(x) for x in ins)
             extra = sig.describe(kwargs)
-            held = _held_tensors(self.model)
-            model = tuple((id(t), t.shape, t.dtype, t.device) for t in held)
+            model, held = _model_state(self.model, ids)
         except Uncapturable as exc:
             compiled.refuse(str(exc))
             return eager(False)
-        key = Key(("step", id(self), self.semiring, inputs, extra, model))
-        programs = compiled.programs_for(key)
+        parts = (
+            "step",
+            self.generation,
+            ids.callable(self.read),
+            self.has_aux,
+            self.semiring,
+            inputs,
+            extra,
+            model,
+            _global_module_hooks(ids),
+            context(),
+        )
+        programs = compiled.programs_for(Key(parts, ids.held))
         if programs is None:
             return eager(False)
         parameters = frozenset(id(t) for t in held)
         return programs.call(sig.slots, eager, False, parameters)
+
+
+#: per model, a lock held while a step runs its forward patched (a capture, the check of a
+#: first replay, an eager call): a model is patched by one thread at a time
+_EAGER_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_EAGER_LOCKS_LOCK = threading.Lock()
+
+
+def _running_eagerly(model: nn.Module) -> threading.RLock:
+    """The lock that serialises the steps' eager runs on ``model`` across threads."""
+    with _EAGER_LOCKS_LOCK:
+        lock = _EAGER_LOCKS.get(model)
+        if lock is None:
+            lock = _EAGER_LOCKS[model] = threading.RLock()
+    return lock
 
 
 def _split_aux(result: Any) -> tuple[Tensor, tuple[Tensor, ...], bool]:
@@ -121,10 +155,31 @@ def _split_aux(result: Any) -> tuple[Tensor, tuple[Tensor, ...], bool]:
     return out, parts, isinstance(aux, Tensor)
 
 
-def _held_tensors(model: nn.Module) -> list[Tensor]:
-    """The parameters and buffers of ``model`` and its submodules, in a fixed order for a
-    fixed module tree (each module's own dicts read directly: ``model.parameters()``'s
-    generators and name prefixes cost several times more, on every call of a step)."""
+#: a module's own dicts of hooks (each keyed by its handle's id, never reused)
+_HOOKS = frozenset(
+    {
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+    }
+)
+#: a module's dicts of its parameters, buffers and submodules, walked by ``_model_state``
+_CHILDREN = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]]:
+    """What the forward of ``model`` reads from Python, and its parameters and buffers:
+    per module (each once, in a fixed order for a fixed module tree; its own ``__dict__``
+    read directly, which costs several times less than ``named_parameters()``), its
+    identity, its parameters and buffers (identity, shape, strides, storage offset, dtype,
+    device, requires_grad), its hooks, and every other attribute (``training``, a
+    dropout's ``p``, an instance ``forward``): immutable values by value, other objects by
+    identity."""
+    parts: list = []
     held: list[Tensor] = []
     seen: set[int] = set()
     stack = [model]
@@ -133,10 +188,46 @@ def _held_tensors(model: nn.Module) -> list[Tensor]:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        held += [t for t in module._parameters.values() if t is not None]
-        held += [t for t in module._buffers.values() if t is not None]
+        parts.append(ids.of(module))
+        for name, value in module.__dict__.items():
+            if name in _CHILDREN:
+                continue
+            if name in _HOOKS:
+                if value:
+                    parts.append((name, tuple([(k, ids.of(h)) for k, h in value.items()])))
+                continue
+            parts.append((name, ids.value(value)))
+        for group in (module._parameters, module._buffers):
+            for name, t in group.items():
+                if t is not None:
+                    held.append(t)
+                    parts.append((name, ids.of(t), *_tensor_layout(t)))
         stack += [m for m in module._modules.values() if m is not None]
-    return held
+    return tuple(parts), held
+
+
+def _tensor_layout(t: Tensor) -> tuple:
+    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+
+
+def _global_module_hooks(ids: Identities) -> tuple:
+    """The hooks registered for every module (``register_module_forward_hook`` …)."""
+    found: list = [ids.value(module_hooks._global_is_full_backward_hook)]
+    for name in _GLOBAL_HOOKS:
+        hooks = getattr(module_hooks, name)
+        if hooks:
+            found.append((name, tuple([(k, ids.of(h)) for k, h in hooks.items()])))
+    return tuple(found)
+
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
 
 
 def compiled_step(

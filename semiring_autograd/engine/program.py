@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,6 +96,9 @@ class Recorder(TorchDispatchMode):
         self.by_view: dict[tuple, tuple[weakref.ref, int]] = {}
         #: values that several tensor objects stand for (identity views)
         self.aliased: set[int] = set()
+        #: values that view a constant's storage; whether an operator writes into one
+        self.outside: set[int] = set()
+        self.writes_outside = False
         for i, t in enumerate(slots):
             self._bind(t, i)
             self.slot_of[i] = i
@@ -132,7 +136,7 @@ class Recorder(TorchDispatchMode):
                 "replay would draw anew"
             )
         template = self._template(args), self._template(kwargs)
-        self._refuse_slot_writes(func, args, kwargs)
+        self._note_writes(func, *template)
         source = template[0][0] if template[0] else None
         if torch.Tag.inplace_view in func.tags and getattr(source, "index", None) in self.aliased:
             raise Uncapturable(f"{func} changes the shape of a tensor in place")
@@ -141,13 +145,16 @@ class Recorder(TorchDispatchMode):
             return result
         sequence = isinstance(result, (tuple, list))
         flat = list(result) if sequence else [result]
-        view_of = self._view_of(func, args)
+        view_of = self._view_of(func, template[0])
+        views_outside = self._views_outside(func, template[0])
         outputs: list = []
         for t in flat:
             if isinstance(t, Tensor):
                 self._bind(t, self.count)
                 if view_of is not None:
                     self.slot_of[self.count] = view_of
+                if views_outside:
+                    self.outside.add(self.count)
                 outputs.append(_Ref(self.count))
                 self.count += 1
             elif isinstance(t, (bool, int, float)):
@@ -186,25 +193,36 @@ class Recorder(TorchDispatchMode):
             return {k: self._template(v) for k, v in tree.items()}
         return tree
 
-    def _slot_under(self, t: Any) -> int | None:
-        if not isinstance(t, Tensor):
-            return None
-        r = self.ref(t)
-        return self.slot_of.get(r.index) if isinstance(r, _Ref) else None
-
-    def _refuse_slot_writes(self, func, args, kwargs) -> None:
+    def _note_writes(self, func, args: tuple, kwargs: dict) -> None:
+        """Refuse an operator writing into a slot's storage; note one writing into a
+        constant's (``args``, ``kwargs``: the arguments' templates)."""
         for i, name in _written(func):
             written = args[i] if i < len(args) else kwargs.get(name)
-            for t in tree_flatten(written)[0]:
-                if self._slot_under(t) is not None:
+            for value in tree_flatten(written)[0]:
+                if isinstance(value, _Ref) and value.index in self.slot_of:
                     raise Uncapturable(f"{func} writes into a tensor the graph saved")
+                if self._is_outside(value):
+                    self.writes_outside = True
 
-    def _view_of(self, func, args) -> int | None:
-        """The slot under an output of a view operator (one that aliases its first input)."""
+    def _is_outside(self, value: Any) -> bool:
+        """Whether a program value is a constant or a view of one's storage."""
+        return isinstance(value, Constant) or getattr(value, "index", None) in self.outside
+
+    def _view_of(self, func, args: tuple) -> int | None:
+        """The slot under an output of a view operator (one that aliases its first input;
+        ``args``: the arguments' templates)."""
         returns = func._schema.returns
         if not returns or returns[0].alias_info is None or not args:
             return None
-        return self._slot_under(args[0])
+        return self.slot_of.get(args[0].index) if isinstance(args[0], _Ref) else None
+
+    def _views_outside(self, func, args: tuple) -> bool:
+        """Whether the outputs of ``func`` (``args``: its arguments' templates) view a
+        constant's storage."""
+        returns = func._schema.returns
+        if not returns or returns[0].alias_info is None or not args:
+            return False
+        return self._is_outside(args[0])
 
 
 def _draws(func, args: tuple, kwargs: dict) -> bool:
@@ -401,6 +419,18 @@ class Program:
         exec(code, namespace)  # noqa: S102 -- the code is generated above from the record
         self.run: Callable = namespace["program"]
         self.verified = False
+        #: a program that writes into storage from outside it (a thread's scratch buffers)
+        #: runs in one thread at a time
+        self.exclusive = threading.Lock() if recorder.writes_outside else None
+
+    def replay(self, slots: list[Tensor]) -> tuple:
+        """``run(slots)`` as the engine runs a backward: without grad, and with no torch
+        function mode (a patch) seeing it."""
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if self.exclusive is None:
+                return self.run(slots)
+            with self.exclusive:
+                return self.run(slots)
 
 
 class _Codegen:

@@ -13,12 +13,16 @@ gives another.
 
 from __future__ import annotations
 
+import dis
 import functools
 import numbers
+import types
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..ops.message import Message
 from ..semirings.base import Semiring
@@ -143,16 +147,139 @@ def _seed_meta(seed: Any, sig: Signature) -> tuple:
 
 
 class Key:
-    """A signature with its hash computed once (a key is a deep tuple)."""
+    """A signature with its hash computed once (a key is a deep tuple). ``held``: the
+    objects whose ``id()`` the parts name, kept alive with the key, so that while the cache
+    holds a key no other object can take one of its ids (equal ids mean the same objects)."""
 
-    __slots__ = ("parts", "hash")
+    __slots__ = ("parts", "hash", "held")
 
-    def __init__(self, parts: tuple) -> None:
+    def __init__(self, parts: tuple, held: Sequence[Any] = ()) -> None:
         self.parts = parts
         self.hash = hash(parts)
+        self.held = held
 
     def __hash__(self) -> int:
         return self.hash
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Key) and self.hash == other.hash and self.parts == other.parts
+
+
+# ----- Python state a program depends on -----------------------------------------------------
+
+#: immutable values a key holds as they are; any other object is named by its identity
+_VALUES = frozenset(
+    {type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.Size, type(Ellipsis)}
+)
+_MISSING = object()
+
+
+class Identities:
+    """The objects a key names by ``id()``, collected to be held with the key
+    (``Key(parts, identities.held)``)."""
+
+    def __init__(self) -> None:
+        self.held: list[Any] = []
+
+    def of(self, obj: Any) -> int:
+        self.held.append(obj)
+        return id(obj)
+
+    def value(self, value: Any) -> Any:
+        """``value`` itself when immutable (numbers, strings, dtypes, tuples of them; a
+        float by its bits), else its identity."""
+        kind = type(value)
+        if kind in _VALUES:
+            return value
+        if kind is float:
+            return ("f", value.hex())
+        if kind is tuple:
+            return ("t", tuple([self.value(v) for v in value]))
+        return ("id", self.of(value))
+
+    def callable(self, fn: Any) -> tuple:
+        """What decides what ``fn`` runs: its identity; for a Python function also its
+        code, defaults, closure cells' contents and the module globals its code names; for
+        a ``functools.partial`` its function and arguments; for a bound method its function
+        and object. Immutable values are keyed by value, other objects by identity."""
+        if isinstance(fn, functools.partial):
+            args = tuple([self.value(a) for a in fn.args])
+            keywords = tuple([(k, self.value(v)) for k, v in fn.keywords.items()])
+            return ("partial", self.of(fn), self.callable(fn.func), args, keywords)
+        if isinstance(fn, types.MethodType):
+            return ("method", self.of(fn.__self__), self.callable(fn.__func__))
+        if not isinstance(fn, types.FunctionType):
+            return ("object", self.of(fn))
+        code = fn.__code__
+        cells = tuple([self.value(_cell_contents(c)) for c in fn.__closure__ or ()])
+        found = fn.__globals__
+        names = tuple([(n, self.value(found[n])) for n in _global_names(code) if n in found])
+        return (
+            "function",
+            self.of(fn),
+            self.of(code),
+            self.value(fn.__defaults__),
+            self.value(tuple(sorted((fn.__kwdefaults__ or {}).items()))),
+            cells,
+            names,
+        )
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not bound yet
+        return _MISSING
+
+
+_GLOBAL_READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` and the code objects nested in it (lambdas, comprehensions) may
+    read as globals."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_READS]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _global_names(const)
+    return tuple(dict.fromkeys(names))
+
+
+def context() -> tuple:
+    """The thread's torch state an operator reads besides its arguments: grad and inference
+    mode, the default dtype, deterministic algorithms, autocast (per device type, its dtype,
+    its cache) and the active torch function and dispatch modes (by type; a default-device
+    mode with its device)."""
+    autocast: tuple = ()
+    if torch._C._is_any_autocast_enabled():
+        autocast = tuple(
+            [
+                (device, torch.get_autocast_dtype(device))
+                for device in _AUTOCAST_DEVICES
+                if torch.is_autocast_enabled(device)
+            ]
+        ) + (torch.is_autocast_cache_enabled(),)
+    modes: tuple = ()
+    if torch._C._len_torch_function_stack():
+        modes = tuple([_mode_key(m) for m in _get_current_function_mode_stack()])
+    if torch._C._len_torch_dispatch_stack():
+        modes += tuple([type(m) for m in _get_current_dispatch_mode_stack()])
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        autocast,
+        modes,
+    )
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
+
+
+def _mode_key(mode: Any) -> Any:
+    """A torch function mode by type; the default-device mode (``torch.device`` as a
+    context, ``torch.set_default_device``) with the device it puts factories on."""
+    device = getattr(mode, "device", None)
+    return (type(mode), device) if isinstance(device, torch.device) else type(mode)
