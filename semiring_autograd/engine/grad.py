@@ -53,6 +53,7 @@ def seed_message(semiring: Semiring, output: Tensor, weights: Tensor | None = No
     tensor of the output's shape, or a number for every element (a weight of 0 starts no
     path), lifted in the message precision. For Real it is the ordinary grad_output, in
     the output's dtype."""
+    _refuse_meta(semiring, output, weights)
     if isinstance(weights, numbers.Real) and not isinstance(weights, bool):
         weights = torch.full_like(output, float(weights))
     elif weights is not None:
@@ -75,6 +76,24 @@ def seed_message(semiring: Semiring, output: Tensor, weights: Tensor | None = No
         # lifted in the message precision (float32 at least), not the output's
         value = semiring.lift(weights.to(message_dtype(output.dtype)))
     return wrap(semiring, value, output)
+
+
+def _refuse_meta(semiring: Semiring, output: Tensor, weights: object) -> None:
+    """A ValueError for a seed or output on the meta device that the backward cannot use:
+    a meta tensor holds no values, and only torch's own graph (Real) runs without them."""
+    if isinstance(weights, Tensor) and weights.is_meta and not output.is_meta:
+        raise ValueError(
+            f"sa.grad: the seed is on the meta device (shape {tuple(weights.shape)}), which "
+            f"holds no values, but the output is on {output.device}: give the seed on "
+            f"{output.device} (e.g. torch.ones_like(output))"
+        )
+    if output.is_meta and not records_torch_graph(semiring):
+        raise ValueError(
+            f"sa.grad: the output (shape {tuple(output.shape)}) is on the meta device, which "
+            f"holds no values: the {semiring!r} backward reads the values it multiplies. Load "
+            "the model's weights onto a real device (model.to_empty(device=...) and "
+            "load_state_dict, or accelerate's device_map) and run the patched forward there"
+        )
 
 
 def grad(
