@@ -42,6 +42,40 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+#: the config attributes that hold a model's context length, by model family
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(path: str | os.PathLike | None = None) -> int | None:
+    """The most tokens the model reads, from its config (no weights loaded): a local Hugging
+    Face directory, or with ``None`` the embedded SmolLM2-135M (its GGUF metadata). None
+    where the config names no limit."""
+    if path is None:
+        return _gguf_context_length(*smollm2_location())
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _gguf_context_length(directory: Path, file: str) -> int | None:
+    """``<architecture>.context_length`` from a GGUF file's metadata."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(directory / file).fields
+    architecture = fields["general.architecture"]
+    name = bytes(architecture.parts[architecture.data[0]]).decode()
+    length = fields.get(f"{name}.context_length")
+    return None if length is None else int(length.parts[length.data[0]][0])
+
+
 def load_model(path: str | os.PathLike | None = None) -> Any:
     """The causal LM of a local Hugging Face directory in eval mode, or with ``None`` the
     embedded SmolLM2-135M (de-quantised from GGUF to float32, about 15-30 s)."""
