@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hf_models import tiny_inputs, tiny_model
-from oracle import best_paths
+from oracle import best_paths, every_path
 from small_models import MODELS, flat_index, record_with_paths, setup_model
 
 import semiring_autograd as sa
@@ -246,3 +248,199 @@ def test_boolean_top_path_is_a_witness(name: str):
         assert path.weight == pytest.approx(product, rel=1e-12) and path.weight > 0
     with pytest.raises(sa.SemiringAutogradError, match="witness"):
         sa.top_paths(out[element], x, 2)
+
+
+# ----- element indices ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        (
+            (0, 3),
+            r"\(0, 3\) is out of range for the input of shape \(2, 3\).*size 3 \(allowed -3..2\)",
+        ),
+        ((0, -4), r"\(0, -4\) is out of range .*entry 1 is -4.*\(allowed -3..2\)"),
+        ((2, 0), r"\(2, 0\) is out of range .*dimension 0 has size 2 \(allowed -2..1\)"),
+        ((-3, 1), r"\(-3, 1\) is out of range .*\(allowed -2..1\)"),
+        (6, r"index 6 is out of range for the input of shape \(2, 3\).*-6..5"),
+        (-7, r"index -7 is out of range .*-6..5"),
+        ((1,), r"\(1,\) has 1 entries for the input of shape \(2, 3\): give one per dimension"),
+        ((0, 1, 0), r"has 3 entries .*one per dimension \(2\)"),
+    ],
+)
+def test_out_of_range_index_is_refused_by_every_path_function(index, message: str):
+    out, x, _ = record_with_paths("mlp", sa.MaxProduct())
+    finder = sa.PathFinder(out[1, 2], x)
+    calls = {
+        "top_path": lambda: sa.top_path(out[1, 2], x, index),
+        "PathFinder.path": lambda: finder.path(index),
+        "top_paths": lambda: sa.top_paths(out[1, 2], x, 2, index=index),
+        "top_paths_from": lambda: sa.top_paths_from(finder, 2, index),
+    }
+    for name, call in calls.items():
+        with pytest.raises(IndexError, match=message):
+            call()
+        assert x.grad is None, name
+
+
+@pytest.mark.parametrize("index", [True, 1.0, (0, 1.5), "01", torch.tensor([0, 1])])
+def test_index_of_the_wrong_type_is_refused(index):
+    out, x, _ = record_with_paths("mlp", sa.MaxProduct())
+    with pytest.raises(TypeError, match="path index .*use"):
+        sa.top_path(out[1, 2], x, index)
+
+
+def test_negative_indices_in_range_count_from_the_end():
+    out, x, _ = record_with_paths("mlp", sa.MaxProduct())
+    finder = sa.PathFinder(out[1, 2], x)
+    for negative, positive in [((1, -1), (1, 2)), ((-1, -3), (1, 0)), (-2, 4), (-6, 0)]:
+        got, want = finder.path(negative), finder.path(positive)
+        assert got.steps == want.steps and got.weight == want.weight
+        assert [p.steps for p in sa.top_paths_from(finder, 3, negative)] == [
+            p.steps for p in sa.top_paths_from(finder, 3, positive)
+        ]
+    assert finder.path(torch.tensor(4)).steps == finder.path(4).steps
+
+
+# ----- steps after the patched region ------------------------------------------------
+#: read-outs taken after the ``with sa.patch`` block, on the model's output
+READOUTS = {
+    "scalar mul": lambda out: (3 * out).sum(),
+    "mean": lambda out: out.mean(),
+    "sum": lambda out: out.sum(),
+    "indexing": lambda out: out[1, 2],
+    "division": lambda out: (out / -4).sum(),
+    "view chain": lambda out: out.reshape(-1)[1:5].reshape(2, 2).t().unsqueeze(0)[0, 1, 0] * 2.5,
+}
+
+
+def _program_with_readout(name: str, readout):
+    """A fresh program of model ``name`` with the read-out as its last op ("r"): the
+    oracle's scalar graph from the read-out to the input."""
+    model, x, _ = setup_model(name)
+    program = MODELS[name][2](model, x)
+    program.op("r", readout, "out")
+    return program
+
+
+def _split_at_patch(path: sa.Path) -> tuple[list, list]:
+    """(steps inside the patched region, steps over native nodes after it)."""
+    steps = list(path.steps[1:])
+    inside = [s for s in steps if s.module != "(outside sa.patch)"]
+    outside = [s for s in steps if s.module == "(outside sa.patch)"]
+    assert steps == inside + outside, "a native step sits inside the patched region"
+    return inside, outside
+
+
+@pytest.mark.parametrize("readout", list(READOUTS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_steps_after_the_patch_carry_their_local_derivatives(name: str, readout: str):
+    """The product of every step's local derivative, lifted (|w|), is path.weight, which is
+    the best enumerated path's |product| through the read-out; the native steps multiply
+    to the read-out's own derivative at the element the path leaves the model by."""
+    fn = READOUTS[readout]
+    out, x, _ = record_with_paths(name, sa.MaxProduct())
+    program = _program_with_readout(name, fn)
+    oracle = best_paths(program, "r", 0, "x")
+    finder = sa.PathFinder(fn(out), x)
+    assert oracle
+    for j, (product, trail) in oracle.items():
+        for path in (finder.path(j), sa.top_paths_from(finder, 2, j)[0]):
+            inside, outside = _split_at_patch(path)
+            assert outside, "the read-out's native nodes are no steps"
+            assert path.weight == pytest.approx(abs(product), rel=1e-12)
+            lifted = math.prod(abs(s.local_derivative) for s in path.steps[1:])
+            assert lifted == pytest.approx(path.weight, rel=1e-12)
+            # the oracle's last edge, r ← out, is the read-out's derivative
+            _, w_readout = trail[-1]
+            native = math.prod(s.local_derivative for s in outside)
+            assert native == pytest.approx(w_readout, rel=1e-12)
+            assert [flat_index(s.index, s.shape) for s in inside] == [
+                node[1] for node, _ in trail[:-1]
+            ]
+
+
+@pytest.mark.parametrize("which", ["max", "min"])
+def test_signed_steps_after_the_patch_carry_their_signs(which: str):
+    """SignedMaxProduct: the signed product of the steps (a negative scale after the patch
+    among them) is the extreme signed product of the enumerated paths."""
+    fn = READOUTS["division"]
+    out, x, _ = record_with_paths("mlp", sa.SignedMaxProduct())
+    program = _program_with_readout("mlp", fn)
+    finder = sa.PathFinder(fn(out), x, which=which)
+    for j, (product, _) in best_paths(program, "r", 0, "x", which=which).items():
+        for path in (finder.path(j), sa.top_paths_from(finder, 1, j)[0]):
+            assert path.weight == pytest.approx(product, rel=1e-12)
+            signed = math.prod(s.local_derivative for s in path.steps[1:])
+            assert signed == pytest.approx(product, rel=1e-12)
+
+
+@pytest.mark.parametrize("readout", ["scalar mul", "mean", "view chain"])
+def test_k_best_paths_through_a_readout_are_the_enumerated_ones(readout: str):
+    fn = READOUTS[readout]
+    out, x, _ = record_with_paths("attention", sa.MaxProduct())
+    program = _program_with_readout("attention", fn)
+    for j, found in every_path(program, "r", 0, "x").items():
+        got = sa.top_paths(fn(out), x, 4, index=j)
+        want = sorted((abs(p) for p, _ in found), reverse=True)[:4]
+        torch.testing.assert_close(
+            torch.tensor([p.weight for p in got], dtype=torch.float64),
+            torch.tensor(want, dtype=torch.float64),
+            rtol=1e-12,
+            atol=0.0,
+        )
+        for path in got:
+            lifted = math.prod(abs(s.local_derivative) for s in path.steps[1:])
+            assert lifted == pytest.approx(path.weight, rel=1e-12)
+
+
+# ----- labels ------------------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tiny_llama_path_names_rotary_embedding_and_attention_scale(attn: str):
+    """From a query projection's output every path crosses the rotary embedding's add
+    (x·cos + rotate_half(x)·sin) and the 1/√d scale of the scores: both named, the rotary
+    add not shown as a residual stream (the decoder layer's adds still are)."""
+    model = tiny_model("LlamaForCausalLM", attn)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    emb, mask = tiny_inputs(model)
+    x = emb.clone().requires_grad_()
+    seen = {}
+    hook = model.model.layers[1].self_attn.q_proj.register_forward_hook(
+        lambda module, args, out: seen.__setitem__("q", out)
+    )
+    try:
+        with sa.patch(model, sa.MaxProduct(), paths=True):
+            logits = model(inputs_embeds=x, attention_mask=mask).logits
+    finally:
+        hook.remove()
+    path = sa.top_path(logits[0, -1, 3], seen["q"], (0, 5, 1))
+    rotary = [s for s in path.steps if "rotary embedding" in s.note]
+    assert [(s.module, s.op, s.local_derivative) for s in rotary] == [
+        ("model.layers.1.self_attn", "add.Tensor", 1.0)
+    ]
+    scale = [s for s in path.steps if "attention scale" in s.note]
+    assert len(scale) == 1 and scale[0].note == f"× attention scale 1/√d (d = {head_dim})"
+    assert scale[0].local_derivative == pytest.approx(head_dim**-0.5, rel=1e-12)
+    assert scale[0].op.endswith("mul.Scalar")
+    text = str(path)
+    residual = [line for line in text.splitlines() if "residual stream" in line]
+    assert residual and all("self_attn" not in line for line in residual), text
+    assert "rotary embedding" in text and "attention scale 1/√d" in text
+    if attn == "eager":  # the causal mask is added to the scores as a separate op
+        assert any(s.op == "add.Tensor" and s.note == "+ attention mask" for s in path.steps)
+    lifted = math.prod(abs(s.local_derivative) for s in path.steps[1:])
+    assert lifted == pytest.approx(path.weight, rel=1e-6)  # RMSNorm computes in float32
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log()], ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("readout", list(READOUTS))
+def test_semiring_grad_through_a_readout_is_the_path_sum(readout: str, S):
+    """The read-out's native backward nodes run on messages (a view of a transposed
+    message among them): sa.grad equals path enumeration through the read-out."""
+    fn = READOUTS[readout]
+    model, x, _ = setup_model("attention")
+    x = x.clone().requires_grad_()
+    with sa.patch(model, S):
+        out = model(x)
+    program = _program_with_readout("attention", fn)
+    (want,) = program.path_sum(S, "r", None, ["x"])
+    torch.testing.assert_close(sa.grad(fn(out), x), S.readout(want), rtol=1e-12, atol=1e-12)

@@ -157,7 +157,8 @@ class Path:
 
 
 def _is_residual(step: Step) -> bool:
-    return step.local_derivative == 1.0 and step.op == "add.Tensor"
+    """A weight-1 add that merges two streams (one that adds a named thing has a note)."""
+    return step.local_derivative == 1.0 and step.op == "add.Tensor" and not step.note
 
 
 class _Sub(nn.Module):
@@ -514,27 +515,24 @@ def edge_note(
     info: NodeInfo, position: int, in_index: tuple[int, ...], out_index: tuple[int, ...]
 ) -> str:
     """What the edge from element ``in_index`` of input ``position`` to the output element
-    ``out_index`` multiplies by, in words, where that is a parameter's element or another
-    op's output ('' else)."""
+    ``out_index`` multiplies by, in words, where that is a parameter's element, another
+    op's output or a known constant (the attention scale), or what a sum adds (a rotary
+    embedding, an attention mask) ('' else: a residual stream's merge, a bare op)."""
     inputs = info.replay.inputs()
-    own = info.module + "."
-    names = [
-        n[len(own) :] if n is not None and n.startswith(own) else n
-        for n in info.replay.parameter_names
-    ]
+    names = _parameter_names(info)
     if info.op == "linear" and position == 0 and len(names) > 1 and names[1] is not None:
         return f"{names[1]}[{out_index[-1]}, {in_index[-1]}]"
-    if info.op not in ("mul.Tensor", "div.Tensor") or len(inputs) != 2:
-        return ""
+    if info.op in ("add.Tensor", "sub.Tensor") and len(inputs) == 2:
+        return _sum_note(info, position, out_index)
+    scale = _attention_scale_note(info, position)
+    if scale or info.op not in ("mul.Tensor", "div.Tensor") or len(inputs) != 2:
+        return scale
     if info.op == "div.Tensor" and position == 1:
         return ""
     other = 1 - position
     sign = "÷" if info.op == "div.Tensor" else "×"
     if names[other] is not None:
-        shape = inputs[other].shape
-        lead = len(out_index) - len(shape)
-        element = [0 if n == 1 else out_index[lead + d] for d, n in enumerate(shape)]
-        return f"{sign} {names[other]}[{', '.join(map(str, element))}]"
+        return f"{sign} {names[other]}[{_broadcast_element(inputs[other].shape, out_index)}]"
     producer = node_info(inputs[other].grad_fn)
     if producer is None:
         return ""
@@ -542,6 +540,122 @@ def edge_note(
     if producer.op == "rsqrt":
         return f"{sign} rsqrt(…){where}: the normalisation"
     return f"{sign} the {producer.op} output{where}"
+
+
+def _parameter_names(info: NodeInfo) -> list[str | None]:
+    """Per input of the op, the parameter's name relative to the op's module (None: not a
+    parameter)."""
+    own = info.module + "."
+    return [
+        n[len(own) :] if n is not None and n.startswith(own) else n
+        for n in info.replay.parameter_names
+    ]
+
+
+def _broadcast_element(shape: Sequence[int], out_index: tuple[int, ...]) -> str:
+    """The element of an operand of ``shape`` that broadcasts to output element ``out_index``."""
+    lead = len(out_index) - len(shape)
+    return ", ".join(str(0 if n == 1 else out_index[lead + d]) for d, n in enumerate(shape))
+
+
+def _sum_note(info: NodeInfo, position: int, out_index: tuple[int, ...]) -> str:
+    """What ``a + b`` (``a − b``) adds to the operand at ``position``: a rotary embedding's
+    two halves, a parameter (a bias), an attention mask or another constant; '' where the
+    other operand carries paths too (two streams merge: a residual connection)."""
+    if info.op == "add.Tensor" and _is_rotary_add(info):
+        return "rotary embedding: x·cos + rotate_half(x)·sin"
+    other = 1 - position
+    sign = "−" if info.op == "sub.Tensor" and other == 1 else "+"
+    name = _parameter_names(info)[other]
+    operand = info.replay.inputs()[other]
+    if name is not None:
+        return f"{sign} {name}[{_broadcast_element(operand.shape, out_index)}]"
+    if operand.requires_grad:
+        return ""
+    if operand.is_floating_point() and bool((operand <= torch.finfo(operand.dtype).min / 2).any()):
+        return f"{sign} attention mask"
+    return f"{sign} a constant"
+
+
+def _is_rotary_add(info: NodeInfo) -> bool:
+    """Whether the sum is x·c + r·s with c, s constants (no gradient) whose c² + s² is the
+    same everywhere, and r read from a negation (``rotate_half``: (−x₂, x₁)): each pair of
+    x rotated by angles θ (c = ρ·cos θ, s = ρ·sin θ), a rotary position embedding."""
+    factors, rotated = [], False
+    for term in info.replay.inputs():
+        product = node_info(term.grad_fn)
+        if product is None or product.op != "mul.Tensor" or product.replay is None:
+            return False
+        operands = product.replay.inputs()
+        constants = [t for t in operands if not t.requires_grad]
+        if len(operands) != 2 or len(constants) != 1:
+            return False
+        factors.append(constants[0])
+        rotated = rotated or any(_reads_negation(t) for t in operands if t.requires_grad)
+    c, s = (f.double() for f in factors)
+    try:
+        radius = c * c + s * s
+    except RuntimeError:  # shapes that do not broadcast: no pair of cos, sin
+        return False
+    first = radius.reshape(-1)[:1]
+    return rotated and bool(first > 0) and bool(torch.allclose(radius, first.expand_as(radius)))
+
+
+def _reads_negation(t: Tensor, depth: int = 3) -> bool:
+    """Whether ``t`` is computed from a ``neg`` within ``depth`` recorded ops."""
+    info = node_info(t.grad_fn)
+    if info is None or info.replay is None:
+        return False
+    if info.op == "neg":
+        return True
+    return depth > 1 and any(_reads_negation(u, depth - 1) for u in info.replay.inputs())
+
+
+#: ops whose output is a batch of dot products over their first input's last dim
+_DOT_PRODUCTS = frozenset({"matmul", "bmm", "mm", "baddbmm"})
+
+
+def _attention_scale_note(info: NodeInfo, position: int) -> str:
+    """'× attention scale 1/√d' where the op multiplies by 1/√d (or divides by √d), d the
+    dim of the dot products it scales (q·kᵀ's, the op before), or the last dim of the
+    scaled operand inside an attention module (q or k scaled first); '' else."""
+    factor = _scalar_factor(info, position)
+    if factor is None:
+        return ""
+    operand = info.replay.inputs()[position]
+    producer = node_info(operand.grad_fn)
+    if producer is not None and producer.op in _DOT_PRODUCTS and producer.replay is not None:
+        dims = producer.replay.inputs()[-2].shape[-1:]
+    elif any(word in info.module.lower() for word in ("attn", "attention")):
+        dims = operand.shape[-1:]
+    else:
+        return ""
+    if not dims or not math.isclose(factor * math.sqrt(dims[0]), 1.0, rel_tol=1e-6):
+        return ""
+    if info.op.startswith("div"):
+        return f"÷ attention scale √d (d = {dims[0]})"
+    return f"× attention scale 1/√d (d = {dims[0]})"
+
+
+def _scalar_factor(info: NodeInfo, position: int) -> float | None:
+    """The number the op multiplies its input ``position`` by, where that is one number (a
+    Python scalar, or a one-element tensor without gradient): ``x * s``, ``x / s`` (1/s)."""
+    if not info.op.startswith(("mul.", "div.")) or info.op == "div.Scalar_mode":
+        return None
+    inputs = info.replay.inputs()
+    if info.op.endswith(".Scalar"):
+        numbers = [v for v in info.replay.leaves if isinstance(v, (int, float))]
+        value = numbers[0] if len(inputs) == 1 and numbers else None
+    elif len(inputs) == 2 and not inputs[1 - position].requires_grad:
+        other = inputs[1 - position]
+        value = float(other) if other.numel() == 1 and other.is_floating_point() else None
+    else:
+        return None
+    if value is None or isinstance(value, bool) or value == 0:
+        return None
+    if info.op.startswith("div"):
+        return None if position != 0 else 1.0 / value
+    return float(value)
 
 
 def _attention_edges(steps: Sequence[Step], entry: tuple[int, ...]) -> dict[int, AttentionEdge]:

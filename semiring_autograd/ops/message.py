@@ -151,6 +151,12 @@ def _map(func, msg, *args, **kwargs):
     return _per_component(func, msg, *args, **kwargs)
 
 
+def _view(func, msg, size):
+    """A view of a message: each component reshaped (a component's strides are its own,
+    not the contiguous ones the message reports: a transposed one is copied)."""
+    return _per_component(aten.reshape.default, msg, size)
+
+
 #: the end of the error for arithmetic on a message outside a backward pass
 _NOT_A_GRADIENT = (
     "a semiring message (sa.Message) outside a backward pass. A message holds semiring "
@@ -405,8 +411,8 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.detach.default: _map,
     aten.alias.default: _map,
     aten.clone.default: lambda f, m, **kw: _map(f, m),
-    aten.view.default: _map,
-    aten._unsafe_view.default: _map,
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
     aten.reshape.default: _map,
     aten.expand.default: _map,
     aten.permute.default: _map,
