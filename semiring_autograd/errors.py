@@ -23,6 +23,11 @@ class PatchError(SemiringAutogradError):
     """`sa.patch` was used wrongly (already patched, bad semiring, …)."""
 
 
+class SemiringDefinitionError(SemiringAutogradError):
+    """A user semiring's ⊕ or ⊗ returned something other than a value of its operands'
+    broadcast shape with ``n_components`` tensors."""
+
+
 class SemiringLawError(SemiringAutogradError):
     """`sa.check_semiring` found a violated law."""
 

@@ -9,14 +9,16 @@ override with faster equivalents.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import kernels
+from ..errors import SemiringDefinitionError
 
 Value = tuple[Tensor, ...]
 
@@ -103,12 +105,89 @@ class Terms:
         return kernels.all_rows_live(a[0], a[1] if self.signed else None, self.zero)
 
 
+#: the library's own semirings (checked by its tests): their ⊕ and ⊗ run unwrapped
+_LIBRARY_PREFIX = __name__.rsplit(".", 2)[0] + "."
+
+#: (class, operation, operand and result shapes) already found well formed, per process
+_WELL_FORMED: set[tuple] = set()
+_WELL_FORMED_LIMIT = 4096
+
+_SYMBOLS = {"add": "⊕", "mul": "⊗"}
+
+
+def _result_shapes(where: str, out: object) -> tuple[torch.Size, ...]:
+    """The shapes of the components of ``out``, or the error saying it is not a value."""
+    if not isinstance(out, (tuple, list)) or not all(isinstance(c, Tensor) for c in out):
+        raise SemiringDefinitionError(
+            f"{where} returned {type(out).__name__}, not a tuple of tensors (a semiring "
+            "value is the tuple of its component tensors)"
+        )
+    return tuple(c.shape for c in out)
+
+
+def _check_result(semiring: Semiring, name: str, a: Value, b: Value, out: Value) -> None:
+    """A SemiringDefinitionError unless ``out`` = a ⊕ b (or a ⊗ b) has ``n_components``
+    components whose broadcast shape is that of the operands' components: ⊕ and ⊗ are
+    elementwise, with broadcasting. Each combination of shapes is checked once."""
+    cls = type(semiring)
+    where = f"{cls.__name__}.{name} ({_SYMBOLS[name]})"
+    shapes = (tuple(c.shape for c in a), tuple(c.shape for c in b))
+    got = _result_shapes(where, out)
+    key = (cls, name, shapes, got)
+    if key in _WELL_FORMED:
+        return
+    if len(out) != semiring.n_components:
+        raise SemiringDefinitionError(
+            f"{where} returned {len(out)} components, expected n_components = "
+            f"{semiring.n_components}"
+        )
+    expected = torch.broadcast_shapes(*shapes[0], *shapes[1])
+    try:
+        result = torch.broadcast_shapes(*got)
+    except RuntimeError:
+        result = None  # components that do not broadcast: reported with their shapes below
+    if result != expected:
+        raise SemiringDefinitionError(
+            f"{where} returned components of shapes {[tuple(s) for s in got]} for operands "
+            f"of shapes {[tuple(s) for s in shapes[0]]} and {[tuple(s) for s in shapes[1]]}: "
+            f"expected the operands' broadcast shape {tuple(expected)} ({_SYMBOLS[name]} is "
+            "elementwise with broadcasting)"
+        )
+    if len(_WELL_FORMED) >= _WELL_FORMED_LIMIT:
+        _WELL_FORMED.clear()
+    _WELL_FORMED.add(key)
+
+
+def _checked(name: str, method: Callable) -> Callable:
+    """``method`` (a user semiring's ``add`` or ``mul``) with its result checked."""
+
+    @functools.wraps(method)
+    def checked(self: Semiring, a: Value, b: Value) -> Value:
+        out = method(self, a, b)
+        _check_result(self, name, a, b, out)
+        return out
+
+    checked.checks_result = True
+    return checked
+
+
 class Semiring:
     """Base class: (K, ⊕, ⊗, zero, one) plus ``lift`` from real local derivatives into K.
 
     ``lift`` must be a monoid homomorphism: lift(ab) = lift(a) ⊗ lift(b), lift(1) = one,
-    lift(0) = zero. ``sa.check_semiring`` verifies this and the semiring laws.
+    lift(0) = zero. ``sa.check_semiring`` verifies this and the semiring laws. A user
+    semiring's ``add`` and ``mul`` are checked where they run: a result that is not a value
+    of the operands' broadcast shape raises :class:`SemiringDefinitionError`.
     """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith(_LIBRARY_PREFIX):
+            return
+        for name in _SYMBOLS:
+            method = vars(cls).get(name)
+            if method is not None and not getattr(method, "checks_result", False):
+                setattr(cls, name, _checked(name, method))
 
     #: number of component tensors in a value
     n_components: int = 1
