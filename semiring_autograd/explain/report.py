@@ -252,8 +252,9 @@ def html_page(
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
-body {{ font-family: sans-serif; margin: 0 2em 2em; color: #111; overflow-wrap: anywhere; }}
-header.report {{ background: #e8eef6; margin: 0 -2em 1em; padding: 0.6em 2em; }}
+body {{ font-family: sans-serif; margin: 0; color: #111; overflow-wrap: anywhere; }}
+header.report {{ background: #e8eef6; margin: 0 0 1em; padding: 0.6em 2em; }}
+main {{ display: block; margin: 0 2em 2em; }}
 header.report h1 {{ font-size: 1.4em; margin: 0.3em 0; }}
 dl.context {{ display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 2px 1em; margin: 0.5em 0; }}
 dl.context dt {{ font-weight: bold; }} dl.context dd {{ margin: 0; }}
@@ -263,14 +264,16 @@ dl.context dt {{ font-weight: bold; }} dl.context dd {{ margin: 0; }}
 .legend .bar {{ width: 320px; height: 16px; border: 1px solid #444; }}
 .legend .ticks {{ display: flex; justify-content: space-between; width: 322px; }}
 .legend .meaning {{ color: #444; margin-top: 0.3em; }}
-table {{ border-collapse: collapse; }} td, th {{ padding: 2px 8px; text-align: left; }}
+table {{ border-collapse: collapse; }} td, th {{ padding: 2px 6px; text-align: left; }}
 td {{ white-space: pre-wrap; }}
 td.num {{ text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }}
 pre {{ background: #f6f6f6; padding: 1em; white-space: pre-wrap; overflow-wrap: anywhere; }}
 </style></head><body>
 <header class="report"><h1>{html.escape(title)}</h1>
 {_context(first, "shared" if numbered else "all")}{note}</header>
+<main>
 {body}
+</main>
 </body></html>
 """
     if path is not None:
