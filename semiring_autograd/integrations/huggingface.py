@@ -87,6 +87,7 @@ def load_model(path: str | os.PathLike | None = None) -> Any:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             directory, gguf_file=gguf, dtype=torch.float32
         )
+        model.name_or_path = DEFAULT_MODEL  # reports name the model, not its package folder
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     return model.eval()
