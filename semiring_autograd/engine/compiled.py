@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..ops.message import Message
 from .program import Constant, GuardFailure, Program, Recorder
-from .signature import Key, Uncapturable, signature
+from .signature import Key, Uncapturable, context, signature
 
 #: captured programs kept per signature (data-dependent branches taken differently)
 MAX_VARIANTS = 4
@@ -220,7 +220,7 @@ def run(
     except Uncapturable as exc:
         refuse(str(exc))
         return eager(retain_graph)
-    programs = programs_for(Key(("backward", parts)))
+    programs = programs_for(Key(("backward", parts, context())))
     if programs is None:
         return eager(retain_graph)
     return programs.call(slots, eager, retain_graph)

@@ -13,6 +13,7 @@ same arguments), checks its guards and deletes each value after its last use.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -26,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..ops.message import Message
-from .signature import Uncapturable
+from .signature import AUTOCAST_DEVICES, Uncapturable
 
 _aten = torch.ops.aten
 
@@ -424,13 +425,25 @@ class Program:
         self.exclusive = threading.Lock() if recorder.writes_outside else None
 
     def replay(self, slots: list[Tensor]) -> tuple:
-        """``run(slots)`` as the engine runs a backward: without grad, and with no torch
-        function mode (a patch) seeing it."""
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        """``run(slots)``: the recorded operators as recorded, so without grad, with no
+        torch function mode (a patch) seeing them and no autocast casting them again (the
+        recorder saw them after autocast's casts)."""
+        with torch.no_grad(), torch._C.DisableTorchFunction(), _without_autocast():
             if self.exclusive is None:
                 return self.run(slots)
             with self.exclusive:
                 return self.run(slots)
+
+
+def _without_autocast() -> contextlib.AbstractContextManager:
+    """Autocast off on every device type where it is on."""
+    if not torch._C._is_any_autocast_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device in AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 class _Codegen:

@@ -256,7 +256,7 @@ def context() -> tuple:
         autocast = tuple(
             [
                 (device, torch.get_autocast_dtype(device))
-                for device in _AUTOCAST_DEVICES
+                for device in AUTOCAST_DEVICES
                 if torch.is_autocast_enabled(device)
             ]
         ) + (torch.is_autocast_cache_enabled(),)
@@ -275,7 +275,8 @@ def context() -> tuple:
     )
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
+#: the device types autocast may be on for
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
 
 
 def _mode_key(mode: Any) -> Any:
