@@ -32,7 +32,7 @@ from ..engine.graph import node_info, reachable_nodes
 from ..errors import SemiringAutogradError
 from ..ops import demand
 from ..semirings.registry import plain_messages
-from .paths import key_of
+from .paths import OUTSIDE, key_of
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def consumer_flow(output: Tensor, input: Tensor, seed: Tensor | None = None) -> 
         info = node_info(node)
         grads = sent.get(node)
         message = None if grads is None else grads[position]
-        module = info.module if info is not None else "(outside sa.patch)"
+        module = info.module if info is not None else OUTSIDE
         op = info.op if info is not None else node.name()
         flows.append(ConsumerFlow(module, op, position, _readout(semiring, message, input)))
     return flows

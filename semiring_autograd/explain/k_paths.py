@@ -13,7 +13,8 @@ smallest signed products), so the state's priority, the best completion of p,
 is exact (A* with an exact heuristic). States leave the queue best first; the i-th complete
 path to leave is the i-th best. Each popped state extends a prefix of one of the k best, so
 the search pops about k × (path length) states. Expanding a state at a tensor element takes
-each consumer op's local-Jacobian column at e (forward-mode AD on the recorded call) and
+each consumer op's local-Jacobian column at e (forward-mode AD on the recorded call; a
+native node's backward differentiated, for ops run on the output after the patch) and
 keeps the k children of best priority: a child below k better siblings heads no path among
 the k best. A composite op (layer norm, attention) is entered as its composition, seeded
 with the op's incoming message, as :func:`top_path` does.
