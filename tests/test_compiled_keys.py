@@ -315,10 +315,11 @@ def test_a_backward_under_autocast(semiring):
 
 
 def test_the_default_dtype_changed_after_capture():
-    """A factory in the forward without a dtype (``torch.full``) follows the default dtype:
-    a program captured under float32 is not replayed under float16."""
+    """A tensor the read builds from Python numbers (``torch.tensor``) takes the default
+    dtype: a program captured under float32 (holding that tensor) is not replayed under
+    float16."""
     model = _model().float()
-    read = lambda m, x: (m(x) * torch.full((3,), 0.1)).sum()  # noqa: E731
+    read = lambda m, x: (m(x) * torch.tensor([0.1, 0.2, 0.3])).sum()  # noqa: E731
     step = sa.compiled_step(model, SEMIRING, read)
     for seed in range(4):
         x = _x(seed, torch.float32)
@@ -365,7 +366,7 @@ def test_a_cold_step_called_from_two_threads(semiring):
     model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Linear(128, 3))
     read = _column(0)
     inputs = [[torch.randn(4, 32) for _ in range(4)] for _ in range(2)]
-    for trial in range(4):
+    for trial in range(8):
         step = sa.compiled_step(model, semiring, read)
         got = _in_threads(
             lambda i: [step(x.clone().requires_grad_(True)) for x in inputs[i]], count=2
@@ -440,11 +441,14 @@ class _World:
         self.steps.append((sa.compiled_step(self.model, SEMIRING, _READS[arg]), _READS[arg]))
 
     def call(self, arg: int) -> None:
+        """Two calls of a step on new inputs (after a capture, the second replays a checked
+        program)."""
         if not self.steps:
-            return self.create(arg)
+            self.create(arg)
         step, read = self.steps[arg % len(self.steps)]
-        self.calls += 1
-        _check(step, self.model, read, 1000 + self.calls)
+        for _ in range(2):
+            self.calls += 1
+            _check(step, self.model, read, 1000 + self.calls)
 
     def train(self, arg: int) -> None:
         (self.model if arg == 0 else self.model[2]).train()
