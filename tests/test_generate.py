@@ -138,9 +138,7 @@ def _interrupted_run(out: Path, after_line: str | None, delay: float) -> tuple[i
     [(None, 1.0), ("formatting", 0.5), ("formatting", 3.0)],
     ids=["starting", "formatting-begun", "formatting"],
 )
-def test_sigint_leaves_the_folder_whole_and_exits_within_two_seconds(
-    tmp_path, after_line, delay
-):
+def test_sigint_leaves_the_folder_whole_and_exits_within_two_seconds(tmp_path, after_line, delay):
     out = tmp_path / "gen"
     before = _stale_copy(out)
     code, seconds, err = _interrupted_run(out, after_line, delay)
@@ -150,4 +148,3 @@ def test_sigint_leaves_the_folder_whole_and_exits_within_two_seconds(
     assert [p.name for p in tmp_path.iterdir()] == ["gen"], "a staging folder was left"
     if after_line is not None:
         assert "generate: interrupted" in err and "Traceback" not in err, err
-

