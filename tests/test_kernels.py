@@ -887,8 +887,10 @@ def test_entropy_add_small_terms_relative(dtype):
 def test_matmul_lift_columns_without_terms(semiring):
     """A read-out of one logit: one live row holding terms in two of its k columns. The
     columns without a term are dropped with their rows of w: the result equals the
-    definition (finite weights), and inf or NaN weights in the dropped rows of w change
-    nothing (no path reaches them: the zero annihilates), while in log space a NaN weight
+    definition (finite weights). Inf or NaN weights in the dropped rows of w change nothing
+    where the zero annihilates them (SignedMaxProduct, Boolean); where zero ⊗ lift(∞) is NaN
+    (MaxProduct, Log, Entropy: IEEE 0·∞, as in torch) nothing is dropped and the result is
+    the definition's, NaN included, whatever the other rows hold. In log space a NaN weight
     in a kept row still shows (the max kernels take a NaN weight for no edge)."""
     gen = torch.Generator().manual_seed(41)
     x = torch.randn(1, 5, 9, dtype=torch.float64, generator=gen)
@@ -904,8 +906,11 @@ def test_matmul_lift_columns_without_terms(semiring):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-300)
     unreached = w.clone()
     unreached[0, :2], unreached[5, 1:] = INF, NAN
+    if semiring.terms.nan_at_zero_times_inf:
+        got = semiring.matmul(a, semiring.lift(unreached))
+        assert torch.isnan(semiring.readout(got)).all()
     for g, e in zip(semiring.matmul_lift(a, unreached), got):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
     if isinstance(semiring, (sa.Log, sa.Entropy)):
         reached = w.clone()
         reached[7, 2] = NAN
