@@ -444,3 +444,35 @@ def test_semiring_grad_through_a_readout_is_the_path_sum(readout: str, S):
     program = _program_with_readout("attention", fn)
     (want,) = program.path_sum(S, "r", None, ["x"])
     torch.testing.assert_close(sa.grad(fn(out), x), S.readout(want), rtol=1e-12, atol=1e-12)
+
+
+class _Scores(torch.nn.Module):
+    """x·xᵀ (dot products of dim 4) times ½ plus x·xᵀ divided by a 0-d tensor 2, plus
+    x[:, :1] times ½ (no dot products)."""
+
+    def forward(self, x):
+        scores = x @ x.transpose(0, 1)
+        other = torch.full((), 2.0, dtype=x.dtype)
+        return scores * 0.5 + scores / other + x[:, :1] * 0.5
+
+
+@pytest.mark.parametrize("element", [0, 1, 2, 3])
+def test_attention_scale_is_named_only_on_dot_products(element: int):
+    """×½ after x·xᵀ of dim 4 is 1/√d, ÷ a tensor 2 is √d; ×½ of x itself (no dot products,
+    not in an attention module) is left bare. Every path's product is its weight."""
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x.requires_grad_()
+    module = _Scores()
+    with sa.patch(module, sa.MaxProduct(), paths=True):
+        out = module(x)
+    notes: dict[tuple[str, tuple[int, ...]], set[str]] = {}  # (op, output shape) → notes
+    for path in sa.top_paths(out[1, 2], x, 50, index=(1, element)):
+        lifted = math.prod(abs(s.local_derivative) for s in path.steps[1:])
+        assert lifted == pytest.approx(path.weight, rel=1e-12)
+        for step in path.steps[1:]:
+            if step.op in ("mul.Scalar", "div.Tensor"):
+                notes.setdefault((step.op, step.shape), set()).add(step.note)
+    assert notes[("mul.Scalar", (3, 3))] == {"× attention scale 1/√d (d = 4)"}
+    assert notes[("div.Tensor", (3, 3))] == {"÷ attention scale √d (d = 4)"}
+    if element == 0:  # x[:, :1] * 0.5 reaches only column 0
+        assert notes[("mul.Scalar", (3, 1))] == {""}

@@ -599,8 +599,10 @@ def _is_rotary_add(info: NodeInfo) -> bool:
         radius = c * c + s * s
     except RuntimeError:  # shapes that do not broadcast: no pair of cos, sin
         return False
+    if not rotated or radius.numel() == 0:
+        return False
     first = radius.reshape(-1)[:1]
-    return rotated and bool(first > 0) and bool(torch.allclose(radius, first.expand_as(radius)))
+    return bool(first > 0) and bool(torch.allclose(radius, first.expand_as(radius)))
 
 
 def _reads_negation(t: Tensor, depth: int = 3) -> bool:
@@ -613,7 +615,8 @@ def _reads_negation(t: Tensor, depth: int = 3) -> bool:
     return depth > 1 and any(_reads_negation(u, depth - 1) for u in info.replay.inputs())
 
 
-#: ops whose output is a batch of dot products over their first input's last dim
+#: ops whose output is a batch of dot products over the last dim of their second-to-last
+#: input (q of q·kᵀ; batch1 of baddbmm)
 _DOT_PRODUCTS = frozenset({"matmul", "bmm", "mm", "baddbmm"})
 
 
