@@ -175,3 +175,24 @@ def test_report_and_chart_are_written_both_or_neither(tmp_path, monkeypatch):
     cli._write_outputs([["scores"]], str(html), str(png))
     assert html.read_text() == "<p>page</p>" and png.read_bytes() == b"PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "r.png"]
+
+
+def test_a_kernel_build_says_so_only_when_it_compiles(tmp_path, monkeypatch, capsys):
+    from torch.utils import cpp_extension
+
+    from semiring_autograd.kernels import build
+
+    compiled = []
+
+    def fake_load(name, build_directory, **kwargs):
+        compiled.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    build._load(build.FLAGS)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "building the fused CPU kernels" in err
+    assert "about 1-2 min" in err and str(tmp_path) in err
+    build._load(build.FLAGS)  # the cached build: loaded without a word
+    assert capsys.readouterr().err == "" and len(compiled) == 2

@@ -8,6 +8,8 @@ fails; its kernels run on one thread. Loading registers the CPU kernels of the o
 ``operators.py`` defines. No compiler or no ninja: one warning naming what is missing, and
 the callers use their eager formulas. ``SEMIRING_AUTOGRAD_CXXFLAGS`` appends flags
 (space-separated; e.g. ``-mno-avx512f`` builds the portable paths on an AVX-512 machine).
+A build that really compiles (no cached one) says so on stderr first: it takes a minute or
+two.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -87,6 +90,8 @@ def _load(flags: list[str]) -> None:
     directory = cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     openmp = bool(set(OPENMP_FLAGS) & set(flags))
+    if not (directory / f"{name}.so").is_file():
+        _announce_build(openmp)
     cpp_extension.load(
         name=name,
         sources=[str(_SOURCES[0])],
@@ -128,6 +133,17 @@ def available() -> bool:
 def uses_openmp() -> bool:
     """Whether the loaded build runs its kernels on OpenMP threads (False when not built)."""
     return available() and OPENMP_FLAGS[0] in _built()
+
+
+def _announce_build(openmp: bool) -> None:
+    """One line on stderr before a compile that no cached build saves."""
+    variant = "" if openmp else ", without OpenMP"
+    print(
+        f"semiring_autograd: building the fused CPU kernels{variant} "
+        f"(once, about 1-2 min; cached in {cache_dir()}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _warn(reason: str) -> None:
