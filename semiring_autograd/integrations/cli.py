@@ -122,6 +122,7 @@ def _explain(args: argparse.Namespace) -> int:
     inputs = _texts(args)
     name = args.model or DEFAULT_MODEL
     start = time.perf_counter()
+    print(f"reading the tokenizer and the config of {name} ...", flush=True)
     tokenizer = _load("tokenizer", load_tokenizer, args.model)
     _check_tokens(args, inputs, tokenizer)
     _check_context(inputs, tokenizer, _load("config", context_length, args.model), name)
