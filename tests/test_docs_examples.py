@@ -83,7 +83,7 @@ def run_block(code: str, line: int, directory: Path, name: str = "block.py"):
     Markdown line."""
     script = directory / name
     script.write_text("\n" * line + code, encoding="utf-8")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         env["OMP_NUM_THREADS"] = "1"  # one thread per worker, as tests/conftest.py sets
     return subprocess.run(
