@@ -169,7 +169,7 @@ def test_comparison_page_has_every_semiring_on_its_own_scale(attributions, tmp_p
     assert "7 semirings compared" in page
     for result in group:
         name = type(result.semiring).__name__
-        assert f"<th>{name}<br>" in page
+        assert f'<th title="{result.meaning}">{name}</th>' in page
         assert Scale.of(result).css_gradient() in page
     cells = re.findall(r'<td class="num" style="background: rgb\((\d+), (\d+), (\d+)\)', page)
     assert len(cells) == len(group) * len(group[0].tokens)

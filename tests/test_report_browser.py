@@ -163,7 +163,7 @@ def long_text_attributions():
     return groups
 
 
-@pytest.mark.parametrize("width", [1000, 640])
+@pytest.mark.parametrize("width", [1000, 800])
 def test_no_element_overflows_its_box(long_text_attributions, tmp_path, width):
     """Path lines, the text and the tables stay inside their boxes: a page of one semiring
     and the comparison of every semiring on two texts, every path open."""

@@ -154,7 +154,7 @@ class Attribution:
 
     def to_html(self, path: str | os.PathLike | None = None) -> str:
         """A self-contained HTML page: the prediction, the tokens as a heat map of their
-        scores on a zero-anchored colour scale with its legend, and the headline paths (each
+        scores on the semiring's colour scale with its legend, and the headline paths (each
         token's path in a collapsible section). Written to ``path`` when given; returned
         either way."""
         return report.html_page(self, path)

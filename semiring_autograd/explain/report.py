@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path as FilePath
 from typing import Any, Literal, Protocol, Sequence
@@ -151,7 +152,7 @@ class Scale:
         if self.kind == "from_best":
             return (
                 f"Colour: the score's difference from the largest score, {self.upper:.6g} "
-                f"(red), down to the smallest, {self.lower - self.upper:.4g} below it "
+                f"(red), down to the smallest, {self.upper - self.lower:.4g} below it "
                 f"(white); a log-domain readout carries its meaning in differences." + grey
             )
         if self.kind == "diverging":
@@ -252,7 +253,7 @@ def html_page(
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
-body {{ font-family: sans-serif; margin: 0; color: #111; overflow-wrap: anywhere; }}
+body {{ font-family: sans-serif; margin: 0; color: #111; overflow-wrap: break-word; }}
 header.report {{ background: #e8eef6; margin: 0 0 1em; padding: 0.6em 2em; }}
 main {{ display: block; margin: 0 2em 2em; }}
 header.report h1 {{ font-size: 1.4em; margin: 0.3em 0; }}
@@ -266,6 +267,7 @@ dl.context dt {{ font-weight: bold; }} dl.context dd {{ margin: 0; }}
 .legend .meaning {{ color: #444; margin-top: 0.3em; }}
 table {{ border-collapse: collapse; }} td, th {{ padding: 2px 6px; text-align: left; }}
 td {{ white-space: pre-wrap; }}
+th {{ overflow-wrap: anywhere; }}
 td.num {{ text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }}
 pre {{ background: #f6f6f6; padding: 1em; white-space: pre-wrap; overflow-wrap: anywhere; }}
 </style></head><body>
@@ -402,8 +404,7 @@ def _comparison(group: list[Scores], scales: list[Scale]) -> str:
     if any(r.tokens != tokens for r in group):
         raise ValueError("a comparison needs attributions of the same tokens")
     heads = "".join(
-        f"<th>{html.escape(type(r.semiring).__name__)}<br><small>{html.escape(r.meaning)}"
-        "</small></th>"
+        f'<th title="{html.escape(r.meaning)}">{html.escape(type(r.semiring).__name__)}</th>'
         for r in group
     )
     columns = [r.display_scores().tolist() for r in group]
@@ -420,7 +421,7 @@ def _comparison(group: list[Scores], scales: list[Scale]) -> str:
     )
     return f"""<h2>Semirings compared</h2>
 <p>Score per token: each semiring's ⊕ over the token's embedding elements; each column is
-coloured on its semiring's scale (legends below): zero-anchored for Real, MaxProduct and
+coloured on its semiring's scale (legends below, with what each score means): zero-anchored for Real, MaxProduct and
 SignedMaxProduct (the largest signed product), the difference from the largest score for
 the log-domain readouts (Log, Entropy, Counting), path or no path for Boolean.</p>
 <table><tr><th>#</th><th>token</th>{heads}</tr>
@@ -455,7 +456,8 @@ def plot_scores(result: Scores | Sequence[Scores], path: str | os.PathLike) -> N
     )
     for ax, r in zip(axes[:, 0], results):
         _panel(fig, ax, r, Scale.of(r))
-    fig.suptitle(_plot_title(results[0]), fontsize=9)
+    characters = int(fig.get_figwidth() * 14)  # about 14 characters an inch at 9 points
+    fig.suptitle("\n".join(textwrap.wrap(_plot_title(results[0]), characters)), fontsize=9)
     fig.savefig(path, format="png")
     plt.close(fig)
 
