@@ -97,10 +97,22 @@ def run_block(code: str, line: int, directory: Path, name: str = "block.py"):
 
 
 BLOCKS = python_blocks()
+# a block that loads the embedded SmolLM2-135M (de-quantised from GGUF, 15-30 s) is slow
+_SLOW = ("load_causal_lm()", "load_model()")
 
 
 @pytest.mark.parametrize(
-    "document, line, code", BLOCKS, ids=[f"{name}:{line}" for name, line, _ in BLOCKS]
+    "document, line, code",
+    [
+        pytest.param(
+            name,
+            line,
+            code,
+            id=f"{name}:{line}",
+            marks=[pytest.mark.slow] if any(s in code for s in _SLOW) else [],
+        )
+        for name, line, code in BLOCKS
+    ],
 )
 def test_block_runs_as_pasted(document, line, code, tmp_path):
     result = run_block(code, line, tmp_path, Path(document).stem + ".py")
