@@ -24,6 +24,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
@@ -155,55 +156,55 @@ def _split_aux(result: Any) -> tuple[Tensor, tuple[Tensor, ...], bool]:
     return out, parts, isinstance(aux, Tensor)
 
 
-#: a module's own dicts of hooks (each keyed by its handle's id, never reused)
-_HOOKS = frozenset(
-    {
-        "_forward_hooks",
-        "_forward_hooks_with_kwargs",
-        "_forward_hooks_always_called",
-        "_forward_pre_hooks",
-        "_forward_pre_hooks_with_kwargs",
-        "_backward_hooks",
-        "_backward_pre_hooks",
-    }
-)
-#: a module's dicts of its parameters, buffers and submodules, walked by ``_model_state``
-_CHILDREN = frozenset({"_parameters", "_buffers", "_modules"})
+#: a module's dicts of hooks (each keyed by its handle's id, never reused; a hook's
+#: ``with_kwargs`` and ``always_called`` flags are set with its id)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+#: the entries of every module's ``__dict__`` (parameters, buffers, submodules, hooks, the
+#: state dict's hooks, ``training``), read one by one; the others are the module's own
+_STANDARD = frozenset(nn.Module().__dict__)
+#: attribute values keyed as they are (other values: ``Identities.value``)
+_PLAIN = frozenset({bool, int, str, type(None)})
 
 
 def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]]:
     """What the forward of ``model`` reads from Python, and its parameters and buffers:
     per module (each once, in a fixed order for a fixed module tree; its own ``__dict__``
     read directly, which costs several times less than ``named_parameters()``), its
-    identity, its parameters and buffers (identity, shape, strides, storage offset, dtype,
-    device, requires_grad), its hooks, and every other attribute (``training``, a
-    dropout's ``p``, an instance ``forward``): immutable values by value, other objects by
-    identity."""
+    identity and ``training``, its hooks, its own attributes (a dropout's ``p``, an
+    instance ``forward``: immutable values by value, other objects by identity), and its
+    parameters and buffers (identity, shape, strides, storage offset, dtype, device,
+    requires_grad)."""
     parts: list = []
     held: list[Tensor] = []
     seen: set[int] = set()
     stack = [model]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        parts.append(ids.of(module))
-        for name, value in module.__dict__.items():
-            if name in _CHILDREN:
+    with torch._C.DisableTorchFunctionSubclass():  # a Parameter's metadata read directly
+        while stack:
+            module = stack.pop()
+            if id(module) in seen:
                 continue
-            if name in _HOOKS:
-                if value:
-                    parts.append((name, tuple([(k, ids.of(h)) for k, h in value.items()])))
-                continue
-            parts.append((name, ids.value(value)))
-        for group in (module._parameters, module._buffers):
-            for name, t in group.items():
-                if t is not None:
-                    held.append(t)
-                    parts.append((name, ids.of(t), *_tensor_layout(t)))
-        stack += [m for m in module._modules.values() if m is not None]
+            seen.add(id(module))
+            found = module.__dict__
+            parts.append((ids.of(module), found["training"], _hooks(found, ids)))
+            for name in sorted(found.keys() - _STANDARD):
+                value = found[name]
+                parts.append((name, value if type(value) in _PLAIN else ids.value(value)))
+            for group in (found["_parameters"], found["_buffers"]):
+                for name, t in group.items():
+                    if t is not None:
+                        held.append(t)
+                        parts.append((name, ids.of(t), *_tensor_layout(t)))
+            stack += [m for m in found["_modules"].values() if m is not None]
     return tuple(parts), held
+
+
+def _hooks(found: dict, ids: Identities) -> tuple:
+    """The hooks in a module's ``__dict__`` (``found``): each dict's handle ids and hooks."""
+    if not any([found[name] for name in _HOOKS]):
+        return ()
+    return tuple([tuple([(k, ids.of(h)) for k, h in found[name].items()]) for name in _HOOKS]) + (
+        found["_is_full_backward_hook"],
+    )
 
 
 def _tensor_layout(t: Tensor) -> tuple:
@@ -220,14 +221,7 @@ def _global_module_hooks(ids: Identities) -> tuple:
     return tuple(found)
 
 
-_GLOBAL_HOOKS = (
-    "_global_forward_hooks",
-    "_global_forward_hooks_with_kwargs",
-    "_global_forward_hooks_always_called",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-)
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _HOOKS)
 
 
 def compiled_step(
