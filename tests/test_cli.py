@@ -238,3 +238,18 @@ def test_setup_venv_says_each_step_and_skips_pip_when_nothing_changed(tmp_path):
     pyproject.write_text(pyproject.read_text() + "\n# a changed dependency\n")
     calls, _ = _setup(checkout)
     assert len(calls) == 3, "a changed pyproject.toml must reinstall"
+
+
+def test_the_gguf_header_reader_agrees_with_the_gguf_package():
+    from gguf import GGUFReader
+
+    path = Path.joinpath(*huggingface.smollm2_location())
+    ours = dict(huggingface._gguf_metadata(path))
+    fields = GGUFReader(path).fields
+    scalars = {k: f for k, f in fields.items() if len(f.types) == 1 and not k.startswith("GGUF.")}
+    assert scalars and set(scalars) <= set(ours)
+    for key, field in scalars.items():
+        value = field.contents()
+        assert ours[key] == value, (key, ours[key], value)
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert ours["tokenizer.ggml.tokens"] == tokens

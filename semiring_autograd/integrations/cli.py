@@ -114,11 +114,12 @@ def run(args: argparse.Namespace) -> int:
     status."""
     try:
         return _explain(args)
-    except (UsageError, ValueError) as exc:
+    except (ValueError, OSError) as exc:  # UsageError is a ValueError
         return error(_one_line(exc))
 
 
 def _explain(args: argparse.Namespace) -> int:
+    """Tokenizer and config (checked), model, attribution per semiring, report."""
     inputs = _texts(args)
     name = args.model or DEFAULT_MODEL
     start = time.perf_counter()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -67,13 +69,45 @@ def context_length(path: str | os.PathLike | None = None) -> int | None:
 
 def _gguf_context_length(directory: Path, file: str) -> int | None:
     """``<architecture>.context_length`` from a GGUF file's metadata."""
-    from gguf import GGUFReader
+    seen: dict[str, Any] = {}
+    for key, value in _gguf_metadata(directory / file):
+        seen[key] = value
+        architecture = seen.get("general.architecture")
+        if architecture is not None and f"{architecture}.context_length" in seen:
+            return int(seen[f"{architecture}.context_length"])
+    return None
 
-    fields = GGUFReader(directory / file).fields
-    architecture = fields["general.architecture"]
-    name = bytes(architecture.parts[architecture.data[0]]).decode()
-    length = fields.get(f"{name}.context_length")
-    return None if length is None else int(length.parts[length.data[0]][0])
+
+#: GGUF metadata value types with a fixed size: their struct format
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q"}
+_GGUF_SCALARS |= {11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_metadata(path: Path) -> Iterator[tuple[str, Any]]:
+    """The (key, value) pairs of a GGUF file's header, read in order from its start (the
+    tensors are never read: a key near the start costs microseconds)."""
+    with open(path, "rb") as f:
+        magic, version, _tensors, count = struct.unpack("<4sIQQ", f.read(24))
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+        for _ in range(count):
+            key = _gguf_value(f, _GGUF_STRING)
+            yield key, _gguf_value(f, struct.unpack("<I", f.read(4))[0])
+
+
+def _gguf_value(f: BinaryIO, kind: int) -> Any:
+    """One little-endian GGUF metadata value of type ``kind`` read from ``f``."""
+    if kind in _GGUF_SCALARS:
+        form = "<" + _GGUF_SCALARS[kind]
+        return struct.unpack(form, f.read(struct.calcsize(form)))[0]
+    if kind == _GGUF_STRING:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return f.read(length).decode("utf-8", errors="replace")
+    if kind == _GGUF_ARRAY:
+        item, length = struct.unpack("<IQ", f.read(12))
+        return [_gguf_value(f, item) for _ in range(length)]
+    raise ValueError(f"unknown GGUF metadata type {kind}")
 
 
 def load_model(path: str | os.PathLike | None = None) -> Any:
