@@ -170,6 +170,28 @@ def test_empty_linear_messages_are_the_path_enumerations(S, shape):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("dim, indices", [(0, [[1, 2]]), (3, [[]]), (0, [[]])])
+@pytest.mark.parametrize("S", ALL, ids=repr)
+def test_empty_embedding_messages_are_the_path_enumerations(S, dim, indices):
+    """An embedding of width 0, or a lookup of no index: the weight's message is the
+    oracle's (the semiring zero: no path); Real's is torch's float64 gradient."""
+    torch.manual_seed(0)
+    model = nn.Embedding(5, dim).double()
+    index = torch.tensor(indices, dtype=torch.long)
+    with sa.patch(model, S):
+        y = model(index)
+    got = sa.grad(y, model.weight)
+    if S.name == "real":
+        (expected,) = torch.autograd.grad(model(index).sum(), model.weight)
+    else:
+        program = Program(w=model.weight)
+        program.op("y", lambda w: F.embedding(index, w), "w")
+        (value,) = program.path_sum(S, "y", None, ["w"])
+        expected = S.readout(value)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 # ----- inputs the backward cannot use --------------------------------------------------------
 def _patched_linear(S: sa.Semiring, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
