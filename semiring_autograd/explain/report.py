@@ -127,15 +127,15 @@ class Scale:
         stops = [NEGATIVE, ZERO, POSITIVE] if self.kind == "diverging" else [ZERO, POSITIVE]
         return "linear-gradient(to right, " + ", ".join(_css(c) for c in stops) + ")"
 
-    def ticks(self) -> list[tuple[float, str]]:
-        """(score, its label) under the legend bar, left to right: from the best, the labels
-        are differences from the largest score."""
+    def ticks(self) -> list[str]:
+        """The labels under the legend bar, left to right: from the best, differences from
+        the largest score."""
         if self.kind == "presence":
-            return [(0.0, "no path"), (1.0, "path")]
+            return ["no path", "path"]
         if self.kind == "from_best":
-            return [(self.lower, f"{self.lower - self.upper:.4g}"), (self.upper, "0")]
+            return [f"{self.lower - self.upper:.4g}", "0"]
         ends = [self.lower, 0.0, self.upper] if self.kind == "diverging" else [0.0, self.upper]
-        return [(v, f"{v:.4g}") for v in ends]
+        return [f"{v:.4g}" for v in ends]
 
     @property
     def axis_label(self) -> str:
@@ -146,14 +146,15 @@ class Scale:
 
     def explanation(self) -> str:
         """What the colours mean, in a sentence."""
-        grey = " Grey: not a number (−inf: no path)."
+        grey = " Grey: not a number (NaN or ±inf)."
         if self.kind == "presence":
             return "Red: a path from the token reaches the output; white: no path."
         if self.kind == "from_best":
             return (
                 f"Colour: the score's difference from the largest score, {self.upper:.6g} "
                 f"(red), down to the smallest, {self.upper - self.lower:.4g} below it "
-                f"(white); a log-domain readout carries its meaning in differences." + grey
+                "(white); a log-domain readout carries its meaning in differences. Grey: "
+                "−inf (no path) or NaN."
             )
         if self.kind == "diverging":
             return (
@@ -311,7 +312,7 @@ def _context(result: Scores, which: str) -> str:
 
 def _legend(scale: Scale) -> str:
     """The colour bar, its tick labels, what the numbers are and what the colours mean."""
-    ticks = "".join(f"<span>{html.escape(label)}</span>" for _, label in scale.ticks())
+    ticks = "".join(f"<span>{html.escape(label)}</span>" for label in scale.ticks())
     return (
         f'<div class="legend"><div class="bar" style="background: {scale.css_gradient()}">'
         f'</div><div class="ticks">{ticks}</div><div>{html.escape(scale.axis_label)}</div>'
