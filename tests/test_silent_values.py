@@ -136,6 +136,23 @@ def test_zero_derivative_is_no_edge_for_the_edge_reading_semirings(S, batch):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log(), sa.Entropy()], ids=repr)
+def test_captured_backward_reads_inf_times_zero_as_the_eager_one(S):
+    """compile=True: a program captured with a finite weight (its dead rows dropped),
+    replayed with the infinite one and the finite one again, gives the eager readouts each
+    time (the weight's finiteness is read, so a replay takes the branch its weight needs)."""
+    rows = BATCHES["7"]
+    finite = WEIGHT.nan_to_num(posinf=1e300)
+    for weight in (finite, WEIGHT, finite):
+        model = _tanh_layer(weight)
+        x = ROWS[rows].clone().requires_grad_()
+        with sa.patch(model, S):
+            y = model(x)
+        compiled = sa.grad(y, x, compile=True)
+        eager = _readout(S, rows, weight)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+
+
 # ----- empty linear layers ------------------------------------------------------------------
 #: (in features, out features, batch)
 EMPTY = [(3, 0, 2), (0, 3, 2), (0, 0, 2), (3, 2, 0), (3, 0, 0)]
