@@ -158,8 +158,18 @@ def test_png_bars_use_the_reports_colours(attributions, tmp_path, name):
         assert near, f"bar colour {colour} of score {score} is not in the PNG"
 
 
-def test_png_title_names_model_text_position_and_target(attributions):
-    title = report._plot_title(attributions["MaxProduct"])
+def test_png_title_names_model_text_position_and_target(attributions, tmp_path, monkeypatch):
+    figure = pytest.importorskip("matplotlib.figure")
+    titles = []
+    save = figure.Figure.savefig
+
+    def record_title(fig, *args, **kwargs):
+        titles.append(fig.get_suptitle())
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(figure.Figure, "savefig", record_title)
+    attributions["MaxProduct"].plot(tmp_path / "m.png")
+    title = " ".join(titles[0].split())  # the title's lines, wrapped to the figure, joined
     assert title.startswith("tiny") and "position 4 ('#11')" in title
     assert attributions["MaxProduct"].target in title and "probability" in title
 
