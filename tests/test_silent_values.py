@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import semiring_autograd as sa
+from semiring_autograd.engine import compiled
 from semiring_autograd.errors import SemiringDefinitionError
 from oracle import Program
 from user_semirings import Tropical
@@ -138,19 +139,22 @@ def test_zero_derivative_is_no_edge_for_the_edge_reading_semirings(S, batch):
 
 @pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log(), sa.Entropy()], ids=repr)
 def test_captured_backward_reads_inf_times_zero_as_the_eager_one(S):
-    """compile=True: a program captured with a finite weight (its dead rows dropped),
-    replayed with the infinite one and the finite one again, gives the eager readouts each
-    time (the weight's finiteness is read, so a replay takes the branch its weight needs)."""
+    """compile=True: a program captured with a finite weight (its dead rows dropped) is not
+    replayed with the infinite one, which gets a program of its own (the weight's finiteness
+    is a guard); the finite weight again replays the first. Each gives the eager readouts."""
     rows = BATCHES["7"]
     finite = WEIGHT.nan_to_num(posinf=1e300)
+    compiled.clear()
     for weight in (finite, WEIGHT, finite):
         model = _tanh_layer(weight)
         x = ROWS[rows].clone().requires_grad_()
         with sa.patch(model, S):
             y = model(x)
-        compiled = sa.grad(y, x, compile=True)
+        replayed = sa.grad(y, x, compile=True)
         eager = _readout(S, rows, weight)
-        torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=0, equal_nan=True)
+    counts = compiled.stats()
+    assert (counts["captures"], counts["replays"], counts["eager"]) == (2, 1, 0), counts
 
 
 # ----- empty linear layers ------------------------------------------------------------------
