@@ -254,12 +254,27 @@ def _swap_in(out_dir: Path, changed: dict[str, str], stale: list[str]) -> None:
             shutil.rmtree(staging)
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """CodegenError for an output folder that is a file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CodegenError(f"--out-dir {out_dir} is a file: give a folder")
+
+
 def write(yaml_dir: Path, out_dir: Path, check: bool) -> list[str]:
     """Write (or with ``check`` only compare) generated files; return the stale ones: the
     files that differ from the sources' rendering and the generated files no longer
     produced (removed). Files without the ``@generated`` header are never touched."""
+    _check_out_dir(out_dir)
     files = render(yaml_dir)
     changed = {name: text for name, text in files.items() if not _unchanged(out_dir / name, text)}
+    foreign = [
+        name for name in changed if (out_dir / name).exists() and not is_generated(out_dir / name)
+    ]
+    if foreign and not check:
+        raise CodegenError(
+            f"{out_dir} holds {', '.join(foreign)} without the @generated header: generate "
+            "overwrites only files it wrote; move them away or choose another --out-dir"
+        )
     stale = _stale_generated(out_dir, set(files))
     if not check and (changed or stale):
         _swap_in(out_dir, changed, stale)

@@ -75,6 +75,17 @@ def test_stale_generated_modules_are_removed_and_others_kept(small_yaml, tmp_pat
     assert generate.main(["--check", *args]) == 0
 
 
+def test_a_file_of_the_users_under_a_generated_name_is_refused(small_yaml, tmp_path, capsys):
+    out = tmp_path / "gen"
+    out.mkdir()
+    (out / "real.py").write_text("# my own real.py\n")
+    assert generate.main(["--yaml-dir", str(small_yaml), "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "real.py without the @generated header" in err and "move them away" in err
+    assert [p.name for p in out.iterdir()] == ["real.py"]
+    assert (out / "real.py").read_text() == "# my own real.py\n"
+
+
 def test_an_interrupt_while_moving_files_in_is_held_until_all_are_in(
     small_yaml, tmp_path, monkeypatch
 ):
@@ -84,7 +95,7 @@ def test_an_interrupt_while_moving_files_in_is_held_until_all_are_in(
     assert generate.main(["--yaml-dir", str(small_yaml), "--out-dir", str(out)]) == 0
     new = _contents(out)
     for path in out.glob("*.py"):
-        path.write_text("# an older rendering\n")
+        path.write_text(path.read_text().splitlines()[0] + "\n# an older rendering\n")
     replace = os.replace
     moved = []
 
