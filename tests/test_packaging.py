@@ -17,6 +17,7 @@ SOURCES = (
     "pyproject.toml",
     "README.md",
     "semiring_autograd",
+    "semiring_autograd_cli.py",
     "codegen",
     "generated",
     "derivatives",
@@ -74,6 +75,7 @@ def test_wheel_holds_codegen_and_the_yaml(installed):
     assert (package / "codegen" / "templates" / "functions.py.j2").is_file()
     assert (package / "generated" / "ops_table.py").is_file()
     assert not (installed / "codegen").exists(), "codegen must not install as a top-level package"
+    assert (installed / "semiring_autograd_cli.py").is_file(), "the command line's parser"
     for init in (ROOT / "semiring_autograd").rglob("__init__.py"):
         module = init.parent.relative_to(ROOT)
         assert (installed / module / "__init__.py").is_file(), f"{module} is not in the wheel"
