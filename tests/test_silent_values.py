@@ -284,6 +284,21 @@ def test_user_semiring_returning_a_tensor_names_what_a_value_is():
         _NotAValue().add((torch.zeros(2),), (torch.ones(2),))
 
 
+class _ExtraComponent(Tropical):
+    def mul(self, a, b):
+        out = super().mul(a, b)
+        return (out[0], out[0])
+
+
+def test_user_semiring_with_components_beyond_n_components_says_so():
+    with pytest.raises(
+        SemiringDefinitionError,
+        match=r"_ExtraComponent\.mul \(⊗\) returned 2 components, but "
+        r"_ExtraComponent\.n_components is 1",
+    ):
+        _ExtraComponent().mul((torch.zeros(2),), (torch.ones(2),))
+
+
 def test_user_semiring_of_right_shape_runs_unchanged():
     """The check passes a correct semiring's values through: Tropical against the oracle."""
     rows = BATCHES["3"]

@@ -138,8 +138,8 @@ def _check_result(semiring: Semiring, name: str, a: Value, b: Value, out: Value)
         return
     if len(out) != semiring.n_components:
         raise SemiringDefinitionError(
-            f"{where} returned {len(out)} components, expected n_components = "
-            f"{semiring.n_components}"
+            f"{where} returned {len(out)} components, but {cls.__name__}.n_components is "
+            f"{semiring.n_components}: set n_components to the number of tensors in a value"
         )
     expected = torch.broadcast_shapes(*shapes[0], *shapes[1])
     try:
