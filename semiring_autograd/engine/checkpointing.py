@@ -15,7 +15,6 @@ it inside its own backward with torch's graph; its backward is refused with a
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
@@ -25,7 +24,7 @@ from ..errors import SemiringAutogradError
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 #: the pack hook torch.utils.checkpoint pushes for a non-reentrant checkpointed forward
 _PACK_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
-#: the attribute marking a checkpoint frame whose recompute runs under a semiring
+#: the attribute marking a recompute function that runs under a semiring
 _MARK = "_semiring_autograd_recompute"
 
 REENTRANT_FIX = (
@@ -59,18 +58,19 @@ def checkpoint_frame() -> Any | None:
     return frame
 
 
-def recompute_under(frame: Any, context: Callable[[], AbstractContextManager]) -> None:
-    """Make ``frame``'s recompute run inside ``context()`` (once per frame)."""
-    if getattr(frame, _MARK, False):
+def recompute_under(frame: Any, run: Callable[[Callable[..., None], tuple], None]) -> None:
+    """Make ``frame``'s recompute ``original(*args)`` run as ``run(original, args)`` (once
+    per frame). The wrapper carries the mark and is published by one assignment, so an
+    interrupt leaves the frame's recompute either torch's or wrapped once."""
+    if getattr(frame.recompute_fn, _MARK, False):
         return
     original = frame.recompute_fn
 
     def recompute(*args: Any) -> None:
-        with context():
-            original(*args)
+        run(original, args)
 
+    setattr(recompute, _MARK, True)
     frame.recompute_fn = recompute
-    setattr(frame, _MARK, True)
 
 
 def is_reentrant_refusal(exc: BaseException) -> bool:

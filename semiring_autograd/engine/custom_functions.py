@@ -6,12 +6,14 @@ thread, ``Function.apply`` of such a Function calls its ``forward`` with grad en
 semiring mode records the ops it runs and the semiring backward differentiates them; the
 Function's own backward is not used (a warning names each such Function once). Under
 ``sa.Real()``, which records torch's own graph, and outside a running patch, ``apply`` is
-torch's. The hook is installed while any patched forward runs.
+torch's. The hook is installed while any patched forward runs: each running forward is an
+owner, and ``Function.apply`` is ours exactly while the set of owners is not empty. Install
+and uninstall are idempotent per owner, so an interrupt landing inside either leaves a state
+that one more :func:`uninstall` makes exactly torch's.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
 from typing import Any, Callable
 
@@ -20,8 +22,8 @@ from torch.autograd.function import _is_setup_context_defined
 from torch.utils._pytree import tree_flatten, tree_map
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
-_LOCK = threading.Lock()
-_installed = 0
+#: the running patched forwards that need ``Function.apply`` routed through :func:`_apply`
+_owners: set[object] = set()
 _warned: set[type] = set()
 #: whether a Function class runs as ops now (set by the patch: applied from the code of a
 #: patched forward running in this thread, not under sa.Real(), not a Function of torch)
@@ -80,20 +82,33 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
 
 
-def install(should_trace: Callable[[type], bool]) -> None:
-    """Route ``Function.apply`` through :func:`_apply`, tracing the classes
-    ``should_trace`` names (installs nest: each needs its :func:`uninstall`)."""
-    global _installed, _should_trace
-    with _LOCK:
-        _should_trace = should_trace
-        if _installed == 0:
-            torch.autograd.Function.apply = classmethod(_apply)
-        _installed += 1
+_TRACING_APPLY = classmethod(_apply)
 
 
-def uninstall() -> None:
-    global _installed
-    with _LOCK:
-        _installed -= 1
-        if _installed == 0:
-            torch.autograd.Function.apply = _ORIGINAL_APPLY
+def _publish() -> None:
+    """Make ``Function.apply`` ours while there are owners, torch's otherwise; an ``apply``
+    someone else set is left alone. Lock-free (each read and the class attribute assignment
+    are atomic): a writer reads again after writing, so concurrent calls settle on the
+    state the final set of owners asks for."""
+    while True:
+        want = _TRACING_APPLY if _owners else _ORIGINAL_APPLY
+        current = torch.autograd.Function.__dict__["apply"]
+        if current is want or current not in (_TRACING_APPLY, _ORIGINAL_APPLY):
+            return
+        torch.autograd.Function.apply = want
+
+
+def install(owner: object, should_trace: Callable[[type], bool]) -> None:
+    """Route ``Function.apply`` through :func:`_apply` while ``owner`` runs, tracing the
+    classes ``should_trace`` names (idempotent per owner)."""
+    global _should_trace
+    _should_trace = should_trace
+    _owners.add(owner)
+    _publish()
+
+
+def uninstall(owner: object) -> None:
+    """``owner`` no longer needs the route; torch's ``apply`` is back once no owner does
+    (idempotent: any number of calls, also after a partial :func:`install`)."""
+    _owners.discard(owner)
+    _publish()

@@ -3,13 +3,23 @@
 A :class:`~torch.overrides.TorchFunctionMode` is pushed (thread-locally) while the patched
 model's forward runs in the thread that patched it. Every module's ``forward`` is wrapped
 (an instance attribute, removed with the patch): the model's holds the mode, each names its
-module while it runs, in try/finally, so whatever ends a forward (a ``KeyboardInterrupt``
-too) leaves no mode and no stale name. Each torch function call that touches
+module while it runs. Each torch function call that touches
 a grad-requiring tensor is bound to a YAML entry and routed to its generated Function;
 its forward computes exactly what the unpatched call computes. For ``sa.Real()`` the call
 runs as it is and torch records its own backward nodes (Real messages are torch's
 gradients). A call with no entry that would produce a differentiable result raises
 :class:`UnsupportedOpError` at forward, in every semiring.
+
+Interrupts. Whatever ends a patch, a forward or a removal (an exception, a
+``KeyboardInterrupt`` landing between any two lines) leaves the model, the thread and
+``torch.autograd.Function.apply`` exactly as they were, or the patch whole. Every change is
+made inside the ``try`` whose ``finally`` undoes it, and every undo reads the state it
+restores (is our mode on the stack, is this ``forward`` our wrapper, is the model claimed by
+this handle), so it is idempotent: it runs twice, and an interrupt landing inside the first
+run leaves the second to finish. What no Python code can guard is the hand-over of the
+handle itself (an interrupt at the return of ``sa.patch`` or at the entry of ``__exit__``):
+there the patch is whole and ``handle.remove()`` (the handle is also
+``model.forward.__semiring_autograd_patch__``) removes it.
 """
 
 from __future__ import annotations
@@ -34,11 +44,34 @@ from .replay import Replay
 from ..semirings.base import Semiring
 from ..semirings.registry import records_torch_graph
 
-_LOCK = threading.Lock()
 _THREAD = threading.local()
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
-_PATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+#: each patched model → the handle that patched it
+_PATCHED: "weakref.WeakKeyDictionary[nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()
 _ABSENT = object()
+
+
+def _enter_mode(mode: TorchFunctionMode) -> None:
+    """Push ``mode`` on this thread's torch-function mode stack."""
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def _leave_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack wherever it sits, the modes
+    above it kept in order; nothing when it is not there (idempotent)."""
+    stack = _get_current_function_mode_stack()
+    if not any(m is mode for m in stack):
+        return
+    if stack[-1] is mode:
+        torch._C._pop_torch_function_stack()
+        return
+    above: list[TorchFunctionMode] = []
+    try:
+        while (top := torch._C._pop_torch_function_stack()) is not mode:
+            above.append(top)
+    finally:
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
 
 
 def _is_compiled(module: nn.Module) -> bool:
@@ -187,7 +220,7 @@ class _SemiringMode(TorchFunctionMode):
                 return handle.record_torch_graph(func, args, kwargs, op, bound)
             frame = checkpoint_frame()
             if frame is not None:  # a checkpointed region: recompute it under the semiring
-                recompute_under(frame, functools.partial(_SemiringMode, handle))
+                recompute_under(frame, handle.run_in_mode)
             replay = (
                 Replay.record(func, args, kwargs, op, bound, handle.parameter_name)
                 if handle.paths
@@ -251,9 +284,9 @@ class PatchHandle:
         )
         #: torch records its own graph of each op (sa.Real(); see the semiring registry)
         self.torch_graph = records_torch_graph(semiring)
+        #: the thread whose forwards record (the patching thread)
         self.thread = threading.get_ident()
         self._mode = _SemiringMode(self)
-        self._depth = 0
         self._active = False
         self._removed = False
         #: (qualified name, module) of the model's modules whose forward is running, innermost
@@ -261,23 +294,57 @@ class PatchHandle:
         self._stack: list[tuple[str, nn.Module]] = []
         #: (module, its own ``forward`` instance attribute before the patch, or _ABSENT)
         self._wrapped: list[tuple[nn.Module, Any]] = []
-        # every module's forward is wrapped (an instance attribute): the wrappers name the
-        # running module and, on the model, hold the semiring mode, in try/finally, so any
-        # exception, a KeyboardInterrupt too, leaves both as they were
-        try:
-            for name, module in model.named_modules():  # each module once, first name
-                before = module.__dict__.get("forward", _ABSENT)
-                forward = module.forward
-                if module is model:
-                    wrapper = self._model_forward(forward, name or type(module).__name__, module)
-                else:
-                    wrapper = self._named_forward(forward, name, module)
-                wrapper.__semiring_autograd_patch__ = self  # type: ignore[attr-defined]
-                module.__dict__["forward"] = wrapper
-                self._wrapped.append((module, before))
-        except BaseException:
-            self._unwrap()
-            raise
+
+    def _install(self) -> None:
+        """Claim the model and wrap every module's ``forward`` (an instance attribute): the
+        wrappers name the running module and, on the model, hold the semiring mode. Each
+        module is recorded before its wrapper is set, so :meth:`_uninstall` undoes any
+        prefix of this."""
+        self._claim()
+        model = self.model
+        for name, module in model.named_modules():  # each module once, first name
+            before = module.__dict__.get("forward", _ABSENT)
+            forward = module.forward
+            if module is model:
+                wrapper = self._model_forward(forward, name or type(module).__name__, module)
+            else:
+                wrapper = self._named_forward(forward, name, module)
+            wrapper.__semiring_autograd_patch__ = self  # type: ignore[attr-defined]
+            self._wrapped.append((module, before))
+            module.__dict__["forward"] = wrapper
+
+    def _claim(self) -> None:
+        """Record the model as patched by this handle; refuse a model that shares a module
+        with a patched one. Lock-free (a lock left held by an interrupt would hang every
+        later patch): the claim is published first, then the overlap is checked, so of two
+        threads claiming overlapping models at once neither is missed (both may refuse)."""
+        model = self.model
+        if _PATCHED.setdefault(model, self) is not self or self._overlaps():
+            raise PatchError(
+                f"{type(model).__name__} is already patched (or shares modules with a "
+                "patched model); remove the existing patch first (handle.remove())"
+            )
+
+    def _overlaps(self) -> bool:
+        """Whether another patch holds a module of this model or one of its models holds
+        this model."""
+        model, mine = self.model, set(self.model.modules())
+        others = [m for m, handle in list(_PATCHED.items()) if handle is not self]
+        return any(m in mine or model in set(m.modules()) for m in others)
+
+    def _release(self) -> None:
+        """Forget the model's claim if it is this handle's (idempotent)."""
+        if _PATCHED.get(self.model) is self:
+            _PATCHED.pop(self.model, None)
+
+    def _uninstall(self) -> None:
+        """Undo whatever part of :meth:`_install` and of a running forward's entry took
+        place; idempotent."""
+        self._removed = True
+        self._unwrap()
+        if threading.get_ident() == self.thread:
+            self._deactivate()
+        self._release()
 
     def _named_forward(self, forward: Callable, name: str, module: nn.Module) -> Callable:
         """``forward`` of ``module`` that puts it on the stack of running modules, named
@@ -289,11 +356,15 @@ class PatchHandle:
         def named_forward(*args: Any, **kwargs: Any) -> Any:
             if self._removed or threading.get_ident() != self.thread:
                 return forward(*args, **kwargs)
-            stack.append(entry)
-            try:
-                return forward(*args, **kwargs)
+            depth = len(stack)
+            try:  # the undo runs twice: an interrupt inside the first leaves the second
+                try:
+                    stack.append(entry)
+                    return forward(*args, **kwargs)
+                finally:
+                    del stack[depth:]
             finally:
-                stack.pop()
+                del stack[depth:]
 
         return named_forward
 
@@ -311,29 +382,50 @@ class PatchHandle:
                     "torch.compile: a compiled graph bypasses the per-op routing sa.patch "
                     "needs. Run the patched model eagerly (compile it outside sa.patch)."
                 )
-            if self._depth == 0:
-                self._check_outer_patches()
-            self._depth += 1
-            if self._depth == 1:
-                self._mode.__enter__()
-                custom_functions.install(_traces_custom_function)
-                self._active = True
-                _running().append(self)
-            try:
+            if self._active:  # the model's forward called inside itself: all is on
                 return named(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
+            self._check_outer_patches()
+            try:  # the undo runs twice: an interrupt inside the first leaves the second
+                try:
+                    self._activate()
+                    return named(*args, **kwargs)
+                finally:
                     self._deactivate()
+            finally:
+                self._deactivate()
 
         return patched_forward
 
+    def _activate(self) -> None:
+        """Turn the patch on in this thread: the semiring mode, custom Functions traced,
+        this patch running. Each step is one that :meth:`_deactivate` finds and undoes."""
+        self._active = True
+        _running().append(self)
+        custom_functions.install(self, _traces_custom_function)
+        _enter_mode(self._mode)
+
     def _deactivate(self) -> None:
-        if self._active:
-            self._active = False
-            self._mode.__exit__(None, None, None)
-            custom_functions.uninstall()
-            _running().remove(self)
+        """Undo whatever part of :meth:`_activate` took place (idempotent)."""
+        _leave_mode(self._mode)
+        custom_functions.uninstall(self)
+        running = _running()
+        while self in running:
+            running.remove(self)
+        self._stack.clear()
+        self._active = False
+
+    def run_in_mode(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """``fn(*args)`` under a fresh semiring mode of this patch (a checkpointed region's
+        recompute, during backward), the mode left whatever ends it."""
+        mode = _SemiringMode(self)
+        try:  # the undo runs twice: an interrupt inside the first leaves the second
+            try:
+                _enter_mode(mode)
+                return fn(*args)
+            finally:
+                _leave_mode(mode)
+        finally:
+            _leave_mode(mode)
 
     def _unwrap(self) -> None:
         """Give every wrapped module its own ``forward`` attribute back (or none)."""
@@ -350,7 +442,7 @@ class PatchHandle:
     def _check_outer_patches(self) -> None:
         """One graph takes one semiring: refuse to run inside the forward of a model patched
         with another (a model that is not its submodule, so the two patches coexist). Raised
-        from the entry hook, whose always-called exit hook then undoes the entry."""
+        before the forward changes anything."""
         for other in _running():
             if other is not self and other.semiring != self.semiring:
                 raise SemiringMismatchError(
@@ -422,12 +514,10 @@ class PatchHandle:
     def remove(self) -> None:
         """Restore the model: every module's own ``forward`` back, the patch forgotten. A
         forward running in this thread leaves the semiring mode now."""
-        self._removed = True
-        self._unwrap()
-        if threading.get_ident() == self.thread:
-            self._deactivate()
-        with _LOCK:
-            _PATCHED.discard(self.model)
+        try:  # the undo runs twice: an interrupt inside the first leaves the second
+            self._uninstall()
+        finally:
+            self._uninstall()
 
     @property
     def removed(self) -> bool:
@@ -483,17 +573,14 @@ def patch(
             "bypasses the per-op routing sa.patch needs. Patch the eager module instead "
             "(`compiled._orig_mod`); compile outside sa.patch."
         )
-    with _LOCK:
-        overlap = [m for m in model.modules() if m in _PATCHED]
-        if overlap or any(model in set(p.modules()) for p in list(_PATCHED)):
-            raise PatchError(
-                f"{type(model).__name__} is already patched (or shares modules with a patched "
-                "model); remove the existing patch first"
-            )
-        _PATCHED.add(model)
-    try:
-        return PatchHandle(model, semiring, registry or default_registry(), paths)
+    handle = PatchHandle(model, semiring, registry or default_registry(), paths)
+    try:  # the undo runs twice: an interrupt inside the first leaves the second
+        try:
+            handle._install()
+        except BaseException:
+            handle._uninstall()
+            raise
     except BaseException:
-        with _LOCK:
-            _PATCHED.discard(model)
+        handle._uninstall()
         raise
+    return handle
