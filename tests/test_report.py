@@ -76,17 +76,38 @@ KINDS = {
 }
 
 
-def _finite(result) -> torch.Tensor:
-    values = result.display_scores()
+def _has_path(attributions) -> list[bool]:
+    """Per token, whether a path reaches the logit: where Boolean's readout is 1."""
+    return [bool(v) for v in attributions["Boolean"].scores.tolist()]
+
+
+def _shown(result, has_path: list[bool]) -> list[float]:
+    """The display scores, a token without a path at -inf where the scale is from the best
+    (Entropy reads 0 there)."""
+    scores = result.display_scores().tolist()
+    if KINDS[type(result.semiring).__name__] != "from_best":
+        return scores
+    return [s if p else -math.inf for s, p in zip(scores, has_path)]
+
+
+def _finite(result, has_path: list[bool]) -> torch.Tensor:
+    values = torch.tensor(_shown(result, has_path), dtype=torch.float64)
     if result.min_scores() is not None:
         values = torch.cat([values, result.min_scores()])
     return values[torch.isfinite(values)]
 
 
+def test_reached_is_where_a_path_exists(attributions):
+    has_path = _has_path(attributions)
+    assert has_path == [True] * 5 + [False]  # position 4 is read: token 5 has no path
+    for name, result in attributions.items():
+        assert result.reached.tolist() == has_path, name
+
+
 def test_each_semiring_has_its_kind_of_scale(attributions):
     for name, result in attributions.items():
         scale = Scale.of(result)
-        finite = _finite(result)
+        finite = _finite(result, _has_path(attributions))
         assert scale.kind == KINDS[name], name
         assert result.unit in scale.label and result.meaning in scale.label
         if scale.kind == "from_best":
@@ -133,7 +154,7 @@ def test_html_heat_map_legend_and_context(attributions):
         scale = Scale.of(result)
         spans = _spans(page)
         assert len(spans) == len(result.tokens)
-        for (_, colour), score in zip(spans, result.display_scores().tolist()):
+        for (_, colour), score in zip(spans, _shown(result, _has_path(attributions))):
             assert colour == scale.colour(score)
         assert scale.css_gradient() in page and 'class="legend"' in page
         assert result.unit in page
@@ -213,8 +234,9 @@ def test_no_comparison_column_is_one_colour_when_its_scores_differ(attributions,
         for name, r in attributions.items()
     ]
     page = report.html_page([group])
+    has_path = _has_path(attributions)
     for result, colours in zip(group, _column_colours(page, len(group))):
-        scores = result.display_scores().tolist()
+        scores = _shown(result, has_path)
         finite = [(s, c) for s, c in zip(scores, colours) if math.isfinite(s)]
         values = [s for s, _ in finite]
         if max(values) - min(values) <= 1e-9 * max(1.0, abs(max(values))):

@@ -63,7 +63,8 @@ class Attribution:
 
     ``paths``: per token, its strongest path (None where no path reaches); ``min_paths``:
     SignedMaxProduct's path of the smallest signed product per token; ``prediction``: what
-    the model predicted where the logit is read."""
+    the model predicted where the logit is read; ``reached``: per token, whether a path
+    reaches the logit (its ⊕ is not the semiring's zero; None where not known)."""
 
     tokens: list[str]
     scores: Tensor  # (tokens,); SignedMaxProduct: (2, tokens) = (max, min)
@@ -72,6 +73,7 @@ class Attribution:
     paths: list[Path | None] = field(default_factory=list)
     min_paths: list[Path | None] = field(default_factory=list)
     prediction: Prediction | None = None
+    reached: Tensor | None = None
 
     @property
     def meaning(self) -> str:
@@ -269,7 +271,17 @@ def _attribute_one(
     scores = scores[:, 0] if scores.dim() == 3 else scores[0]  # drop the batch dim
     found = _token_paths(y, x, "max") if want_paths else []
     smallest = _token_paths(y, x, "min") if want_paths and spec.top_paths == "signed" else []
-    return Attribution(tokens, scores.detach(), semiring, label, found, smallest, prediction)
+    reached = _reached(semiring, token_values)[0]
+    return Attribution(
+        tokens, scores.detach(), semiring, label, found, smallest, prediction, reached
+    )
+
+
+def _reached(semiring: Semiring, values: Any) -> Tensor:
+    """Per element of the semiring value ``values``, whether it differs from the zero (a
+    path reaches it)."""
+    zero = semiring.zero(values[0].shape, values[0])
+    return ~torch.stack([torch.eq(c, z) for c, z in zip(values, zero)]).all(0)
 
 
 def _read_logit(

@@ -45,6 +45,7 @@ class Scores(Protocol):
     paths: list[Any]
     min_paths: list[Any]
     prediction: Any
+    reached: Tensor | None
 
     @property
     def meaning(self) -> str: ...
@@ -168,11 +169,23 @@ class Scale:
         return self.lower + (self.upper - self.lower) * k / 255
 
 
+def _coloured_scores(result: Scores) -> Tensor:
+    """The scores the colours show: the display scores, with the tokens no path reaches at
+    −inf (grey, outside the scale) where the readout is log-domain (Entropy reads 0
+    there)."""
+    scores = result.display_scores()
+    spec = inherited_spec(result.semiring)
+    if spec is None or spec.scale != "from_best" or result.reached is None:
+        return scores
+    return scores.masked_fill(~result.reached, -math.inf)
+
+
 def _finite_scores(results: Sequence[Scores]) -> Tensor:
-    """Every finite score of ``results`` (SignedMaxProduct: both rows), flattened."""
+    """Every finite score of ``results`` the colours show (SignedMaxProduct: both rows),
+    flattened."""
     parts = []
     for r in results:
-        parts.append(r.display_scores().reshape(-1))
+        parts.append(_coloured_scores(r).reshape(-1))
         low = r.min_scores()
         if low is not None:
             parts.append(low.reshape(-1))
@@ -320,8 +333,7 @@ def _legend(scale: Scale) -> str:
     )
 
 
-def _token_span(token: str, i: int, score: float, scale: Scale) -> str:
-    colour = scale.colour(score)
+def _token_span(token: str, i: int, score: float, colour: tuple[int, int, int]) -> str:
     return (
         f'<span class="tok" style="background: {_css(colour)}; color: {_ink(colour)}" '
         f'title="token {i}: {score:.6g}">{html.escape(token)}</span>'
@@ -368,16 +380,17 @@ def _text_section(group: list[Scores], scales: list[Scale], number: int | None) 
 
 def _single(result: Scores, scale: Scale) -> str:
     scores = result.display_scores().tolist()
+    colours = [scale.colour(s) for s in _coloured_scores(result).tolist()]
     low = result.min_scores()
     spans = "".join(
-        _token_span(t, i, s, scale) for i, (t, s) in enumerate(zip(result.tokens, scores))
+        _token_span(t, i, s, c) for i, (t, s, c) in enumerate(zip(result.tokens, scores, colours))
     )
     heading = "<th>score</th>" if low is None else "<th>largest</th><th>smallest</th>"
     rows = []
-    for i, (t, s) in enumerate(zip(result.tokens, scores)):
-        cells = _cell(s, scale)
+    for i, (t, s, c) in enumerate(zip(result.tokens, scores, colours)):
+        cells = _cell(s, c)
         if low is not None:
-            cells += _cell(float(low[i]), scale)
+            cells += _cell(float(low[i]), scale.colour(float(low[i])))
         rows.append(f"<tr><td>{i}</td><td>{html.escape(repr(t))}</td>{cells}</tr>")
     shown = "" if low is None else " Heat map: the largest signed product."
     return f"""<h2>{html.escape(type(result.semiring).__name__)}: {html.escape(result.meaning)}</h2>
@@ -390,8 +403,7 @@ def _single(result: Scores, scale: Scale) -> str:
 {_paths(result)}"""
 
 
-def _cell(value: float, scale: Scale) -> str:
-    colour = scale.colour(value)
+def _cell(value: float, colour: tuple[int, int, int]) -> str:
     return (
         f'<td class="num" style="background: {_css(colour)}; color: {_ink(colour)}">'
         f"{value:.6g}</td>"
@@ -409,9 +421,10 @@ def _comparison(group: list[Scores], scales: list[Scale]) -> str:
         for r in group
     )
     columns = [r.display_scores().tolist() for r in group]
+    colours = [[s.colour(v) for v in _coloured_scores(r).tolist()] for r, s in zip(group, scales)]
     rows = []
     for i, t in enumerate(tokens):
-        cells = "".join(_cell(c[i], s) for c, s in zip(columns, scales))
+        cells = "".join(_cell(values[i], c[i]) for values, c in zip(columns, colours))
         rows.append(f"<tr><td>{i}</td><td>{html.escape(repr(t))}</td>{cells}</tr>")
     legends = "".join(
         f"<div><b>{html.escape(type(r.semiring).__name__)}</b><br>{_legend(s)}</div>"
@@ -478,7 +491,7 @@ def _panel(fig: Any, ax: Any, result: Scores, scale: Scale) -> None:
     """One attribution's bars, coloured on ``scale``, with its colour bar. From the best:
     each bar rises from below the smallest score to the score's difference from the
     largest, so every token's bar shows."""
-    scores = result.display_scores().tolist()
+    scores = _coloured_scores(result).tolist()
     colours = [tuple(c / 255 for c in scale.colour(s)) for s in scores]
     offset = scale.upper if scale.kind == "from_best" else 0.0
     span = scale.upper - scale.lower
