@@ -4,8 +4,9 @@ Both colour a token's score on its semiring's scale (the registry's ``scale``): 
 zero — white at 0 and red at the largest score for readouts that are never negative
 (MaxProduct), diverging — blue below zero, red above — for signed ones (Real,
 SignedMaxProduct); for log-domain readouts (Log, Entropy, Counting) by the difference from
-the largest score, which is red, down to the smallest, which is white; for Boolean two
-colours, path and no path. Each scale has a legend saying what its colours mean. A page
+the largest score, which is red, down to the smallest, which is white (a token no path
+reaches is grey, outside the scale); for Boolean two colours, path and no path. Each scale
+has a legend saying what its colours mean. A page
 opens with what the model predicted (model, text, the position read, the target's logit
 and probability, the most probable tokens); several semirings on one text make one
 comparison; several texts share one scale per semiring unless asked otherwise.
