@@ -13,12 +13,14 @@ of one ``sa.grad`` call, which leaves were asked for. A leaf outside such a call
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+_LOCK = threading.Lock()
 #: graph task id -> ids of the leaf tensors its sa.grad call asked for
 _REQUESTED: dict[int, set[int]] = {}
 
@@ -36,9 +38,9 @@ def requesting(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> Iterator[
 
     def register(grad_outputs):
         task = torch._C._current_graph_task_id()
-        # each step is one atomic operation: no lock, which an interrupt could leave held
-        _REQUESTED.setdefault(task, set()).update(leaves)
-        tasks.append(task)
+        with _LOCK:
+            _REQUESTED.setdefault(task, set()).update(leaves)
+            tasks.append(task)
 
     handles = [node.register_prehook(register) for node in _root_nodes(outputs)]
     try:
@@ -46,8 +48,9 @@ def requesting(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> Iterator[
     finally:
         for h in handles:
             h.remove()
-        for task in tasks:
-            _REQUESTED.pop(task, None)
+        with _LOCK:
+            for task in tasks:
+                _REQUESTED.pop(task, None)
 
 
 def _will_use(node, requested: set[int] | None) -> bool:
