@@ -177,7 +177,7 @@ def test_python_branch_in_a_user_semiring_is_exact():
     for scale in (0.5, 3.0, 0.25, 2.0, 0.5):
         x = (torch.linspace(0.1, 0.9, 8) * scale).requires_grad_(True)
         model = _Square()
-        with sa.patch(model, semiring):
+        with sa.patch(model, semiring, check=False):  # not lawful, on purpose
             y = model(x)
         expected = sa.grad(y, x, retain_graph=True)
         _assert_identical(sa.grad(y, x, compile=True), expected)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from ..errors import PatchError, SemiringMismatchError, UnsupportedOpError
+from ..errors import PatchError, SemiringLawError, SemiringMismatchError, UnsupportedOpError
 from . import custom_functions, inplace
 from .checkpointing import checkpoint_frame, recompute_under
 from .graph import NodeInfo, set_node_info
@@ -42,6 +42,7 @@ from ..ops.spec import OpSpec
 from .dispatch import Registry, default_registry
 from .replay import Replay
 from ..semirings.base import Semiring
+from ..semirings.laws import check_semiring
 from ..semirings.registry import records_torch_graph
 
 _THREAD = threading.local()
@@ -534,7 +535,12 @@ class PatchHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.remove()
+        # remove()'s body, not a call to it: one function entry less between the `with`
+        # and the first undo, where an interrupt would leave the patch whole
+        try:
+            self._uninstall()
+        finally:
+            self._uninstall()
 
 
 def patch(
@@ -543,6 +549,7 @@ def patch(
     *,
     paths: bool = False,
     registry: Registry | None = None,
+    check: bool = True,
 ) -> PatchHandle:
     """Record ``model``'s forward for a ``semiring`` backward (this thread only): each
     call runs as its generated Function, or under ``sa.Real()`` as it is (torch's graph).
@@ -554,6 +561,12 @@ def patch(
     semiring. With ``paths=True`` each node also keeps a replay of its call (its inputs stay
     alive until the graph is freed), which :func:`sa.top_path` needs to name a path element
     by element.
+
+    A user semiring (one not defined by this library) is checked once per class and
+    parameters with :func:`sa.check_semiring` on a small sample; one that violates a law is
+    refused with :class:`SemiringLawError` naming each law and a counterexample, the model
+    untouched. ``check=False`` skips the check (a semiring that is exact only up to a
+    tolerance the check does not allow, say).
     """
     if not isinstance(model, nn.Module):
         raise PatchError(f"sa.patch expects an nn.Module, got {type(model).__name__}")
@@ -573,6 +586,8 @@ def patch(
             "bypasses the per-op routing sa.patch needs. Patch the eager module instead "
             "(`compiled._orig_mod`); compile outside sa.patch."
         )
+    if check:
+        _check_laws(semiring)
     handle = PatchHandle(model, semiring, registry or default_registry(), paths)
     try:  # the undo runs twice: an interrupt inside the first leaves the second
         try:
@@ -584,3 +599,54 @@ def patch(
         handle._uninstall()
         raise
     return handle
+
+
+#: samples of each law check of a user semiring (sa.check_semiring's minimum is 8)
+_LAW_SAMPLES = 16
+#: user semiring → the refusal its law check gave: message and (law, counterexample)
+#: pairs; an empty message when it passed
+_LAWS_CHECKED: dict[Semiring, tuple[str, list[tuple[str, str]]]] = {}
+
+
+def _is_builtin(semiring: Semiring) -> bool:
+    """Whether this library defines ``semiring``'s class (its laws are tested with it)."""
+    return type(semiring).__module__.partition(".")[0] == __name__.partition(".")[0]
+
+
+def _check_laws(semiring: Semiring) -> None:
+    """Refuse a user semiring that violates a semiring law or the lift homomorphism (checked
+    once per class and parameters: the verdict is kept)."""
+    if _is_builtin(semiring):
+        return
+    try:
+        verdict = _LAWS_CHECKED.get(semiring)
+    except TypeError:  # an unhashable parameter: checked at every patch
+        verdict = None
+    if verdict is None:
+        verdict = _law_verdict(semiring)
+        try:
+            _LAWS_CHECKED[semiring] = verdict
+        except TypeError:
+            pass
+    message, failures = verdict
+    if message:
+        err = SemiringLawError(message)
+        err.failures = list(failures)  # type: ignore[attr-defined]
+        raise err
+
+
+def _law_verdict(semiring: Semiring) -> tuple[str, list[tuple[str, str]]]:
+    """Why :func:`sa.check_semiring` refuses ``semiring``, with its failures ("" and none
+    when it passes)."""
+    try:
+        check_semiring(semiring, samples=_LAW_SAMPLES)
+    except SemiringLawError as exc:
+        message = (
+            f"sa.patch refuses {semiring!r}: the semiring backward is exact only when ⊕ and "
+            f"⊗ obey the semiring laws and lift is a homomorphism, and {exc}\nFix the "
+            "semiring (sa.check_semiring(semiring) runs these checks), or, if it is right "
+            "up to a tolerance the check does not allow, patch with "
+            "sa.patch(model, semiring, check=False)."
+        )
+        return message, list(getattr(exc, "failures", []))
+    return "", []
