@@ -90,26 +90,66 @@ def _format(source: str) -> str:
         return source
 
 
-def _ignore_sigint() -> None:
-    """Worker initialiser: Ctrl-C reaches the parent, which terminates the workers."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _format_all(sources: list[str]) -> list[str]:
     """:func:`_format` of each source, in worker processes where the machine has several
-    cores (black formats one file on one core; the generic module alone takes seconds).
-    An interrupt terminates the workers (the pool's exit) instead of waiting for them."""
+    cores (black formats one file on one core; the generic module alone takes seconds)."""
     print(f"generate: formatting {len(sources)} modules with black ...", file=sys.stderr)
     workers = min(len(sources), os.cpu_count() or 1)
     if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
         return [_format(s) for s in sources]
-    # the largest files first, so that no worker is left with a large one at the end
-    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
-    context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_ignore_sigint) as pool:
-        results = pool.map(_format, [sources[i] for i in order], chunksize=1)
-    formatted = dict(zip(order, results))
+    formatted = _format_in_workers(sources, _shares(sources, workers))
     return [formatted[i] for i in range(len(sources))]
+
+
+def _shares(sources: list[str], workers: int) -> list[list[int]]:
+    """The sources' indices split over ``workers`` with about equal lengths (the largest
+    first, each to the least loaded worker)."""
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for i in sorted(range(len(sources)), key=lambda i: -len(sources[i])):
+        least = loads.index(min(loads))
+        shares[least].append(i)
+        loads[least] += len(sources[i])
+    return [share for share in shares if share]
+
+
+def _format_in_workers(sources: list[str], shares: list[list[int]]) -> dict[int, str]:
+    """Index → formatted source, from one forked process per share. The workers ignore
+    SIGINT; an interrupt (or any error) here terminates them at once."""
+    context = multiprocessing.get_context("fork")
+    running = []
+    try:
+        for share in shares:
+            receive, send = context.Pipe(duplex=False)
+            worker = context.Process(
+                target=_format_share, args=([sources[i] for i in share], send), daemon=True
+            )
+            worker.start()
+            send.close()
+            running.append((worker, receive, share))
+        formatted: dict[int, str] = {}
+        for _, receive, share in running:
+            ok, result = receive.recv()
+            if not ok:
+                raise result
+            formatted.update(zip(share, result))
+        return formatted
+    finally:
+        for worker, receive, _ in running:
+            worker.terminate()
+            worker.join()
+            receive.close()
+
+
+def _format_share(sources: list[str], send) -> None:
+    """Worker: send (True, formatted sources) or (False, the exception) to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        send.send((True, [_format(s) for s in sources]))
+    except Exception as exc:  # re-raised in the parent, which reports it
+        send.send((False, exc))
+    finally:
+        send.close()
 
 
 def _environment() -> jinja2.Environment:
