@@ -12,6 +12,7 @@ torch.autograd and path enumeration elsewhere (test_ops_oracle.py)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import random
 import threading
@@ -334,18 +335,20 @@ def test_the_default_dtype_changed_after_capture():
 
 
 # ----- threads ----------------------------------------------------------------------------
-def _in_threads(work: Callable[[int], Any], count: int) -> list:
-    """``work(i)`` in ``count`` threads started together; their results (exceptions
-    re-raised here)."""
+def _in_threads(work: Callable[[int], Any], count: int, prepare: Callable[[int], Any]) -> list:
+    """``prepare(i)`` then ``work(i)`` in ``count`` threads, ``work`` started together in
+    all; their results (exceptions re-raised here)."""
     results: list = [None] * count
     errors: list[BaseException] = []
     barrier = threading.Barrier(count)
 
     def run(i: int) -> None:
         try:
+            prepare(i)
             barrier.wait()
             results[i] = work(i)
         except BaseException as exc:  # re-raised below, in the test's thread
+            barrier.abort()
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
@@ -360,17 +363,20 @@ def _in_threads(work: Callable[[int], Any], count: int) -> list:
 
 @pytest.mark.parametrize("semiring", [sa.MaxProduct(), sa.Log()], ids=repr)
 def test_a_cold_step_called_from_two_threads(semiring):
-    """Two threads call a step no thread has called yet (a capture and a first replay race,
-    and Log's programs write the thread's scratch storage), then keep calling it: every
-    result is eager's."""
+    """Two threads call a step no thread has called yet (a capture and a first replay race;
+    each thread ran a backward before, so Log's programs write the capturing thread's
+    scratch buffers), then keep calling it: every result is eager's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Linear(128, 3))
+    copies = [copy.deepcopy(model) for _ in range(2)]  # each thread's own, for its warm-up
     read = _column(0)
-    inputs = [[torch.randn(4, 32) for _ in range(4)] for _ in range(2)]
+    inputs = [[torch.randn(4, 32) for _ in range(6)] for _ in range(2)]
     for trial in range(8):
         step = sa.compiled_step(model, semiring, read)
         got = _in_threads(
-            lambda i: [step(x.clone().requires_grad_(True)) for x in inputs[i]], count=2
+            lambda i: [step(x.clone().requires_grad_(True)) for x in inputs[i]],
+            count=2,
+            prepare=lambda i: _eager(copies[i], read, inputs[i][0], semiring),
         )
         for i in range(2):
             for x, value in zip(inputs[i], got[i]):
@@ -389,7 +395,9 @@ def test_a_cold_backward_captured_from_two_threads():
             graphs.append((model(x)[:, 0].sum(), x))
     expected = [sa.grad(y, x, retain_graph=True) for y, x in graphs]
     got = _in_threads(
-        lambda i: [sa.grad(y, x, compile=True, retain_graph=True) for y, x in graphs[i::2]], 2
+        lambda i: [sa.grad(y, x, compile=True, retain_graph=True) for y, x in graphs[i::2]],
+        count=2,
+        prepare=lambda i: None,
     )
     for i in range(2):
         for value, want in zip(got[i], expected[i::2]):

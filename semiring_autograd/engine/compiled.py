@@ -8,10 +8,21 @@ use. Later calls with the same signature run that function on the new graph's sa
 and seeds: no autograd engine, no generated backward, no message wrapping, no per-node
 Python.
 
-The signature (``signature.py``) says which graphs one program serves; the recorder and
-the program (``program.py``) are shared with ``sa.compiled_step`` (``compiled_step.py``),
-which records the patched forward too. This module holds the programs per signature: it
-captures, checks a program's first replay, replays, and runs eagerly where it must.
+The signature (``signature.py``) says which graphs one program serves: the graph's
+structure, each node's non-tensor state (op arguments, shapes), the metadata of the tensors
+it saved and of the seeds, and torch's state an operator reads besides its arguments (the
+default dtype, deterministic algorithms, autocast, the active torch function and dispatch
+modes: ``signature.context``). A program replays the operators as recorded (after
+autocast's casts: autocast is off during a replay). The recorder and the program
+(``program.py``) are shared with ``sa.compiled_step`` (``compiled_step.py``), which records
+the patched forward too, and keys its programs by the step, its ``read`` and the model's
+state as well. This module holds the programs per signature: it captures, checks a
+program's first replay, replays, and runs eagerly where it must.
+
+**Threads.** One capture per signature runs at a time: a thread that finds another one
+capturing waits, then replays what was captured. Programs replay side by side in several
+threads: a scratch buffer of the capturing thread that a program writes into is, in any
+other thread, that thread's own buffer of the same layout (``program.py``).
 
 **Exact or not at all.** Python in the backward that reads tensor data (``bool(t)``,
 ``t.item()``: an operator returning a number) or an operator whose result shape depends on

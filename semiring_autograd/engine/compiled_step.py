@@ -2,19 +2,48 @@
 
 ``sa.grad(..., compile=True)`` replays the backward, but the patched forward still runs one
 Python ``autograd.Function`` per op. A step captures both: its first call for a signature
-(the tensors' shapes, strides, storage offsets, dtypes and devices, the other arguments,
-the model's parameters and buffers) runs ``with sa.patch(model, semiring): out =
-read(model, *inputs)`` and ``sa.grad(out, inputs)`` under the recorder of ``compiled.py``
-(``program.py``); later calls run the
-recorded operators, forward and backward, from the new inputs, with no patch, no graph and
-no engine. Guards, variants, the check of a program's first replay against eager and the
-refusals are ``compiled.py``'s.
+runs ``with sa.patch(model, semiring): out = read(model, *inputs)`` and ``sa.grad(out,
+inputs)`` under the recorder of ``compiled.py`` (``program.py``); later calls with the same
+signature run the recorded operators, forward and backward, from the new inputs, with no
+patch, no graph and no engine. Guards, variants, the check of a program's first replay
+against eager and the refusals are ``compiled.py``'s.
+
+**What keys a program** (the signature; anything else differing, the call is captured
+anew):
+
+- the step: a number no other step gets (never an ``id()``, which a freed step's successor
+  may take), its ``has_aux`` and its semiring;
+- ``read``: its identity; for a Python function also its code, defaults, closure cells'
+  contents and the module globals its code names; for a ``functools.partial`` its function,
+  arguments and keywords; for a bound method its function and object. A read that changes
+  what it computes (a closure's ``target = 5``, a global reassigned) gets its own program;
+  a new read object, even with the same code, gets its own program too;
+- the inputs and the keyword arguments: tensors by shape, strides, storage offset, dtype and
+  device (their values are the program's inputs), anything else by value;
+- the model, module by module: the module's identity (a submodule replaced, even one
+  without parameters), ``training``, its forward and backward (pre-)hooks, its own
+  attributes (a dropout's ``p``, a slope, an instance ``forward``), and its parameters and
+  buffers (identity, shape, strides, storage offset, dtype, device, ``requires_grad``);
+  and the hooks registered for every module (``register_module_forward_hook`` ...);
+- torch's state: grad and inference mode, the default dtype, deterministic algorithms,
+  autocast (per device type, its dtype and cache) and the active torch function and
+  dispatch modes (by type; the default device with its device).
+
+Immutable values (numbers, strings, dtypes, tuples of them) are keyed by value, any other
+object by identity, held with the key so no other object takes its id. Keyed by identity,
+not by content: the items of a list or dict, and the attributes of an object (a config),
+that ``read`` or the forward reads — changing those in place is not seen; neither is state
+read through functions ``read`` calls. Pass such values as keyword arguments or rebuild
+the step.
 
 The program reads the model's parameters and buffers as they are when it runs (it holds
-the tensors, not copies): a weight changed in place is seen; replacing a parameter or
-buffer, or moving the model, changes the signature. State the forward keeps outside its
-tensors' values (a module attribute set during the forward, a cache carried from one call
-to the next) is not replayed.
+the tensors, not copies): a weight changed in place is seen. State the forward keeps
+outside its tensors' values (a module attribute set during the forward, a cache carried
+from one call to the next, what a hook stores) is not replayed.
+
+**Threads.** A step may be called from several threads at once: the runs that patch the
+model (a capture, the check of a first replay, an eager call) take turns per model, since
+a model is patched by one thread at a time; replays run side by side.
 """
 
 from __future__ import annotations

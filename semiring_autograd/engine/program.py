@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..kernels.workspace import is_scratch
 from ..ops.message import Message
 from .signature import AUTOCAST_DEVICES, Uncapturable
 
@@ -97,9 +98,9 @@ class Recorder(TorchDispatchMode):
         self.by_view: dict[tuple, tuple[weakref.ref, int]] = {}
         #: values that several tensor objects stand for (identity views)
         self.aliased: set[int] = set()
-        #: values that view a constant's storage; whether an operator writes into one
-        self.outside: set[int] = set()
-        self.writes_outside = False
+        #: values that view a constant's storage -> that constant; constants written into
+        self.outside: dict[int, int] = {}
+        self.written: set[int] = set()
         for i, t in enumerate(slots):
             self._bind(t, i)
             self.slot_of[i] = i
@@ -147,15 +148,15 @@ class Recorder(TorchDispatchMode):
         sequence = isinstance(result, (tuple, list))
         flat = list(result) if sequence else [result]
         view_of = self._view_of(func, template[0])
-        views_outside = self._views_outside(func, template[0])
+        root = self._root_of_view(func, template[0])
         outputs: list = []
         for t in flat:
             if isinstance(t, Tensor):
                 self._bind(t, self.count)
                 if view_of is not None:
                     self.slot_of[self.count] = view_of
-                if views_outside:
-                    self.outside.add(self.count)
+                if root is not None:
+                    self.outside[self.count] = root
                 outputs.append(_Ref(self.count))
                 self.count += 1
             elif isinstance(t, (bool, int, float)):
@@ -202,12 +203,15 @@ class Recorder(TorchDispatchMode):
             for value in tree_flatten(written)[0]:
                 if isinstance(value, _Ref) and value.index in self.slot_of:
                     raise Uncapturable(f"{func} writes into a tensor the graph saved")
-                if self._is_outside(value):
-                    self.writes_outside = True
+                root = self._root(value)
+                if root is not None:
+                    self.written.add(root)
 
-    def _is_outside(self, value: Any) -> bool:
-        """Whether a program value is a constant or a view of one's storage."""
-        return isinstance(value, Constant) or getattr(value, "index", None) in self.outside
+    def _root(self, value: Any) -> int | None:
+        """The constant whose storage a program value is or views (its index), or None."""
+        if isinstance(value, Constant):
+            return value.index
+        return self.outside.get(value.index) if isinstance(value, _Ref) else None
 
     def _view_of(self, func, args: tuple) -> int | None:
         """The slot under an output of a view operator (one that aliases its first input;
@@ -217,13 +221,13 @@ class Recorder(TorchDispatchMode):
             return None
         return self.slot_of.get(args[0].index) if isinstance(args[0], _Ref) else None
 
-    def _views_outside(self, func, args: tuple) -> bool:
-        """Whether the outputs of ``func`` (``args``: its arguments' templates) view a
-        constant's storage."""
+    def _root_of_view(self, func, args: tuple) -> int | None:
+        """The constant whose storage the outputs of a view operator ``func`` view (``args``:
+        its arguments' templates), or None."""
         returns = func._schema.returns
         if not returns or returns[0].alias_info is None or not args:
-            return False
-        return self._is_outside(args[0])
+            return None
+        return self._root(args[0])
 
 
 def _draws(func, args: tuple, kwargs: dict) -> bool:
@@ -415,24 +419,20 @@ class Program:
         self.results = results  # per input: None, ("plain", ref) or ("message", refs, meta)
         steps = _live_steps(_fold_views(recorder.steps, results), results)
         self.steps = len(steps)
-        self.source, namespace = _Codegen(recorder.constants, slot_count).generate(steps, results)
+        scratch = {i for i in recorder.written if is_scratch(recorder.constants[i])}
+        codegen = _Codegen(recorder.constants, slot_count, scratch)
+        self.source, namespace = codegen.generate(steps, results)
         code = compile(self.source, "<semiring_autograd captured backward>", "exec")
         exec(code, namespace)  # noqa: S102 -- the code is generated above from the record
         self.run: Callable = namespace["program"]
         self.verified = False
-        #: a program that writes into storage from outside it (a thread's scratch buffers)
-        #: runs in one thread at a time
-        self.exclusive = threading.Lock() if recorder.writes_outside else None
 
     def replay(self, slots: list[Tensor]) -> tuple:
         """``run(slots)``: the recorded operators as recorded, so without grad, with no
         torch function mode (a patch) seeing them and no autocast casting them again (the
         recorder saw them after autocast's casts)."""
         with torch.no_grad(), torch._C.DisableTorchFunction(), _without_autocast():
-            if self.exclusive is None:
-                return self.run(slots)
-            with self.exclusive:
-                return self.run(slots)
+            return self.run(slots)
 
 
 def _without_autocast() -> contextlib.AbstractContextManager:
@@ -446,12 +446,52 @@ def _without_autocast() -> contextlib.AbstractContextManager:
     return stack
 
 
+class _ThreadOwn:
+    """A scratch buffer of the capturing thread that a program writes into (its contents
+    not read across calls), as each thread's own: the tensor itself in the capturing thread, which uses
+    it one call at a time; in any other thread, that thread's tensor of the same layout
+    over storage of the same size (kept per thread, so replays in several threads and the
+    capturing thread's eager runs never write into one storage at once)."""
+
+    _LOCAL = threading.local()
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def __call__(self, shared: Tensor) -> Tensor:
+        if threading.get_ident() == self.thread:
+            return shared
+        copies = self._LOCAL.__dict__.setdefault("copies", {})
+        found = copies.get(id(shared))
+        if found is None or found[0] is not shared:  # (the tensor, held: its id is its own)
+            found = copies[id(shared)] = (shared, _same_layout(shared))
+        return found[1]
+
+
+def _same_layout(t: Tensor) -> Tensor:
+    """An uninitialised tensor with the shape, strides and storage offset of ``t`` over new
+    storage of the same size."""
+    storage = torch.empty(
+        t.untyped_storage().nbytes(), dtype=torch.uint8, device=t.device
+    ).untyped_storage()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        storage, t.storage_offset(), t.shape, t.stride()
+    )
+
+
 class _Codegen:
-    def __init__(self, constants: list[Tensor], slot_count: int) -> None:
+    def __init__(self, constants: list[Tensor], slot_count: int, scratch: set[int]) -> None:
         self.slot_count = slot_count
         # constants are globals of the program, k<index> (a global read is cheaper than an
-        # index into a list); the recorder's come first, as Constant(index) names them
+        # index into a list); the recorder's come first, as Constant(index) names them; a
+        # scratch buffer the program writes into is a local k<index> = _own(shared<index>):
+        # the running thread's own (_ThreadOwn)
         self.namespace: dict[str, Any] = {"GuardFailure": GuardFailure, "_same": _same}
+        self.written = sorted(scratch)
+        for index in self.written:
+            self.namespace[f"shared{index}"] = constants[index]
+        if self.written:
+            self.namespace["_own"] = _ThreadOwn()
         self.constant_count = 0
         for t in constants:
             self.constant(t)
@@ -540,6 +580,7 @@ class _Codegen:
         lines = ["def program(S):"]
         if self.slot_count:
             lines.append("    (" + "".join(f"v{i}, " for i in range(self.slot_count)) + ") = S")
+        lines += [f"    k{i} = _own(shared{i})" for i in self.written]
         for line, body in enumerate(bodies):
             lines.extend("    " + code for code in body)
             if line in frees:
