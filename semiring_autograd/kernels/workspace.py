@@ -35,3 +35,10 @@ def scratch(purpose: str, shape: torch.Size, dtype: torch.dtype, device: torch.d
         buffer = torch.empty(numel, dtype=dtype)
         buffers[purpose, dtype] = buffer
     return buffer[:numel].view(shape)
+
+
+def is_scratch(t: Tensor) -> bool:
+    """Whether ``t`` lies in one of this thread's scratch buffers (its storage is one)."""
+    buffers = _LOCAL.__dict__.get("buffers", {})
+    storage = t.untyped_storage().data_ptr()
+    return any(b.untyped_storage().data_ptr() == storage for b in buffers.values())
