@@ -8,7 +8,10 @@ operator on messages runs its handler with the recorder active, so the component
 operators inside are recorded. Python that reads tensor data (an operator returning a
 number) and operators whose result shape depends on data become guards of the program. The
 program calls each operator (through torch's generated Python binding where one takes the
-same arguments), checks its guards and deletes each value after its last use.
+same arguments), checks its guards and deletes each value after its last use. It runs in
+any thread, several at once: a scratch buffer of the capturing thread it writes into is,
+in another thread, that thread's own buffer of the same layout; with autocast off, since
+the recorder saw the operators after autocast's casts.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ every tensor it saved — those tensors are the program's inputs (its slots), in
 signature run the same operators on tensors of the same metadata: a model run on inputs of
 one shape gives one signature; another shape, another module path or a changed argument
 gives another.
+
+The key of a compiled step adds what its forward reads from Python (``compiled_step.py``):
+``Identities`` keys immutable values by value and any other object by its ``id()``, holding
+the object with the key (``Key.held``) so that no other object takes the id while the key
+lives; ``context`` is torch's thread state an operator reads besides its arguments.
 """
 
 from __future__ import annotations
