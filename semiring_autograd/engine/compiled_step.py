@@ -33,8 +33,9 @@ Immutable values (numbers, strings, dtypes, tuples of them) are keyed by value, 
 object by identity, held with the key so no other object takes its id. Keyed by identity,
 not by content: the items of a list or dict, and the attributes of an object (a config),
 that ``read`` or the forward reads — changing those in place is not seen; neither is state
-read through functions ``read`` calls. Pass such values as keyword arguments or rebuild
-the step.
+read through functions ``read`` calls, nor a module class's code changed at run time (a
+``forward`` replaced on the class). Pass such values as keyword arguments or rebuild the
+step.
 
 The program reads the model's parameters and buffers as they are when it runs (it holds
 the tensors, not copies): a weight changed in place is seen. State the forward keeps
