@@ -215,26 +215,26 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
                 continue
             seen.add(id(module))
             found = module.__dict__
-            parts.append((ids.of(module), found["training"], _hooks(found, ids)))
+            parts.append((ids.of(module), module.training, _hooks(found, ids)))
             for name in sorted(found.keys() - _STANDARD):
                 value = found[name]
                 parts.append((name, value if type(value) in _PLAIN else ids.value(value)))
-            for group in (found["_parameters"], found["_buffers"]):
+            for group in (module._parameters, module._buffers):
                 for name, t in group.items():
                     if t is not None:
                         held.append(t)
                         parts.append((name, ids.of(t), *_tensor_layout(t)))
-            stack += [m for m in found["_modules"].values() if m is not None]
+            stack += [m for m in module._modules.values() if m is not None]
     return tuple(parts), held
 
 
 def _hooks(found: dict, ids: Identities) -> tuple:
     """The hooks in a module's ``__dict__`` (``found``): each dict's handle ids and hooks."""
-    if not any([found[name] for name in _HOOKS]):
+    hooks = [found.get(name) or {} for name in _HOOKS]
+    if not any(hooks):
         return ()
-    return tuple([tuple([(k, ids.of(h)) for k, h in found[name].items()]) for name in _HOOKS]) + (
-        found["_is_full_backward_hook"],
-    )
+    keyed = tuple([tuple([(k, ids.of(h)) for k, h in d.items()]) for d in hooks])
+    return keyed + (found.get("_is_full_backward_hook"),)
 
 
 def _tensor_layout(t: Tensor) -> tuple:
