@@ -211,7 +211,8 @@ def programs_for(key: Key) -> Captured | None:
     if captured is None:
         refuse(
             f"the signature changed on each of {NEW_SIGNATURE_LIMIT} calls in a row (shapes "
-            "that change every call?): new signatures are not captured"
+            "that change every call? a new compiled step, or a read whose closure or globals "
+            "change, each call?): new signatures are not captured"
         )
         return None
     return captured
