@@ -451,10 +451,10 @@ def _without_autocast() -> contextlib.AbstractContextManager:
 
 class _ThreadOwn:
     """A scratch buffer of the capturing thread that a program writes into (its contents
-    not read across calls), as each thread's own: the tensor itself in the capturing thread, which uses
-    it one call at a time; in any other thread, that thread's tensor of the same layout
-    over storage of the same size (kept per thread, so replays in several threads and the
-    capturing thread's eager runs never write into one storage at once)."""
+    not read across calls), as each thread's own: the buffer itself in the capturing
+    thread, which uses it one call at a time; in any other thread, that thread's tensor of
+    the same layout over storage of the same size (kept per thread, so replays in several
+    threads and the capturing thread's eager runs never write into one storage at once)."""
 
     _LOCAL = threading.local()
 
