@@ -4,6 +4,7 @@ written both or neither."""
 
 from __future__ import annotations
 
+import ast
 import json
 import pickle
 import shutil
@@ -92,7 +93,7 @@ def test_user_errors_are_one_line_before_torch_is_imported(tmp_path):
     assert torch_imported == "False"
     for (argv, message), line in zip(cases, lines, strict=True):
         status, err = line.split(" ", 1)
-        err = eval(err)  # the repr printed above
+        err = ast.literal_eval(err)  # the repr printed above
         assert status == "2" and err.count("\n") == 1, (argv, err)
         assert err.startswith("semiring-autograd: ") and message in err, (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty_model", "model.pt"]
