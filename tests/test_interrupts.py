@@ -204,7 +204,7 @@ class _State:
 
     def problems(self, model: nn.Module) -> list[str]:
         """How the model, the thread and the process differ from this state."""
-        found = []
+        found = _thread_problems()
         for m, before in self.dicts:
             now = m.__dict__
             if now.keys() != before.keys() or any(now[k] is not before[k] for k in before):
@@ -215,19 +215,25 @@ class _State:
         for p, v in zip(model.parameters(), self.values):
             if not torch.equal(p, v) or p.grad is not None:
                 found.append("a parameter's value or .grad changed")
-        if torch._C._len_torch_function_stack():
-            found.append(f"{torch._C._len_torch_function_stack()} torch-function mode(s) left")
-        if patch_module._running():
-            found.append("a patch left running on the thread")
-        if not torch.is_grad_enabled():
-            found.append("grad mode left off")
-        if torch.autograd.Function.__dict__["apply"] is not ORIGINAL_APPLY:
-            found.append("torch.autograd.Function.apply left swapped")
         if any(m in patch_module._PATCHED for m in model.modules()):
             found.append("the model is still recorded as patched")
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-            found.append("saved-tensor hooks left on the thread")
         return found
+
+
+def _thread_problems() -> list[str]:
+    """How the thread and torch differ from their state outside any patched forward."""
+    found = []
+    if torch._C._len_torch_function_stack():
+        found.append(f"{torch._C._len_torch_function_stack()} torch-function mode(s) left")
+    if patch_module._running():
+        found.append("a patch left running on the thread")
+    if not torch.is_grad_enabled():
+        found.append("grad mode left off")
+    if torch.autograd.Function.__dict__["apply"] is not ORIGINAL_APPLY:
+        found.append("torch.autograd.Function.apply left swapped")
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        found.append("saved-tensor hooks left on the thread")
+    return found
 
 
 def _whole_patch(model: nn.Module) -> "patch_module.PatchHandle | None":
@@ -241,40 +247,63 @@ def _whole_patch(model: nn.Module) -> "patch_module.PatchHandle | None":
     return handle
 
 
+def _landed(events: _Events, outcome: str | None, allowed: tuple[str, ...]) -> list[str]:
+    """What is wrong with how a run ended: the interrupt must have been raised, and the run
+    end with it, with an error in ``allowed``, or normally (an interrupt raised in a
+    finalizer is swallowed)."""
+    where = f"interrupt at event {events.raise_at} ({events.landed})"
+    if events.landed is None:
+        return [f"{where}: the run ended before the event ({outcome})"]
+    if outcome is not None and outcome.partition(":")[0] not in ("KeyboardInterrupt",) + allowed:
+        return [f"{where}: ended with {outcome}"]
+    return []
+
+
 def _check_after_interrupt(
     model: nn.Module, before: _State, events: _Events, outcome: str | None
 ) -> list[str]:
     """Every way the state after an interrupt at ``events.raise_at`` is wrong."""
+    found = _landed(events, outcome, ())
+    if found:
+        return found
     where = f"interrupt at event {events.raise_at} ({events.landed})"
-    if events.landed is None:
-        return [f"{where}: the run ended before the event ({outcome})"]
-    if outcome not in ("KeyboardInterrupt", None):  # None: swallowed in a finalizer
-        return [f"{where}: ended with {outcome}"]
-    found = []
     handle = _whole_patch(model)
     if handle is not None:  # the hand-over of the handle: whole, and removable
         landed = events.landed
-        if landed is None or not (landed[0].endswith(OWN_FILES[0]) and landed[1] in HAND_OVER):
+        if not (landed[0].endswith(OWN_FILES[0]) and landed[1] in HAND_OVER):
             found.append(f"{where}: the patch is left on the model")
         handle.remove()
     found += [f"{where}: {p}" for p in before.problems(model)]
     return found
 
 
+def _interrupt_points(
+    run: Callable[[Any], Any], prepare: Callable[[], Any], finish: Callable[[Any], Any]
+) -> list[int]:
+    """The events ``run(prepare())`` is interrupted at (``finish`` its result afterwards,
+    untraced): every one in the patch's own code, one in :data:`STRIDE` of the rest
+    (counted on a second run, the first warms caches)."""
+    for counting in (_Events(), _Events()):
+        prepared = prepare()
+        outcome = _run_traced(counting, lambda: run(prepared))
+        finish(prepared)
+        assert outcome is None, outcome
+    assert counting.own, "the patch's own code is not traced"
+    others = sorted(set(range(1, counting.count + 1)) - set(counting.own))
+    return sorted(set(counting.own) | set(others[::STRIDE]))
+
+
 @pytest.mark.parametrize(
     "semiring", [sa.MaxProduct(), sa.Real(), Tropical()], ids=["MaxProduct", "Real", "user"]
 )
 def test_an_interrupt_anywhere_leaves_model_thread_and_torch_as_they_were(semiring):
+    """Patch entry, forward, backward and exit, ``with sa.patch(...)``."""
     x = _input()
     expected = _patched_forward_backward(_model(), x, semiring)
     plain = _plain_forward_backward()
-    model = _model()
-    _run_traced(_Events(), lambda: _patched_forward_backward(model, x, semiring))  # warm
-    counting, model = _Events(), _model()
-    assert _run_traced(counting, lambda: _patched_forward_backward(model, x, semiring)) is None
-    others = sorted(set(range(1, counting.count + 1)) - set(counting.own))
-    points = sorted(set(counting.own) | set(others[::STRIDE]))
-    assert len(counting.own) > 100, counting.own  # the patch's own code is traced
+    points = _interrupt_points(
+        lambda model: _patched_forward_backward(model, x, semiring), _model, lambda model: None
+    )
 
     problems: list[str] = []
     for i, n in enumerate(points):
@@ -291,4 +320,88 @@ def test_an_interrupt_anywhere_leaves_model_thread_and_torch_as_they_were(semiri
         torch.testing.assert_close(again, expected, rtol=0, atol=0)
         for got, want in zip(_plain_forward_backward(), plain):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not problems, "\n".join(problems[:5])
+
+
+class _Fail(nn.Module):
+    """The model's own error at the end of its forward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise ValueError("the model's own error")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
+@pytest.mark.parametrize("semiring", [sa.MaxProduct(), sa.Real()], ids=["MaxProduct", "Real"])
+def test_an_interrupt_in_a_forward_under_a_kept_patch_leaves_the_thread_as_it_was(semiring, fails):
+    """A handle kept across forwards: after an interrupted forward (one that returns, or
+    raises its own error) and backward the thread is as it was while the patch stays whole,
+    and the next forward under it records."""
+    x = _input()
+    expected = _patched_forward_backward(_model(), x, semiring)
+
+    def forward_backward(kept: tuple) -> None:
+        try:
+            y = kept[0](x)
+        except ValueError:
+            if not fails:
+                raise
+            return
+        sa.grad(y.sum(), x)
+
+    def kept() -> tuple[nn.Module, _State, "patch_module.PatchHandle"]:
+        model = _model()
+        if fails:
+            model.append(_Fail())
+        before = _State.of(model)
+        return model, before, sa.patch(model, semiring)
+
+    problems: list[str] = []
+    points = _interrupt_points(forward_backward, kept, lambda kept: kept[2].remove())
+    for i, n in enumerate(points):
+        model, before, handle = prepared = kept()
+        events = _Events(raise_at=n)
+        outcome = _run_traced(events, lambda: forward_backward(prepared))
+        where = f"interrupt at event {n} ({events.landed})"
+        problems += _landed(events, outcome, ())
+        problems += [f"{where}: {p}" for p in _thread_problems()]
+        if _whole_patch(model) is not handle:
+            problems.append(f"{where}: the kept patch is no longer whole")
+        if problems:
+            break
+        if not fails and i % FUNCTIONAL_STRIDE == 0:
+            y = model(x)
+            torch.testing.assert_close(sa.grad(y.sum(), x), expected, rtol=0, atol=0)
+        handle.remove()
+        problems += [f"{where}: {p}" for p in before.problems(model)]
+    assert not problems, "\n".join(problems[:5])
+
+
+def test_an_interrupt_in_a_refused_patch_leaves_both_models_as_they_were():
+    """``sa.patch`` of a model whose submodule is patched is refused after the model was
+    claimed: an interrupt anywhere in the refusal and its undo leaves the model unclaimed
+    and the submodule's patch whole."""
+
+    def refused() -> tuple[nn.Module, _State, "patch_module.PatchHandle"]:
+        model = _model()
+        inner = sa.patch(model[1], sa.MaxProduct())
+        return model, _State.of(model), inner
+
+    def attempt(refused: tuple) -> None:
+        with pytest.raises(sa.PatchError, match="already patched"):
+            sa.patch(refused[0], sa.MaxProduct())
+
+    problems: list[str] = []
+    for n in _interrupt_points(attempt, refused, lambda refused: refused[2].remove()):
+        model, before, inner = prepared = refused()
+        events = _Events(raise_at=n)
+        outcome = _run_traced(events, lambda: attempt(prepared))
+        where = f"interrupt at event {n} ({events.landed})"
+        problems += _landed(events, outcome, ())
+        problems += [f"{where}: {p}" for p in _thread_problems()]
+        if _whole_patch(model[1]) is not inner or model in patch_module._PATCHED:
+            problems.append(f"{where}: the submodule's patch is not whole, or the model claimed")
+        problems += [f"{where}: {p}" for p in before.problems(model) if "recorded" not in p]
+        inner.remove()
+        if problems:
+            break
     assert not problems, "\n".join(problems[:5])
