@@ -598,3 +598,97 @@ def test_hugging_face_activation_checkpointing_gives_the_same_readouts(S):
     logits, checkpointed = readout()
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=0)
     torch.testing.assert_close(checkpointed, plain, rtol=1e-12, atol=1e-12)
+
+
+class _SignlessMaxTimes(sa.Semiring):
+    """(max, ×) with lift(w) = scale·w: a user's max-times that forgot |w|. Max does not
+    distribute over a negative factor (-1 ⊗ (2 ⊕ 0) = -2, but (-1 ⊗ 2) ⊕ (-1 ⊗ 0) = 0),
+    and 0 is no identity of max below 0."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+    def zero(self, shape, like):
+        return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
+
+    def one(self, shape, like):
+        return (torch.ones(tuple(shape), dtype=like.dtype, device=like.device),)
+
+    def lift(self, w):
+        return (w * self.scale,)
+
+    def add(self, a, b):
+        return (torch.maximum(a[0], b[0]),)
+
+    def mul(self, a, b):
+        return (a[0] * b[0],)
+
+    def readout(self, a):
+        return a[0]
+
+
+def _lawless_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def test_a_user_semiring_that_violates_a_law_is_refused_with_the_model_as_it_was():
+    from semiring_autograd.engine import patch as patch_module
+
+    S = _SignlessMaxTimes()
+    a, b, c = S.lift(torch.tensor(-1.0)), S.lift(torch.tensor(2.0)), S.lift(torch.tensor(0.0))
+    assert S.mul(a, S.add(b, c))[0] != S.add(S.mul(a, b), S.mul(a, c))[0]  # really lawless
+    model = _lawless_model()
+    before = _module_state(model)
+    with pytest.raises(sa.SemiringLawError) as refusal:
+        sa.patch(model, S)
+    message = str(refusal.value)
+    assert message.startswith("sa.patch refuses _SignlessMaxTimes(): ")
+    assert "left distributivity: values differ" in message and "a ⊗ (b ⊕ c) = (" in message
+    assert "sa.patch(model, semiring, check=False)" in message
+    with pytest.raises(sa.SemiringLawError) as direct:
+        sa.check_semiring(S, samples=16)
+    laws = [law for law, _ in refusal.value.failures]
+    assert "left distributivity" in laws and laws == [law for law, _ in direct.value.failures]
+    after = _module_state(model)
+    assert [name for name, _ in after] == [name for name, _ in before]
+    for (name, attrs), (_, old) in zip(after, before):
+        assert attrs.keys() == old.keys() and all(attrs[k] is old[k] for k in old), name
+    assert model not in patch_module._PATCHED
+    with sa.patch(model, sa.MaxProduct()):  # patchable: nothing of the refusal is left
+        pass
+
+
+def test_check_false_patches_a_semiring_the_law_check_refuses():
+    model = _lawless_model()
+    x = torch.randn(5, 4, requires_grad=True)
+    expected = model(x)
+    with sa.patch(model, _SignlessMaxTimes(), check=False):
+        y = model(x)
+    assert torch.equal(y, expected)
+    info = sa.node_info(y.grad_fn)
+    assert info is not None and info.semiring == _SignlessMaxTimes()
+
+
+def test_the_law_check_runs_once_per_user_semiring_class_and_parameters(monkeypatch):
+    from semiring_autograd.engine import patch as patch_module
+    from user_semirings import Tropical
+
+    checked = []
+    check = patch_module.check_semiring
+
+    def counting_check(S, **kwargs):
+        checked.append(S)
+        check(S, **kwargs)
+
+    monkeypatch.setattr(patch_module, "check_semiring", counting_check)
+    monkeypatch.setattr(patch_module, "_LAWS_CHECKED", {})
+    model = _lawless_model()
+    for S in [Tropical(), Tropical(), sa.MaxProduct(), sa.Real(formulas=True), sa.KBest(2)]:
+        with sa.patch(model, S):
+            pass
+    assert checked == [Tropical()]  # built-in semirings are tested with the library
+    for S in [_SignlessMaxTimes(2.0), _SignlessMaxTimes(2.0), _SignlessMaxTimes(3.0)]:
+        with pytest.raises(sa.SemiringLawError, match=r"refuses _SignlessMaxTimes\(\)"):
+            sa.patch(model, S)
+    assert checked == [Tropical(), _SignlessMaxTimes(2.0), _SignlessMaxTimes(3.0)]
