@@ -12,13 +12,14 @@ gradients). A call with no entry that would produce a differentiable result rais
 
 Interrupts. Whatever ends a patch, a forward or a removal (an exception, a
 ``KeyboardInterrupt`` landing between any two lines) leaves the model, the thread and
-``torch.autograd.Function.apply`` exactly as they were, or the patch whole. Every change is
+``torch.autograd.Function.apply`` exactly as they were (a forward under a patch that stays:
+the thread as it was, the patch whole). Every change is
 made inside the ``try`` whose ``finally`` undoes it, and every undo reads the state it
 restores (is our mode on the stack, is this ``forward`` our wrapper, is the model claimed by
 this handle), so it is idempotent: it runs twice, and an interrupt landing inside the first
 run leaves the second to finish. What no Python code can guard is the hand-over of the
-handle itself (an interrupt at the return of ``sa.patch`` or at the entry of ``__exit__``):
-there the patch is whole and ``handle.remove()`` (the handle is also
+handle itself (an interrupt at the return of ``sa.patch``, in ``__enter__`` or at the entry
+of ``__exit__``): there the patch is whole and ``handle.remove()`` (the handle is also
 ``model.forward.__semiring_autograd_patch__``) removes it.
 """
 
@@ -316,9 +317,10 @@ class PatchHandle:
 
     def _claim(self) -> None:
         """Record the model as patched by this handle; refuse a model that shares a module
-        with a patched one. Lock-free (a lock left held by an interrupt would hang every
-        later patch): the claim is published first, then the overlap is checked, so of two
-        threads claiming overlapping models at once neither is missed (both may refuse)."""
+        with a patched one. Lock-free (a finalizer or signal handler that patches or
+        removes a patch while a non-reentrant lock is held in its thread would hang): the
+        claim is published first, then the overlap is checked, so of two threads claiming
+        overlapping models at once neither is missed (both may refuse)."""
         model = self.model
         if _PATCHED.setdefault(model, self) is not self or self._overlaps():
             raise PatchError(
