@@ -9,7 +9,7 @@ fails; its kernels run on one thread. Loading registers the CPU kernels of the o
 the callers use their eager formulas. ``SEMIRING_AUTOGRAD_CXXFLAGS`` appends flags
 (space-separated; e.g. ``-mno-avx512f`` builds the portable paths on an AVX-512 machine).
 A build that really compiles (no cached one) says so on stderr first: it takes a minute or
-two.
+two on a busy machine.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _announce_build(openmp: bool) -> None:
     variant = "" if openmp else ", without OpenMP"
     print(
         f"semiring_autograd: building the fused CPU kernels{variant} "
-        f"(once, about 1-2 min; cached in {cache_dir()}) ...",
+        f"(once, 20 s to 2 min; cached in {cache_dir()}) ...",
         file=sys.stderr,
         flush=True,
     )
