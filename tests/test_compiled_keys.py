@@ -229,6 +229,18 @@ def test_a_submodule_without_parameters_replaced():
     _check(step, model, read, 9)
 
 
+def test_a_parameter_given_other_strides_after_capture():
+    """The same weight values in a transposed layout (``.data`` replaced, same shape): a
+    program reading the weight through its recorded strides is not replayed."""
+    model = _model()
+    read = _column(0)
+    step = sa.compiled_step(model, SEMIRING, read)
+    _captured(step, model, read)
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.data.t().contiguous().t()
+    _check(step, model, read, 10)
+
+
 def _scale_output(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
     return out * 3.0
 
