@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+# main and _parser: the command and its parser, also reachable from here
 from semiring_autograd_cli import UsageError, error, main
 from semiring_autograd_cli import parser as _parser
 
