@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -254,3 +257,27 @@ def test_the_gguf_header_reader_agrees_with_the_gguf_package():
         assert ours[key] == value, (key, ours[key], value)
     tokens = fields["tokenizer.ggml.tokens"].contents()
     assert ours["tokenizer.ggml.tokens"] == tokens
+
+
+def test_ctrl_c_ends_the_command_at_once_without_a_traceback(short_context_model, tmp_path):
+    argv = ["explain", "the cat", "--target", "paris", "--model", str(short_context_model)]
+    proc = subprocess.Popen(
+        [str(COMMAND), *argv, "--html", str(tmp_path / "r.html")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    first = proc.stdout.readline()
+    assert first.startswith("reading the tokenizer"), first
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    try:
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    seconds = time.monotonic() - sent
+    err = proc.stderr.read()
+    assert code == 130 and "semiring-autograd: interrupted" in err, (code, err)
+    assert "Traceback" not in err and seconds < 2.0, (seconds, err)
+    assert not (tmp_path / "r.html").exists()
