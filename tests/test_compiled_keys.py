@@ -241,6 +241,35 @@ def test_a_parameter_given_other_strides_after_capture():
     _check(step, model, read, 10)
 
 
+class _Settings:
+    """Settings a model holds and its forward reads, as a Hugging Face config."""
+
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+
+class _Scaled(nn.Module):
+    def __init__(self, settings: _Settings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.settings.scale
+
+
+def test_a_setting_of_a_config_changed_after_capture():
+    """A number in a settings object the forward reads (``config.scale``) is keyed by
+    value: changed after capture, the step computes with the new one."""
+    torch.manual_seed(0)
+    model = _Scaled(_Settings()).double()
+    read = _column(0)
+    step = sa.compiled_step(model, SEMIRING, read)
+    _captured(step, model, read)
+    model.settings.scale = 3.0
+    _check(step, model, read, 12)
+
+
 def _scale_output(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
     return out * 3.0
 

@@ -22,7 +22,9 @@ anew):
   device (their values are the program's inputs), anything else by value;
 - the model, module by module: the module's identity (a submodule replaced, even one
   without parameters), ``training``, its forward and backward (pre-)hooks, its own
-  attributes (a dropout's ``p``, a slope, an instance ``forward``), and its parameters and
+  attributes (a dropout's ``p``, a slope, an instance ``forward``; an object holding
+  settings, as a Hugging Face config, by identity and the numbers, strings and flags in its
+  ``__dict__``: ``output_attentions``, ``_attn_implementation``), and its parameters and
   buffers (identity, shape, strides, storage offset, dtype, device, ``requires_grad``);
   and the hooks registered for every module (``register_module_forward_hook`` ...);
 - torch's state: grad and inference mode, the default dtype, deterministic algorithms,
@@ -31,11 +33,11 @@ anew):
 
 Immutable values (numbers, strings, dtypes, tuples of them) are keyed by value, any other
 object by identity, held with the key so no other object takes its id. Keyed by identity,
-not by content: the items of a list or dict, and the attributes of an object (a config),
-that ``read`` or the forward reads — changing those in place is not seen; neither is state
-read through functions ``read`` calls, nor a module class's code changed at run time (a
-``forward`` replaced on the class). Pass such values as keyword arguments or rebuild the
-step.
+not by content: the items of a list or dict, the attributes of an object that ``read``
+reads, a settings object's lists, dicts and nested objects — changing those in place is
+not seen; neither is state read through functions ``read`` calls, nor a module class's
+code changed at run time (a ``forward`` replaced on the class). Pass such values as
+keyword arguments or rebuild the step.
 
 The program reads the model's parameters and buffers as they are when it runs (it holds
 the tensors, not copies): a weight changed in place is seen. State the forward keeps
@@ -49,8 +51,10 @@ a model is patched by one thread at a time; replays run side by side.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
+import types
 import weakref
 from typing import Any, Callable
 
@@ -201,12 +205,13 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
     per module (each once, in a fixed order for a fixed module tree; its own ``__dict__``
     read directly, which costs several times less than ``named_parameters()``), its
     identity and ``training``, its hooks, its own attributes (a dropout's ``p``, an
-    instance ``forward``: immutable values by value, other objects by identity), and its
-    parameters and buffers (identity, shape, strides, storage offset, dtype, device,
+    instance ``forward``: immutable values by value, a settings object (a config) by identity
+    and its immutable values, other objects by identity), and its parameters and buffers (identity, shape, strides, storage offset, dtype, device,
     requires_grad)."""
     parts: list = []
     held: list[Tensor] = []
     seen: set[int] = set()
+    described: set[int] = set()  # settings objects read (a config every layer holds)
     stack = [model]
     with torch._C.DisableTorchFunctionSubclass():  # a Parameter's metadata read directly
         while stack:
@@ -218,7 +223,12 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
             parts.append((ids.of(module), module.training, _hooks(found, ids)))
             for name in sorted(found.keys() - _STANDARD):
                 value = found[name]
-                parts.append((name, value if type(value) in _PLAIN else ids.value(value)))
+                if type(value) in _PLAIN:
+                    parts.append((name, value))
+                elif type(value) is not float and _is_settings(value):
+                    parts.append((name, _settings(value, ids, described)))
+                else:
+                    parts.append((name, ids.value(value)))
             for group in (module._parameters, module._buffers):
                 for name, t in group.items():
                     if t is not None:
@@ -226,6 +236,39 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
                         parts.append((name, ids.of(t), *_tensor_layout(t)))
             stack += [m for m in module._modules.values() if m is not None]
     return tuple(parts), held
+
+
+def _is_settings(value: Any) -> bool:
+    """Whether a module's attribute is an object holding settings in its ``__dict__`` (a
+    Hugging Face config): not a module, tensor, function, class or Python module."""
+    return hasattr(value, "__dict__") and not isinstance(value, _NOT_SETTINGS)
+
+
+_NOT_SETTINGS = (
+    nn.Module,
+    Tensor,
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.ModuleType,
+    functools.partial,
+)
+
+
+def _settings(value: Any, ids: Identities, described: set[int]) -> tuple:
+    """An object's identity and the immutable values in its ``__dict__`` (a config's
+    ``output_attentions``, ``_attn_implementation``); an object already ``described`` in
+    this key (a config every layer holds) by its identity alone."""
+    if id(value) in described:
+        return ("settings", id(value))
+    described.add(id(value))
+    plain = [(k, ids.value(v)) for k, v in vars(value).items() if type(v) in _SETTING]
+    return ("settings", ids.of(value), tuple(plain))
+
+
+#: the values of a settings object that are keyed (its other values: not keyed)
+_SETTING = frozenset({bool, int, str, float, type(None), torch.dtype})
 
 
 def _hooks(found: dict, ids: Identities) -> tuple:
