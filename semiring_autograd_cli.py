@@ -99,6 +99,12 @@ def parser() -> argparse.ArgumentParser:
         "--html", default="explain.html", help="report file (default: explain.html)"
     )
     explain.add_argument(
+        "--per-text-scales",
+        action="store_true",
+        help="with --file: colour each text on its own scale (default: one scale per "
+        "semiring, shared by the texts; the page says which)",
+    )
+    explain.add_argument(
         "--plot", default=None, help="also write a PNG bar chart of the scores here"
     )
     return root

@@ -240,6 +240,12 @@ def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
     assert "+ paths" not in out.splitlines()[-1]
     text = _parse(report.read_text(encoding="utf-8"))
     assert "Text 1" in text and "Text 2" in text and "Text 3" not in text
+    assert "shared by the 2 texts" in text and "its own scale" not in text
+    own = tmp_path / "own.html"
+    argv += ["--model", str(llama_directory), "--html", str(own), "--per-text-scales"]
+    assert cli.main(argv) == 0
+    text = _parse(own.read_text(encoding="utf-8"))
+    assert "each text on its own scale" in text and "shared by the" not in text
 
 
 def test_compiled_attribution_over_texts_of_one_length(llama_directory):

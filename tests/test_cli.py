@@ -165,7 +165,7 @@ def test_an_unreadable_model_directory_is_one_line(short_context_model, tmp_path
 
 def test_report_and_chart_are_written_both_or_neither(tmp_path, monkeypatch):
     html, png = tmp_path / "r.html", tmp_path / "r.png"
-    monkeypatch.setattr(cli.report, "html_page", lambda per_text: "<p>page</p>")
+    monkeypatch.setattr(cli.report, "html_page", lambda per_text, per_text_scales: "<p>page</p>")
 
     def failing_plot(result, path):
         Path(path).write_bytes(b"half a chart")

@@ -82,14 +82,18 @@ def _staging_path(path: str) -> Path:
     return Path(name)
 
 
-def _write_outputs(per_text: list, html: str, plot: str | None) -> None:
+def _write_outputs(
+    per_text: list, html: str, plot: str | None, per_text_scales: bool = False
+) -> None:
     """The HTML report, and with ``plot`` the PNG chart: both written or neither (each is
     rendered beside its target first, then both are moved in)."""
     staged: list[tuple[Path, str]] = []
     try:
         page = _staging_path(html)
         staged.append((page, html))
-        page.write_text(report.html_page(per_text), encoding="utf-8")
+        page.write_text(
+            report.html_page(per_text, per_text_scales=per_text_scales), encoding="utf-8"
+        )
         if plot:
             chart = _staging_path(plot)
             staged.append((chart, plot))
@@ -163,7 +167,7 @@ def _explain(args: argparse.Namespace) -> int:
         for r in group:
             print(r)
             print()
-    _write_outputs(per_text, args.html, args.plot)
+    _write_outputs(per_text, args.html, args.plot, args.per_text_scales)
     print(f"wrote {args.html}")
     if args.plot:
         print(f"wrote {args.plot}")
