@@ -306,3 +306,32 @@ def test_user_semiring_of_right_shape_runs_unchanged():
     torch.testing.assert_close(
         _readout(Tropical(), rows, finite), _oracle(Tropical(), rows, finite), rtol=1e-10, atol=0
     )
+
+
+class _StaticTropical(Tropical):
+    """Tropical with ⊕ a staticmethod and ⊗ a classmethod: checked like plain methods."""
+
+    @staticmethod
+    def add(a, b):
+        return (torch.minimum(a[0], b[0]),)
+
+    @classmethod
+    def mul(cls, a, b):
+        return (a[0] + b[0],) if cls is _StaticTropical else (a[0][..., :1] + b[0][..., :1],)
+
+
+class _BrokenStaticTropical(_StaticTropical):
+    pass
+
+
+def test_user_semiring_with_static_and_class_methods_runs_and_is_checked():
+    rows = BATCHES["3"]
+    finite = WEIGHT.nan_to_num(posinf=1e300)
+    torch.testing.assert_close(
+        _readout(_StaticTropical(), rows, finite),
+        _oracle(Tropical(), rows, finite),
+        rtol=1e-10,
+        atol=0,
+    )
+    with pytest.raises(SemiringDefinitionError, match=r"_BrokenStaticTropical\.mul \(⊗\)"):
+        _BrokenStaticTropical().mul((torch.zeros(2, 2),), (torch.ones(2, 2),))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Sequence
 
@@ -130,17 +131,21 @@ def _check_result(semiring: Semiring, name: str, a: Value, b: Value, out: Value)
     components whose broadcast shape is that of the operands' components: ⊕ and ⊗ are
     elementwise, with broadcasting. Each combination of shapes is checked once."""
     cls = type(semiring)
-    where = f"{cls.__name__}.{name} ({_SYMBOLS[name]})"
-    shapes = (tuple(c.shape for c in a), tuple(c.shape for c in b))
-    got = _result_shapes(where, out)
-    key = (cls, name, shapes, got)
+    try:
+        key = (cls, name, *(c.shape for c in a), None, *(c.shape for c in b), None)
+        key += tuple(c.shape for c in out)
+    except (AttributeError, TypeError):
+        key = None  # not tuples of tensors: reported below
     if key in _WELL_FORMED:
         return
+    where = f"{cls.__name__}.{name} ({_SYMBOLS[name]})"
+    got = _result_shapes(where, out)
     if len(out) != semiring.n_components:
         raise SemiringDefinitionError(
             f"{where} returned {len(out)} components, but {cls.__name__}.n_components is "
             f"{semiring.n_components}: set n_components to the number of tensors in a value"
         )
+    shapes = (tuple(c.shape for c in a), tuple(c.shape for c in b))
     expected = torch.broadcast_shapes(*shapes[0], *shapes[1])
     try:
         result = torch.broadcast_shapes(*got)
@@ -159,7 +164,8 @@ def _check_result(semiring: Semiring, name: str, a: Value, b: Value, out: Value)
 
 
 def _checked(name: str, method: Callable) -> Callable:
-    """``method`` (a user semiring's ``add`` or ``mul``) with its result checked."""
+    """``method`` (a user semiring's plain ``add`` or ``mul`` function) with its result
+    checked."""
 
     @functools.wraps(method)
     def checked(self: Semiring, a: Value, b: Value) -> Value:
@@ -169,6 +175,23 @@ def _checked(name: str, method: Callable) -> Callable:
 
     checked.checks_result = True
     return checked
+
+
+def _checked_attribute(name: str, attribute: object) -> object:
+    """A class attribute ``add`` or ``mul`` with its results checked: a function, or the
+    function inside a ``staticmethod`` or ``classmethod`` (wrapped in the same kind);
+    anything else (a callable object) as it is."""
+    if getattr(attribute, "checks_result", False):
+        return attribute
+    if isinstance(attribute, types.FunctionType):
+        return _checked(name, attribute)
+    if isinstance(attribute, staticmethod):
+        inner = attribute.__func__
+        return _checked(name, lambda self, a, b: inner(a, b))
+    if isinstance(attribute, classmethod):
+        inner = attribute.__func__
+        return _checked(name, lambda self, a, b: inner(type(self), a, b))
+    return attribute
 
 
 class Semiring:
@@ -185,9 +208,8 @@ class Semiring:
         if cls.__module__.startswith(_LIBRARY_PREFIX):
             return
         for name in _SYMBOLS:
-            method = vars(cls).get(name)
-            if method is not None and not getattr(method, "checks_result", False):
-                setattr(cls, name, _checked(name, method))
+            if name in vars(cls):
+                setattr(cls, name, _checked_attribute(name, vars(cls)[name]))
 
     #: number of component tensors in a value
     n_components: int = 1
