@@ -118,8 +118,10 @@ def error(message: str) -> int:
 
 def check_inputs(args: argparse.Namespace) -> None:
     """UsageError unless exactly one of TEXT and ``--file`` is given, usable as such."""
-    if (args.text is None) == (args.file is None):
-        raise UsageError("give the prompt as TEXT or a file of prompts with --file, not both")
+    if args.text is None and args.file is None:
+        raise UsageError("no prompt: give the prompt as TEXT or a file of prompts with --file")
+    if args.text is not None and args.file is not None:
+        raise UsageError("give the prompt as TEXT or --file, not both")
     if args.file is not None:
         if args.plot:
             raise UsageError("--plot draws one prompt's scores: give TEXT, not --file")

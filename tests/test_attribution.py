@@ -171,7 +171,8 @@ def test_explain_command_end_to_end(bert_with_tokenizer, llama_directory, tmp_pa
     assert "+ paths" in out.splitlines()[-1]
     text = _parse(report.read_text(encoding="utf-8"))
     assert all(token in text for token in tokens)
-    assert str(llama_directory) in text and "logits read at" in text
+    assert "logits read at" in text and "model model; logits read" in out  # the folder's name
+    assert str(llama_directory.parent) not in report.read_text(encoding="utf-8")
 
 
 def test_explain_command_compares_every_semiring(
@@ -291,7 +292,7 @@ def test_explain_command_compile_and_no_paths(llama_directory, tmp_path, capsys)
     [
         (["explain", "", "--target", "y"], "the prompt is empty"),
         (["explain", "   ", "--target", "y"], "the prompt is empty"),
-        (["explain", "--target", "y"], "give the prompt as TEXT or a file"),
+        (["explain", "--target", "y"], "no prompt: give the prompt as TEXT or a file"),
         (["explain", "x", "--file", "f.txt", "--target", "y"], "not both"),
         (["explain", "--file", "missing.txt", "--target", "y"], "no such file"),
         (["explain", "x", "--target", "y", "--model", "no/such/dir"], "no such directory"),

@@ -20,6 +20,7 @@ import torch
 import transformers
 
 import semiring_autograd_cli
+from semiring_autograd.explain.attribution import model_label
 from semiring_autograd.integrations import cli, huggingface
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +77,8 @@ def _bad_argv(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*base, "--model", str(pickled)], "is a file; --model takes a Hugging Face model"),
         ([*base, "--model", missing], "no such directory"),
         ([*base, "--model", str(no_config)], "has no config.json"),
+        (["explain", "--target", " x"], "no prompt: give the prompt as TEXT or a file"),
+        ([*base, "--file", "prompts.txt"], "give the prompt as TEXT or --file, not both"),
     ]
 
 
@@ -180,6 +183,71 @@ def test_report_and_chart_are_written_both_or_neither(tmp_path, monkeypatch):
     cli._write_outputs([["scores"]], str(html), str(png))
     assert html.read_text() == "<p>page</p>" and png.read_bytes() == b"PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "r.png"]
+
+
+def test_the_report_and_the_chart_take_the_mode_open_gives(tmp_path, monkeypatch):
+    """Staged in a private file, moved in with the mode ``open(path, "w")`` gives: the
+    umask's for a new file, the file's own for one written over."""
+    monkeypatch.setattr(cli.report, "html_page", lambda per_text, per_text_scales: "<p>page</p>")
+    monkeypatch.setattr(cli.report, "plot_scores", lambda r, path: Path(path).write_bytes(b"PNG"))
+    old = os.umask(0o022)
+    try:
+        with open(tmp_path / "plain", "w"):
+            pass
+        expected = (tmp_path / "plain").stat().st_mode & 0o777
+        html, png = tmp_path / "r.html", tmp_path / "r.png"
+        cli._write_outputs([["scores"]], str(html), str(png))
+        assert html.stat().st_mode & 0o777 == expected == 0o644
+        assert png.stat().st_mode & 0o777 == expected
+        html.chmod(0o640)
+        cli._write_outputs([["scores"]], str(html), str(png))
+        assert html.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_an_internal_error_is_raised_not_reported_as_a_user_error(
+    short_context_model, tmp_path, monkeypatch
+):
+    argv = ["explain", "the cat", "--target", "paris", "--model", str(short_context_model)]
+    argv += ["--html", str(tmp_path / "r.html")]
+
+    def broken_attribute(*args, **kwargs):
+        raise ValueError("internal")
+
+    monkeypatch.setattr(cli, "attribute", broken_attribute)
+    with pytest.raises(ValueError, match="internal"):
+        cli.main(argv)
+
+    def broken_loader(path):
+        raise TypeError("a loader bug")
+
+    monkeypatch.setattr(cli, "load_tokenizer", broken_loader)
+    with pytest.raises(TypeError, match="a loader bug"):
+        cli.main(argv)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_report_that_cannot_be_written_is_one_line_naming_it(
+    short_context_model, tmp_path, capsys, monkeypatch
+):
+    html = tmp_path / "r.html"
+    argv = ["explain", "the cat", "--target", "paris", "--model", str(short_context_model)]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli, "_write_outputs", disk_full)
+    assert cli.main(argv + ["--html", str(html)]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]  # after transformers' progress bar
+    assert err == f"semiring-autograd: cannot write {html}: No space left on device", err
+
+
+def test_the_report_names_the_embedded_model_by_its_name():
+    class Model(torch.nn.Module):
+        name_or_path = huggingface.DEFAULT_MODEL
+
+    assert model_label(Model()) == "SmolLM2-135M"
 
 
 def test_a_kernel_build_says_so_only_when_it_compiles(tmp_path, monkeypatch, capsys):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -37,30 +38,39 @@ __all__ = ["main", "run"]
 
 
 def _texts(args: argparse.Namespace) -> str | list[str]:
-    """The prompt, or the prompts of ``--file`` (ValueError for a file without text)."""
-    return args.text if args.file is None else read_texts(args.file)
+    """The prompt, or the prompts of ``--file``; UsageError for a file that cannot be read
+    or holds no text."""
+    if args.file is None:
+        return args.text
+    try:
+        return read_texts(args.file)
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--file {args.file}: not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise UsageError(f"--file {args.file}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:  # read_texts: no text in the file
+        raise UsageError(_one_line(exc)) from None
 
 
-def _check_tokens(args: argparse.Namespace, inputs: str | list[str], tokenizer) -> None:
-    """ValueError for a target that is not one token or a position outside a text."""
-    target_id(args.target, tokenizer)
-    for text in [inputs] if isinstance(inputs, str) else inputs:
+def _check_texts(
+    args: argparse.Namespace, inputs: str | list[str], tokenizer, limit: int | None, name: str
+) -> None:
+    """UsageError for a target that is not one token, a position outside a text, or a text
+    longer than the model's context (``limit`` tokens; None: no limit). Each text is
+    tokenized once."""
+    try:
+        target_id(args.target, tokenizer)
+    except ValueError as exc:
+        raise UsageError(_one_line(exc)) from None
+    for i, text in enumerate([inputs] if isinstance(inputs, str) else inputs):
         length = len(tokenizer(text)["input_ids"])
         try:
             check_position(args.position, length)
         except ValueError as exc:
-            raise ValueError(f"--position: {exc} of {text!r}") from None
-
-
-def _check_context(inputs: str | list[str], tokenizer, limit: int | None, name: str) -> None:
-    """ValueError for a prompt longer than the model's context (``limit`` tokens)."""
-    if limit is None:
-        return
-    for i, text in enumerate([inputs] if isinstance(inputs, str) else inputs):
-        length = len(tokenizer(text)["input_ids"])
-        if length > limit:
+            raise UsageError(f"--position: {_one_line(exc)} of {text!r}") from None
+        if limit is not None and length > limit:
             which = "the prompt" if isinstance(inputs, str) else f"prompt {i + 1} of --file"
-            raise ValueError(
+            raise UsageError(
                 f"{which} is {length} tokens; {name} reads at most {limit} "
                 "(its config's context length): shorten it"
             )
@@ -79,7 +89,19 @@ def _staging_path(path: str) -> Path:
         dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix or ".png"
     )
     os.close(handle)
+    os.chmod(name, _mode_of_new(target))
     return Path(name)
+
+
+def _mode_of_new(target: Path) -> int:
+    """The permissions ``open(target, "w")`` leaves: an existing file's own, else
+    ``0o666`` less the umask (mkstemp's file is private, 0600, until changed)."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _write_outputs(
@@ -106,10 +128,12 @@ def _write_outputs(
 
 
 def _load(what: str, loader, path: str | None):
-    """``loader(path)``; UsageError with one line when the files cannot be loaded."""
+    """``loader(path)``; UsageError with one line when the files cannot be loaded (missing
+    or unreadable files, a malformed config or tokenizer, a model type or a library this
+    transformers does not know). Any other exception is a fault and is raised."""
     try:
         return loader(path)
-    except Exception as exc:  # any failure to read the user's files is reported, not raised
+    except (OSError, ValueError, ImportError, KeyError) as exc:
         where = f" from {path}" if path is not None else ""
         raise UsageError(f"cannot load the {what}{where}: {_one_line(exc)}") from None
 
@@ -119,8 +143,16 @@ def run(args: argparse.Namespace) -> int:
     status."""
     try:
         return _explain(args)
-    except (ValueError, OSError) as exc:  # UsageError is a ValueError
+    except UsageError as exc:
         return error(_one_line(exc))
+    except _WriteError as exc:
+        error(str(exc))
+        return 1
+
+
+class _WriteError(Exception):
+    """The report or the chart could not be written (a full disk, a folder gone): the
+    environment's problem, one line and exit status 1."""
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -130,8 +162,7 @@ def _explain(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(f"reading the tokenizer and the config of {name} ...", flush=True)
     tokenizer = _load("tokenizer", load_tokenizer, args.model)
-    _check_tokens(args, inputs, tokenizer)
-    _check_context(inputs, tokenizer, _load("config", context_length, args.model), name)
+    _check_texts(args, inputs, tokenizer, _load("config", context_length, args.model), name)
     hint = target_hint(args.target, tokenizer)
     if hint is not None:
         print(f"semiring-autograd: note: {hint}", file=sys.stderr)
@@ -150,7 +181,7 @@ def _explain(args: argparse.Namespace) -> int:
             semiring_name,
             tokenizer=tokenizer,
             position=args.position,
-            model_name=name,
+            model_name=None,  # model_label: the Hub id or the folder's name, not its path
             paths=not args.no_paths,
             compile=args.compile,
         )
@@ -167,7 +198,11 @@ def _explain(args: argparse.Namespace) -> int:
         for r in group:
             print(r)
             print()
-    _write_outputs(per_text, args.html, args.plot, args.per_text_scales)
+    try:
+        _write_outputs(per_text, args.html, args.plot, args.per_text_scales)
+    except OSError as exc:
+        written = args.html if not args.plot else f"{args.html} and {args.plot}"
+        raise _WriteError(f"cannot write {written}: {exc.strerror or _one_line(exc)}") from exc
     print(f"wrote {args.html}")
     if args.plot:
         print(f"wrote {args.plot}")
