@@ -249,7 +249,8 @@ def _stale_generated(out_dir: Path, names: set[str]) -> list[str]:
 
 @contextlib.contextmanager
 def _sigint_held() -> Iterator[None]:
-    """Run the block with SIGINT held back; one that arrived is handled when it ends."""
+    """Run the block with SIGINT held back; one that arrived is delivered when it ends, to
+    the handler that was in place (the default one too: the signal is raised again)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -258,9 +259,10 @@ def _sigint_held() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if received and callable(previous):
-        previous(signal.SIGINT, None)
+        # a handler installed outside Python reads as None: restore the default one
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    if received and previous is not signal.SIG_IGN:
+        signal.raise_signal(signal.SIGINT)
 
 
 def _new_staging_dir(out_dir: Path) -> Path:
@@ -275,8 +277,10 @@ def _new_staging_dir(out_dir: Path) -> Path:
 
 
 def _swap_in(out_dir: Path, changed: dict[str, str], stale: list[str]) -> None:
-    """Write ``changed`` (name → text) into ``out_dir`` and remove ``stale``, all or
-    nothing: the texts go to a staging folder first, then move in with SIGINT held."""
+    """Write ``changed`` (name → text) into ``out_dir`` and remove ``stale``: the texts go
+    to a staging folder first, then move in with SIGINT held, so Ctrl-C leaves the old set
+    or the new one (a folder that is new arrives by one rename; an OS error while files
+    move in, a full disk say, can leave some moved)."""
     staging = _new_staging_dir(out_dir)
     try:
         for name, text in changed.items():
