@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import random
 import threading
 import warnings
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -26,7 +28,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import semiring_autograd as sa
-from semiring_autograd.engine import compiled
+from semiring_autograd.engine import compiled, program
+from semiring_autograd.engine.compiled_step import _model_state
+from semiring_autograd.engine.signature import Identities
 from semiring_autograd.errors import SemiringAutogradError
 
 SEMIRING = sa.MaxProduct()
@@ -445,6 +449,98 @@ def test_a_cold_backward_captured_from_two_threads():
         for value, want in zip(got[i], expected[i::2]):
             _assert_identical(value, want)
     assert sa.compiled_stats()["captures"] == 1, sa.compiled_stats()
+
+
+def test_the_key_of_a_patched_model_is_its_unpatched_key():
+    """The ``forward`` wrappers a patch installs (another thread's capture or eager run) are
+    not part of the key: computed while the model is patched, it equals the unpatched key
+    (a module's own ``forward`` keyed as the function the wrapper wraps)."""
+    model = _model()
+    model[1].forward = lambda x: torch.tanh(x)
+    ids = Identities()
+    unpatched = _model_state(model, ids)[0]
+    with sa.patch(model, SEMIRING):
+        assert "forward" in model[0].__dict__
+        patched = _model_state(model, ids)[0]
+    assert patched == unpatched
+
+
+def test_a_step_called_while_another_thread_holds_a_patch_replays():
+    """A step called while another thread holds a patch on its model replays its program
+    (no capture under a key that never occurs again)."""
+    model = _model()
+    read = _column(0)
+    step = sa.compiled_step(model, SEMIRING, read)
+    _captured(step, model, read)
+    before = sa.compiled_stats()
+    patched, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with sa.patch(model, SEMIRING):
+            patched.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert patched.wait(30)
+        x = _x(7)
+        got = step(x.clone().requires_grad_(True))
+    finally:
+        release.set()
+        holder.join()
+    after = sa.compiled_stats()
+    assert after["captures"] == before["captures"], after
+    assert after["replays"] == before["replays"] + 1, after
+    _assert_identical(got, _eager(model, read, x))
+
+
+def test_a_programs_thread_copies_go_with_the_program(monkeypatch):
+    """The copies of the capturing thread's scratch buffers that a replaying thread writes
+    into are the program's: ``sa.clear_compiled()`` frees them while that thread lives."""
+    made: list = []
+
+    def recorded(t: Tensor) -> Tensor:
+        copy = same_layout(t)
+        made.append(weakref.ref(copy))
+        return copy
+
+    same_layout = program._same_layout
+    monkeypatch.setattr(program, "_same_layout", recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 3)).double()
+    read = _column(0)
+    _eager(copy.deepcopy(model), read, _x(0), sa.Log())  # this thread's scratch buffers
+    step = sa.compiled_step(model, sa.Log(), read)
+    for seed in range(3):
+        _check(step, model, read, seed, sa.Log())
+    replayed, cleared = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def replay() -> None:
+        try:
+            x = _x(5)
+            _assert_identical(
+                step(x.clone().requires_grad_(True)), _eager(model, read, x, sa.Log())
+            )
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+        replayed.set()
+        cleared.wait(30)
+
+    worker = threading.Thread(target=replay)
+    worker.start()
+    try:
+        assert replayed.wait(30)
+        if errors:
+            raise errors[0]
+        assert made, "the replaying thread made no copy of a scratch buffer"
+        sa.clear_compiled()
+        gc.collect()
+        assert all(ref() is None for ref in made)
+    finally:
+        cleared.set()
+        worker.join()
 
 
 # ----- random sequences of operations ------------------------------------------------------

@@ -24,8 +24,9 @@ anew):
   without parameters), ``training``, its forward and backward (pre-)hooks, its own
   attributes (a dropout's ``p``, a slope, an instance ``forward``; an object holding
   settings, as a Hugging Face config, by identity and the numbers, strings and flags in its
-  ``__dict__``: ``output_attentions``, ``_attn_implementation``), and its parameters and
-  buffers (identity, shape, strides, storage offset, dtype, device, ``requires_grad``);
+  ``__dict__``: ``output_attentions``, ``_attn_implementation``; the ``forward`` wrapper
+  of a patch another thread holds as what it wraps), and its parameters and buffers
+  (identity, shape, strides, storage offset, dtype, device, ``requires_grad``);
   and the hooks registered for every module (``register_module_forward_hook`` ...);
 - torch's state: grad and inference mode, the default dtype, deterministic algorithms,
   autocast (per device type, its dtype and cache) and the active torch function and
@@ -65,7 +66,7 @@ from torch.nn.modules import module as module_hooks
 from ..errors import SemiringAutogradError
 from ..semirings.base import Semiring
 from . import compiled
-from .signature import Identities, Key, Signature, Uncapturable, context
+from .signature import IMMUTABLE, Identities, Key, Signature, Uncapturable, context
 from .grad import grad, readouts
 from .patch import patch
 
@@ -196,8 +197,11 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 #: the entries of every module's ``__dict__`` (parameters, buffers, submodules, hooks, the
 #: state dict's hooks, ``training``), read one by one; the others are the module's own
 _STANDARD = frozenset(nn.Module().__dict__)
-#: attribute values keyed as they are (other values: ``Identities.value``)
-_PLAIN = frozenset({bool, int, str, type(None)})
+#: the attribute a ``forward`` wrapper of ``sa.patch`` carries (its handle)
+_PATCH = "__semiring_autograd_patch__"
+#: an attribute the module lacks (removed since its name was read; a ``forward`` the
+#: module has only while patched)
+_ABSENT = object()
 
 
 def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]]:
@@ -205,9 +209,11 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
     per module (each once, in a fixed order for a fixed module tree; its own ``__dict__``
     read directly, which costs several times less than ``named_parameters()``), its
     identity and ``training``, its hooks, its own attributes (a dropout's ``p``, an
-    instance ``forward``: immutable values by value, a settings object (a config) by identity
-    and its immutable values, other objects by identity), and its parameters and buffers (identity, shape, strides, storage offset, dtype, device,
-    requires_grad)."""
+    instance ``forward``: immutable values by value, a settings object (a config) by
+    identity and its immutable values, other objects by identity; a ``forward`` wrapper of
+    ``sa.patch``, which another thread's capture or eager run may have installed, as what
+    it wraps), and its parameters and buffers (identity, shape, strides, storage offset,
+    dtype, device, requires_grad)."""
     parts: list = []
     held: list[Tensor] = []
     seen: set[int] = set()
@@ -221,14 +227,21 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
             seen.add(id(module))
             found = module.__dict__
             parts.append((ids.of(module), module.training, _hooks(found, ids)))
-            for name in sorted(found.keys() - _STANDARD):
-                value = found[name]
-                if type(value) in _PLAIN:
-                    parts.append((name, value))
-                elif type(value) is not float and _is_settings(value):
-                    parts.append((name, _settings(value, ids, described)))
-                else:
-                    parts.append((name, ids.value(value)))
+            # the names read at once (one set difference, while another thread's patch may
+            # add or remove a forward), in an order the dict's fixes; each value by name
+            for name in found.keys() - _STANDARD:
+                value = found.get(name, _ABSENT)
+                if type(value) not in IMMUTABLE:
+                    if value is _ABSENT:
+                        continue
+                    if isinstance(value, types.FunctionType) and hasattr(value, _PATCH):
+                        value = _unpatched(value, module)
+                        if value is _ABSENT:
+                            continue
+                    elif _is_settings(value):
+                        parts.append((name, _settings(value, ids, described)))
+                        continue
+                parts.append((name, ids.value(value)))
             for group in (module._parameters, module._buffers):
                 for name, t in group.items():
                     if t is not None:
@@ -236,6 +249,21 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
                         parts.append((name, ids.of(t), *_tensor_layout(t)))
             stack += [m for m in module._modules.values() if m is not None]
     return tuple(parts), held
+
+
+def _unpatched(wrapper: Any, module: nn.Module) -> Any:
+    """The ``forward`` attribute ``module`` has without the patch whose ``wrapper`` it
+    holds: the instance ``forward`` the wrapper wraps, or ``_ABSENT`` where it wraps the
+    class's ``forward`` (a bound method made when the patch was installed)."""
+    while hasattr(wrapper, _PATCH):
+        wrapper = getattr(wrapper, "__wrapped__", _ABSENT)
+    if (
+        isinstance(wrapper, types.MethodType)
+        and wrapper.__self__ is module
+        and wrapper.__func__ is getattr(type(module), "forward", None)
+    ):
+        return _ABSENT
+    return wrapper
 
 
 def _is_settings(value: Any) -> bool:
@@ -263,19 +291,21 @@ def _settings(value: Any, ids: Identities, described: set[int]) -> tuple:
     if id(value) in described:
         return ("settings", id(value))
     described.add(id(value))
-    plain = [(k, ids.value(v)) for k, v in vars(value).items() if type(v) in _SETTING]
+    plain = [(k, ids.value(v)) for k, v in vars(value).items() if type(v) in IMMUTABLE]
     return ("settings", ids.of(value), tuple(plain))
-
-
-#: the values of a settings object that are keyed (its other values: not keyed)
-_SETTING = frozenset({bool, int, str, float, type(None), torch.dtype})
 
 
 def _hooks(found: dict, ids: Identities) -> tuple:
     """The hooks in a module's ``__dict__`` (``found``): each dict's handle ids and hooks."""
-    hooks = [found.get(name) or {} for name in _HOOKS]
-    if not any(hooks):
+    get = found.get  # (a module with no hook, the common case, read in one expression)
+    if not (
+        get("_forward_hooks")
+        or get("_forward_pre_hooks")
+        or get("_backward_hooks")
+        or get("_backward_pre_hooks")
+    ):
         return ()
+    hooks = [get(name) or {} for name in _HOOKS]
     keyed = tuple([tuple([(k, ids.of(h)) for k, h in d.items()]) for d in hooks])
     return keyed + (found.get("_is_full_backward_hook"),)
 

@@ -454,17 +454,18 @@ class _ThreadOwn:
     not read across calls), as each thread's own: the buffer itself in the capturing
     thread, which uses it one call at a time; in any other thread, that thread's tensor of
     the same layout over storage of the same size (kept per thread, so replays in several
-    threads and the capturing thread's eager runs never write into one storage at once)."""
-
-    _LOCAL = threading.local()
+    threads and the capturing thread's eager runs never write into one storage at once).
+    The copies are the program's: they go with it (a program evicted, ``sa.clear_compiled()``)
+    or with their thread, whichever goes first."""
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
+        self.local = threading.local()
 
     def __call__(self, shared: Tensor) -> Tensor:
         if threading.get_ident() == self.thread:
             return shared
-        copies = self._LOCAL.__dict__.setdefault("copies", {})
+        copies = self.local.__dict__.setdefault("copies", {})
         found = copies.get(id(shared))
         if found is None or found[0] is not shared:  # (the tensor, held: its id is its own)
             found = copies[id(shared)] = (shared, _same_layout(shared))

@@ -172,9 +172,21 @@ class Key:
 
 # ----- Python state a program depends on -----------------------------------------------------
 
-#: immutable values a key holds as they are; any other object is named by its identity
-_VALUES = frozenset(
-    {type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.Size, type(Ellipsis)}
+#: immutable values a key holds by value (a float by its bits); any other object is named by
+#: its identity
+IMMUTABLE = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        str,
+        bytes,
+        torch.dtype,
+        torch.device,
+        torch.Size,
+        type(Ellipsis),
+    }
 )
 _MISSING = object()
 
@@ -194,10 +206,10 @@ class Identities:
         """``value`` itself when immutable (numbers, strings, dtypes, tuples of them; a
         float by its bits), else its identity."""
         kind = type(value)
-        if kind in _VALUES:
-            return value
         if kind is float:
-            return ("f", value.hex())
+            return ("f", value.hex())  # -0.0 and 0.0 apart, NaN equal to NaN
+        if kind in IMMUTABLE:
+            return value
         if kind is tuple:
             return ("t", tuple([self.value(v) for v in value]))
         return ("id", self.of(value))
