@@ -6,8 +6,10 @@ kept alive (a weakref to a saved activation dies)."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -682,7 +684,7 @@ def test_the_law_check_runs_once_per_user_semiring_class_and_parameters(monkeypa
         check(S, **kwargs)
 
     monkeypatch.setattr(patch_module, "check_semiring", counting_check)
-    monkeypatch.setattr(patch_module, "_LAWS_CHECKED", {})
+    monkeypatch.setattr(patch_module, "_LAWS_CHECKED", OrderedDict())
     model = _lawless_model()
     for S in [Tropical(), Tropical(), sa.MaxProduct(), sa.Real(formulas=True), sa.KBest(2)]:
         with sa.patch(model, S):
@@ -692,3 +694,101 @@ def test_the_law_check_runs_once_per_user_semiring_class_and_parameters(monkeypa
         with pytest.raises(sa.SemiringLawError, match=r"refuses _SignlessMaxTimes\(\)"):
             sa.patch(model, S)
     assert checked == [Tropical(), _SignlessMaxTimes(2.0), _SignlessMaxTimes(3.0)]
+
+
+def test_threads_patching_their_own_models_at_once_leave_every_model_unpatched():
+    from semiring_autograd.engine import patch as patch_module
+
+    models = [nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)) for _ in range(4)]
+    start = threading.Barrier(len(models))
+    errors: list[BaseException] = []
+
+    def patch_and_remove(model: nn.Module) -> None:
+        start.wait()
+        try:
+            for _ in range(5000):
+                sa.patch(model, sa.MaxProduct()).remove()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=patch_and_remove, args=(m,)) for m in models]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a thread switch between almost any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for model in models:
+        assert model not in patch_module._PATCHED
+        assert all("forward" not in m.__dict__ for m in model.modules())
+        with sa.patch(model, sa.MaxProduct()):  # patchable again
+            pass
+
+
+def _counting_law_checks(monkeypatch) -> list:
+    """The semirings sa.patch checks from now on, on empty verdict caches."""
+    from semiring_autograd.engine import patch as patch_module
+
+    checked = []
+    check = patch_module.check_semiring
+
+    def counting_check(S, **kwargs):
+        checked.append(S)
+        check(S, **kwargs)
+
+    monkeypatch.setattr(patch_module, "check_semiring", counting_check)
+    monkeypatch.setattr(patch_module, "_LAWS_CHECKED", OrderedDict())
+    monkeypatch.setattr(patch_module, "_LAWS_CHECKED_BY_ID", {})
+    return checked
+
+
+def test_the_law_check_keeps_an_unhashable_user_semiring_by_identity(monkeypatch):
+    from semiring_autograd.engine import patch as patch_module
+    from user_semirings import Tropical
+
+    class ListTropical(Tropical):
+        """Tropical with a parameter in a list: Semiring.__hash__ (over the attributes)
+        refuses it."""
+
+        def __init__(self) -> None:
+            self.tags = ["a"]
+
+    checked = _counting_law_checks(monkeypatch)
+    S = ListTropical()
+    with pytest.raises(TypeError):
+        hash(S)
+    model = _lawless_model()
+    for _ in range(2):
+        with sa.patch(model, S):
+            pass
+    assert checked == [S]  # once for both patches
+    S.tags.append("b")  # its parameters changed: checked again
+    with sa.patch(model, S):
+        pass
+    assert len(checked) == 2
+    checked.clear()
+    del S
+    gc.collect()
+    assert not patch_module._LAWS_CHECKED_BY_ID  # the verdict goes with the semiring
+
+
+def test_the_law_check_keeps_the_most_recently_used_verdicts(monkeypatch):
+    from semiring_autograd.engine import patch as patch_module
+    from user_semirings import Tropical
+
+    class TaggedTropical(Tropical):
+        def __init__(self, tag: int) -> None:
+            self.tag = tag
+
+    checked = _counting_law_checks(monkeypatch)
+    monkeypatch.setattr(patch_module, "_LAWS_CHECKED_LIMIT", 2)
+    model = _lawless_model()
+    for tag in [0, 1, 0, 2, 0, 1]:  # 1 is the least recently used when 2 comes in
+        with sa.patch(model, TaggedTropical(tag)):
+            pass
+    assert [S.tag for S in checked] == [0, 1, 2, 1]
+    assert len(patch_module._LAWS_CHECKED) == 2

@@ -6,28 +6,52 @@ thread, ``Function.apply`` of such a Function calls its ``forward`` with grad en
 semiring mode records the ops it runs and the semiring backward differentiates them; the
 Function's own backward is not used (a warning names each such Function once). Under
 ``sa.Real()``, which records torch's own graph, and outside a running patch, ``apply`` is
-torch's. The hook is installed while any patched forward runs: each running forward is an
-owner, and ``Function.apply`` is ours exactly while the set of owners is not empty. Install
-and uninstall are idempotent per owner, so an interrupt landing inside either leaves a state
-that one more :func:`uninstall` makes exactly torch's.
+torch's. The hook is installed while any patched forward runs: each running forward's patch
+is an owner (and on :func:`running` of its thread), and ``Function.apply`` is ours exactly
+while the set of owners is not empty. Install and uninstall are idempotent per owner, so an
+interrupt landing inside either leaves a state that one more :func:`uninstall` makes
+exactly torch's.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.autograd.function import _is_setup_context_defined
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 #: the running patched forwards that need ``Function.apply`` routed through :func:`_apply`
 _owners: set[object] = set()
 _warned: set[type] = set()
-#: whether a Function class runs as ops now (set by the patch: applied from the code of a
-#: patched forward running in this thread, not under sa.Real(), not a Function of torch)
-_should_trace: Callable[[type], bool] = lambda cls: False  # noqa: E731
+_THREAD = threading.local()
+
+
+def running() -> list[Any]:
+    """This thread's patches whose model's forward is running, innermost last (kept by the
+    patch: each has ``torch_graph``, whether torch records its own graph, and ``mode``, its
+    semiring mode)."""
+    stack = getattr(_THREAD, "running", None)
+    if stack is None:
+        stack = _THREAD.running = []
+    return stack
+
+
+def _should_trace(cls: type) -> bool:
+    """Whether ``Function.apply`` of ``cls`` runs as the ops of its forward now: called by
+    the model's code (the semiring mode on the stack: the generated Functions are applied
+    from the mode's handler, where it is off) in a patched forward of this thread that
+    records semiring formulas, for a Function that is not torch's."""
+    stack = getattr(_THREAD, "running", None)
+    if not stack or stack[-1].torch_graph:
+        return False
+    if stack[-1].mode not in _get_current_function_mode_stack():
+        return False
+    return not (getattr(cls, "__module__", "") or "").startswith("torch.")
 
 
 class _ForwardContext:
@@ -98,11 +122,9 @@ def _publish() -> None:
         torch.autograd.Function.apply = want
 
 
-def install(owner: object, should_trace: Callable[[type], bool]) -> None:
-    """Route ``Function.apply`` through :func:`_apply` while ``owner`` runs, tracing the
-    classes ``should_trace`` names (idempotent per owner)."""
-    global _should_trace
-    _should_trace = should_trace
+def install(owner: object) -> None:
+    """Route ``Function.apply`` through :func:`_apply` while ``owner`` runs (idempotent per
+    owner)."""
     _owners.add(owner)
     _publish()
 

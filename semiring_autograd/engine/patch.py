@@ -25,9 +25,11 @@ of ``__exit__``): there the patch is whole and ``handle.remove()`` (the handle i
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -46,10 +48,12 @@ from ..semirings.base import Semiring
 from ..semirings.laws import check_semiring
 from ..semirings.registry import records_torch_graph
 
-_THREAD = threading.local()
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
-#: each patched model → the handle that patched it
+#: each patched model → the handle that patched it (read and written under _PATCHED_LOCK)
 _PATCHED: "weakref.WeakKeyDictionary[nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()
+#: serializes claims and releases; re-entrant, so a finalizer or signal handler that patches
+#: or removes a patch in a thread holding it goes on instead of hanging
+_PATCHED_LOCK = threading.RLock()
 _ABSENT = object()
 
 
@@ -119,25 +123,8 @@ def _differentiable_output(out: Any) -> bool:
     )
 
 
-def _traces_custom_function(cls: type) -> bool:
-    """Whether ``Function.apply`` of ``cls`` runs as the ops of its forward now: called by
-    the model's code (the semiring mode on the stack: the generated Functions are applied
-    from the mode's handler, where it is off) in a patched forward of this thread that
-    records semiring formulas, for a Function that is not torch's."""
-    running = getattr(_THREAD, "running", None)
-    if not running or running[-1].torch_graph:
-        return False
-    if running[-1]._mode not in _get_current_function_mode_stack():
-        return False
-    return not (getattr(cls, "__module__", "") or "").startswith("torch.")
-
-
-def _running() -> list["PatchHandle"]:
-    """This thread's patches whose model's forward is running."""
-    running = getattr(_THREAD, "running", None)
-    if running is None:
-        running = _THREAD.running = []
-    return running
+#: this thread's patches whose model's forward is running, innermost last
+_running = custom_functions.running
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
@@ -317,28 +304,35 @@ class PatchHandle:
 
     def _claim(self) -> None:
         """Record the model as patched by this handle; refuse a model that shares a module
-        with a patched one. Lock-free (a finalizer or signal handler that patches or
-        removes a patch while a non-reentrant lock is held in its thread would hang): the
-        claim is published first, then the overlap is checked, so of two threads claiming
-        overlapping models at once neither is missed (both may refuse)."""
-        model = self.model
-        if _PATCHED.setdefault(model, self) is not self or self._overlaps():
-            raise PatchError(
-                f"{type(model).__name__} is already patched (or shares modules with a "
-                "patched model); remove the existing patch first (handle.remove())"
-            )
+        with a patched one. Under :data:`_PATCHED_LOCK` the overlap is checked and then the
+        claim published, so of two threads claiming overlapping models one is refused, and
+        a refused patch publishes nothing. The claim is one assignment, which
+        :meth:`_release` undoes whenever it took place."""
+        with _PATCHED_LOCK:
+            if self._overlaps():
+                raise PatchError(
+                    f"{type(self.model).__name__} is already patched (or shares modules with "
+                    "a patched model); remove the existing patch first (handle.remove())"
+                )
+            _PATCHED[self.model] = self
 
     def _overlaps(self) -> bool:
         """Whether another patch holds a module of this model or one of its models holds
-        this model."""
+        this model (called under :data:`_PATCHED_LOCK`)."""
+        while True:
+            try:
+                others = [m for m, handle in list(_PATCHED.items()) if handle is not self]
+                break
+            except RuntimeError:  # changed by a finalizer of this thread while copied
+                continue
         model, mine = self.model, set(self.model.modules())
-        others = [m for m, handle in list(_PATCHED.items()) if handle is not self]
         return any(m in mine or model in set(m.modules()) for m in others)
 
     def _release(self) -> None:
         """Forget the model's claim if it is this handle's (idempotent)."""
-        if _PATCHED.get(self.model) is self:
-            _PATCHED.pop(self.model, None)
+        with _PATCHED_LOCK:
+            if _PATCHED.get(self.model) is self:
+                _PATCHED.pop(self.model, None)
 
     def _uninstall(self) -> None:
         """Undo whatever part of :meth:`_install` and of a running forward's entry took
@@ -404,7 +398,7 @@ class PatchHandle:
         this patch running. Each step is one that :meth:`_deactivate` finds and undoes."""
         self._active = True
         _running().append(self)
-        custom_functions.install(self, _traces_custom_function)
+        custom_functions.install(self)
         _enter_mode(self._mode)
 
     def _deactivate(self) -> None:
@@ -486,6 +480,11 @@ class PatchHandle:
         return out
 
     @property
+    def mode(self) -> TorchFunctionMode:
+        """The semiring mode the model's forward holds while it runs."""
+        return self._mode
+
+    @property
     def current_module(self) -> str:
         return self._stack[-1][0] if self._stack else type(self.model).__name__
 
@@ -565,7 +564,7 @@ def patch(
     by element.
 
     A user semiring (one not defined by this library) is checked once per class and
-    parameters with :func:`sa.check_semiring` on a small sample; one that violates a law is
+    parameters (an unhashable one once per instance and parameters) with :func:`sa.check_semiring` on a small sample; one that violates a law is
     refused with :class:`SemiringLawError` naming each law and a counterexample, the model
     untouched. ``check=False`` skips the check (a semiring that is exact only up to a
     tolerance the check does not allow, say).
@@ -605,31 +604,35 @@ def patch(
 
 #: samples of each law check of a user semiring (sa.check_semiring's minimum is 8)
 _LAW_SAMPLES = 16
-#: user semiring → the refusal its law check gave: message and (law, counterexample)
-#: pairs; an empty message when it passed
-_LAWS_CHECKED: dict[Semiring, tuple[str, list[tuple[str, str]]]] = {}
+#: the refusal a law check gave: message and (law, counterexample) pairs; an empty message
+#: when it passed
+_Verdict = tuple[str, list[tuple[str, str]]]
+#: user semiring → its verdict, the _LAWS_CHECKED_LIMIT most recently used
+_LAWS_CHECKED: "OrderedDict[Semiring, _Verdict]" = OrderedDict()
+_LAWS_CHECKED_LIMIT = 256
+#: id of an unhashable user semiring (a parameter in a list, say) → a weak reference to it,
+#: a copy of it as checked and its verdict; the entry goes with the semiring, and counts
+#: while the semiring equals the copy
+_LAWS_CHECKED_BY_ID: dict[int, tuple[weakref.ref, Semiring, _Verdict]] = {}
+#: the modules of this library's own classes (its semirings' laws are tested with it)
+_LIBRARY_PREFIX = __name__.rsplit(".", 2)[0] + "."
 
 
 def _is_builtin(semiring: Semiring) -> bool:
     """Whether this library defines ``semiring``'s class (its laws are tested with it)."""
-    return type(semiring).__module__.partition(".")[0] == __name__.partition(".")[0]
+    return type(semiring).__module__.startswith(_LIBRARY_PREFIX)
 
 
 def _check_laws(semiring: Semiring) -> None:
     """Refuse a user semiring that violates a semiring law or the lift homomorphism (checked
-    once per class and parameters: the verdict is kept)."""
+    once per class and parameters, an unhashable one once per instance and parameters: the
+    verdict is kept)."""
     if _is_builtin(semiring):
         return
-    try:
-        verdict = _LAWS_CHECKED.get(semiring)
-    except TypeError:  # an unhashable parameter: checked at every patch
-        verdict = None
+    verdict = _remembered(semiring)
     if verdict is None:
         verdict = _law_verdict(semiring)
-        try:
-            _LAWS_CHECKED[semiring] = verdict
-        except TypeError:
-            pass
+        _remember(semiring, verdict)
     message, failures = verdict
     if message:
         err = SemiringLawError(message)
@@ -637,7 +640,56 @@ def _check_laws(semiring: Semiring) -> None:
         raise err
 
 
-def _law_verdict(semiring: Semiring) -> tuple[str, list[tuple[str, str]]]:
+def _remembered(semiring: Semiring) -> _Verdict | None:
+    """The verdict kept for ``semiring``, or None."""
+    try:
+        verdict = _LAWS_CHECKED.get(semiring)
+    except TypeError:  # an unhashable parameter: kept by identity
+        entry = _LAWS_CHECKED_BY_ID.get(id(semiring))
+        if entry is None or entry[0]() is not semiring:
+            return None
+        try:
+            same = bool(semiring == entry[1])
+        except Exception:  # parameters that do not compare (tensors): checked again
+            same = False
+        return entry[2] if same else None
+    if verdict is not None:
+        try:
+            _LAWS_CHECKED.move_to_end(semiring)
+        except KeyError:  # dropped by another thread meanwhile
+            pass
+    return verdict
+
+
+def _remember(semiring: Semiring, verdict: _Verdict) -> None:
+    """Keep ``verdict`` for ``semiring``: by value, or by identity where it is unhashable
+    (not at all where its class takes no weak references or it cannot be copied)."""
+    try:
+        _LAWS_CHECKED[semiring] = verdict
+    except TypeError:
+        key = id(semiring)
+        try:
+            ref = weakref.ref(semiring, functools.partial(_forget_verdict, key))
+            copied = copy.deepcopy(semiring)
+        except Exception:
+            return
+        _LAWS_CHECKED_BY_ID[key] = (ref, copied, verdict)
+        return
+    while len(_LAWS_CHECKED) > _LAWS_CHECKED_LIMIT:
+        try:
+            _LAWS_CHECKED.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            break
+
+
+def _forget_verdict(key: int, ref: weakref.ref) -> None:
+    """Drop the verdict kept under ``key`` for the semiring ``ref`` referred to."""
+    entry = _LAWS_CHECKED_BY_ID.get(key)
+    if entry is not None and entry[0] is ref:
+        _LAWS_CHECKED_BY_ID.pop(key, None)
+
+
+def _law_verdict(semiring: Semiring) -> _Verdict:
     """Why :func:`sa.check_semiring` refuses ``semiring``, with its failures ("" and none
     when it passes)."""
     try:
