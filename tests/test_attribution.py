@@ -11,6 +11,7 @@ import transformers
 from hf_models import minilm, tiny_inputs, tiny_model
 
 import semiring_autograd as sa
+import semiring_autograd_cli
 from semiring_autograd.integrations import cli
 
 SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
@@ -162,7 +163,7 @@ def test_explain_command_end_to_end(bert_with_tokenizer, llama_directory, tmp_pa
     report = tmp_path / "report.html"
     argv = ["explain", "the capital of france is", "--target", "paris"]
     argv += ["--model", str(llama_directory), "--html", str(report)]
-    assert cli.main(argv) == 0
+    assert semiring_autograd_cli.main(argv) == 0
     out = capsys.readouterr().out
     tokens = [tokenizer.decode([i]) for i in tokenizer("the capital of france is")["input_ids"]]
     for token in tokens:
@@ -182,7 +183,7 @@ def test_explain_command_compares_every_semiring(
     argv = ["explain", "the capital of france is", "--target", "paris", "--semiring", "all"]
     argv += ["--model", str(llama_directory), "--html", str(report), "--plot", str(plot)]
     argv += ["--position", "-2"]
-    assert cli.main(argv) == 0
+    assert semiring_autograd_cli.main(argv) == 0
     out = capsys.readouterr().out
     timings = out.splitlines()[-1]
     for spec in sa.semirings.registry.SEMIRINGS:
@@ -205,9 +206,9 @@ def test_explain_command_checks_target_and_position_before_loading_the_model(
 
     monkeypatch.setattr(cli, "load_model", no_model)
     base = ["explain", "the keys", "--model", str(llama_directory)]
-    assert cli.main(base + ["--target", "tablecloths"]) == 2
+    assert semiring_autograd_cli.main(base + ["--target", "tablecloths"]) == 2
     assert "is 3 tokens" in capsys.readouterr().err
-    assert cli.main(base + ["--target", "the", "--position", "4"]) == 2
+    assert semiring_autograd_cli.main(base + ["--target", "the", "--position", "4"]) == 2
     err = capsys.readouterr().err
     assert "--position: position 4 is outside the sequence of 4 tokens" in err
 
@@ -225,7 +226,10 @@ def test_target_hints_name_the_spaced_token():
 
 
 def test_help_text_reads_as_plain_text():
-    for parser in (cli._parser(), cli._parser()._subparsers._group_actions[0].choices["explain"]):
+    for parser in (
+        semiring_autograd_cli.parser(),
+        semiring_autograd_cli.parser()._subparsers._group_actions[0].choices["explain"],
+    ):
         text = parser.format_help()
         assert "``" not in text and "))" not in text
 
@@ -235,7 +239,10 @@ def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
     prompts.write_text("the capital of france is\n\na cat sat on the\n", encoding="utf-8")
     report = tmp_path / "report.html"
     argv = ["explain", "--file", str(prompts), "--target", "paris", "--semiring", "log"]
-    assert cli.main(argv + ["--model", str(llama_directory), "--html", str(report)]) == 0
+    assert (
+        semiring_autograd_cli.main(argv + ["--model", str(llama_directory), "--html", str(report)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("Log: log of the total") == 2
     assert "+ paths" not in out.splitlines()[-1]
@@ -244,7 +251,7 @@ def test_explain_command_file_of_prompts(llama_directory, tmp_path, capsys):
     assert "shared by the 2 texts" in text and "its own scale" not in text
     own = tmp_path / "own.html"
     argv += ["--model", str(llama_directory), "--html", str(own), "--per-text-scales"]
-    assert cli.main(argv) == 0
+    assert semiring_autograd_cli.main(argv) == 0
     text = _parse(own.read_text(encoding="utf-8"))
     assert "each text on its own scale" in text and "shared by the" not in text
 
@@ -281,7 +288,7 @@ def test_explain_command_compile_and_no_paths(llama_directory, tmp_path, capsys)
     prompts.write_text("the cat sat on\na dog ran to\nmy car went by\n", encoding="utf-8")
     argv = ["explain", "--file", str(prompts), "--target", "paris", "--no-paths", "--compile"]
     argv += ["--model", str(llama_directory), "--html", str(tmp_path / "r.html")]
-    assert cli.main(argv) == 0
+    assert semiring_autograd_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("MaxProduct: ") == 3 and out.count("target logit") == 3
     assert "path, weight" not in out and "+ paths" not in out.splitlines()[-1]
@@ -302,7 +309,7 @@ def test_explain_command_compile_and_no_paths(llama_directory, tmp_path, capsys)
 )
 def test_explain_command_refuses_bad_input_clearly(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli.main(argv) == 2
+    assert semiring_autograd_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("semiring-autograd: ") and message in err
 
@@ -313,7 +320,7 @@ def test_explain_command_reads_a_text_that_names_a_file_as_text(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "paris").write_text("this is not the prompt\n", encoding="utf-8")
     argv = ["explain", "paris", "--target", "paris", "--model", str(llama_directory)]
-    assert cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 0
+    assert semiring_autograd_cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 0
     assert (
         "'paris'" in capsys.readouterr().out and "prompt" not in (tmp_path / "r.html").read_text()
     )

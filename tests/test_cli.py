@@ -138,7 +138,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_the_weights_load(
 ):
     monkeypatch.setattr(cli, "load_model", _no_model)
     argv = ["explain", "the cat " * 10, "--target", "paris", "--model", str(short_context_model)]
-    assert cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 2
+    assert semiring_autograd_cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err
     assert "the prompt is 22 tokens" in err and "reads at most 16" in err, err
     assert err.count("\n") == 1 and not list(tmp_path.iterdir())
@@ -160,7 +160,7 @@ def test_an_unreadable_model_directory_is_one_line(short_context_model, tmp_path
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
     argv = ["explain", "the cat", "--target", "paris", "--model", str(broken)]
-    assert cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 2
+    assert semiring_autograd_cli.main(argv + ["--html", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("semiring-autograd: cannot load the ") and str(broken) in err, err
     assert err.count("\n") == 1
@@ -217,14 +217,14 @@ def test_an_internal_error_is_raised_not_reported_as_a_user_error(
 
     monkeypatch.setattr(cli, "attribute", broken_attribute)
     with pytest.raises(ValueError, match="internal"):
-        cli.main(argv)
+        semiring_autograd_cli.main(argv)
 
     def broken_loader(path):
         raise TypeError("a loader bug")
 
     monkeypatch.setattr(cli, "load_tokenizer", broken_loader)
     with pytest.raises(TypeError, match="a loader bug"):
-        cli.main(argv)
+        semiring_autograd_cli.main(argv)
     assert not list(tmp_path.iterdir())
 
 
@@ -238,7 +238,7 @@ def test_a_report_that_cannot_be_written_is_one_line_naming_it(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(cli, "_write_outputs", disk_full)
-    assert cli.main(argv + ["--html", str(html)]) == 1
+    assert semiring_autograd_cli.main(argv + ["--html", str(html)]) == 1
     err = capsys.readouterr().err.splitlines()[-1]  # after transformers' progress bar
     assert err == f"semiring-autograd: cannot write {html}: No space left on device", err
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import semiring_autograd as sa
-from semiring_autograd.integrations import cli
+import semiring_autograd_cli
 from semiring_autograd.semirings.registry import (
     SEMIRINGS,
     records_torch_graph,
@@ -28,7 +28,7 @@ def _recorded(semiring: sa.Semiring, paths: bool = False):
 
 
 def test_cli_offers_the_registry_names():
-    explain = cli._parser()._subparsers._group_actions[0].choices["explain"]
+    explain = semiring_autograd_cli.parser()._subparsers._group_actions[0].choices["explain"]
     (action,) = [a for a in explain._actions if a.dest == "semiring"]
     assert list(action.choices) == [s.cli_name for s in SEMIRINGS] + ["all"]
     for spec in SEMIRINGS:

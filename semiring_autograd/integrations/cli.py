@@ -9,8 +9,8 @@ and writes an HTML report. ``--file PROMPTS`` explains every line of a file inst
 TEXT (one report page); ``--semiring all`` compares every built-in semiring on one page.
 
 The command is parsed and its cheap checks run in the top-level module
-``semiring_autograd_cli`` (no torch imported: ``--help`` answers at once); :func:`run`
-does the rest. The target, the position and the prompt's length against the model's
+``semiring_autograd_cli`` (no torch imported: ``--help`` answers at once), which then
+calls :func:`run` for the rest; this module does not import it back. The target, the position and the prompt's length against the model's
 context are checked against the tokenizer and the config before the weights load; the
 report and the chart are written both or neither.
 """
@@ -25,16 +25,23 @@ import tempfile
 import time
 from pathlib import Path
 
-# main and _parser: the command and its parser, also reachable from here
-from semiring_autograd_cli import UsageError, error, main
-from semiring_autograd_cli import parser as _parser
-
 from ..explain import report
 from ..explain.attribution import attribute, check_position, read_texts, target_hint, target_id
 from ..semirings.registry import cli_names, semiring_named, spec_of
 from .huggingface import DEFAULT_MODEL, context_length, load_model, load_tokenizer
 
-__all__ = ["main", "run"]
+__all__ = ["run"]
+
+
+class UsageError(ValueError):
+    """A user error found once the tokenizer and the config are read (a target that is not
+    one token, a prompt beyond the context): one line, exit status 2."""
+
+
+def _error(message: str) -> int:
+    """Print ``message`` as the command's one-line error; the exit status of a user error."""
+    print(f"semiring-autograd: {message}", file=sys.stderr)
+    return 2
 
 
 def _texts(args: argparse.Namespace) -> str | list[str]:
@@ -144,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _explain(args)
     except UsageError as exc:
-        return error(_one_line(exc))
+        return _error(_one_line(exc))
     except _WriteError as exc:
-        error(str(exc))
+        _error(str(exc))
         return 1
 
 
