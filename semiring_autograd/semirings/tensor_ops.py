@@ -27,14 +27,21 @@ def any_nan_or_inf(tensors: Sequence[Tensor], signs: Sequence[int]) -> bool:
     fused = kernels.any_nan_or_inf(tensors, signs)
     if fused is not None:
         return fused
-    return any(
-        bool(
-            torch.isnan(t).any()
-            | ((sign >= 0) & torch.isposinf(t).any())
-            | ((sign <= 0) & torch.isneginf(t).any())
-        )
-        for t, sign in zip(tensors, signs)
-    )
+    return any(_nan_or_inf(t, sign) for t, sign in zip(tensors, signs))
+
+
+def _nan_or_inf(t: Tensor, sign: int) -> bool:
+    """``any_nan_or_inf`` of one tensor from its extremes (a NaN propagates through them):
+    one pass in any dtype, no tensor of ``t``'s size."""
+    if t.numel() == 0:
+        return False
+    low, high = torch.aminmax(t)
+    found = torch.isnan(high)
+    if sign >= 0:
+        found |= torch.isposinf(high)
+    if sign <= 0:
+        found |= torch.isneginf(low)
+    return bool(found)
 
 
 def all_finite(*tensors: Tensor) -> bool:
@@ -104,15 +111,6 @@ def flat_batch(x: Tensor, batch: tuple[int, ...]) -> Tensor:
     return x.expand(*batch, *x.shape[-2:]).reshape(math.prod(batch), *x.shape[-2:])
 
 
-def finite_weight(w: Tensor) -> bool:
-    """Whether every entry of ``w`` is finite, from its extremes (NaN propagates through
-    them): one pass in any dtype, no tensor of ``w``'s size."""
-    if w.numel() == 0:
-        return True
-    low, high = torch.aminmax(w)
-    return bool(torch.isfinite(torch.stack([low, high])).all())
-
-
 def live_rows(parts: Value, terms: Terms, w: Tensor) -> tuple[Value, Tensor, Tensor] | None:
     """The rows of ``parts`` (…, m, k) a matmul by the real weight ``w`` (k, n) needs:
     None when every row (…, m) has a term, or some row has none and ``w`` holds an infinity
@@ -124,7 +122,7 @@ def live_rows(parts: Value, terms: Terms, w: Tensor) -> tuple[Value, Tensor, Ten
     live = terms.live(parts, -1)
     if bool(live.all()):
         return None
-    if terms.nan_at_zero_times_inf and not finite_weight(w):
+    if terms.nan_at_zero_times_inf and not all_finite(w):
         return None
     parts = torch.broadcast_tensors(*parts)
     live = live.expand(parts[0].shape[:-1])
@@ -154,8 +152,8 @@ def on_live_rows(
     lm_head's weight). Such a row's result is the semiring zero and a dropped column adds
     nothing where the zero annihilates every entry of ``w`` (0 ⊗ x = 0); where zero ⊗
     lift(∞) is NaN (``terms.nan_at_zero_times_inf``) nothing is dropped from a matmul by a
-    weight with an infinity or NaN, so each row's result is the same in any batch. Without a live row the result's
-    dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
+    weight with an infinity or NaN, so each row's result is the same in any batch. Without
+    a live row the result's dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
     row is live, k is 0, ``w`` is batched, or ``w`` is not finite where zero ⊗ lift(w) is
     NaN (see ``live_rows``; the caller then computes all rows)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:
