@@ -672,9 +672,9 @@ def test_check_false_patches_a_semiring_the_law_check_refuses():
     assert info is not None and info.semiring == _SignlessMaxTimes()
 
 
-def test_the_law_check_runs_once_per_user_semiring_class_and_parameters(monkeypatch):
+def _counting_law_checks(monkeypatch) -> list:
+    """The semirings sa.patch checks from now on, on empty verdict caches."""
     from semiring_autograd.engine import patch as patch_module
-    from user_semirings import Tropical
 
     checked = []
     check = patch_module.check_semiring
@@ -685,6 +685,14 @@ def test_the_law_check_runs_once_per_user_semiring_class_and_parameters(monkeypa
 
     monkeypatch.setattr(patch_module, "check_semiring", counting_check)
     monkeypatch.setattr(patch_module, "_LAWS_CHECKED", OrderedDict())
+    monkeypatch.setattr(patch_module, "_LAWS_CHECKED_BY_ID", {})
+    return checked
+
+
+def test_the_law_check_runs_once_per_user_semiring_class_and_parameters(monkeypatch):
+    from user_semirings import Tropical
+
+    checked = _counting_law_checks(monkeypatch)
     model = _lawless_model()
     for S in [Tropical(), Tropical(), sa.MaxProduct(), sa.Real(formulas=True), sa.KBest(2)]:
         with sa.patch(model, S):
@@ -727,23 +735,6 @@ def test_threads_patching_their_own_models_at_once_leave_every_model_unpatched()
         assert all("forward" not in m.__dict__ for m in model.modules())
         with sa.patch(model, sa.MaxProduct()):  # patchable again
             pass
-
-
-def _counting_law_checks(monkeypatch) -> list:
-    """The semirings sa.patch checks from now on, on empty verdict caches."""
-    from semiring_autograd.engine import patch as patch_module
-
-    checked = []
-    check = patch_module.check_semiring
-
-    def counting_check(S, **kwargs):
-        checked.append(S)
-        check(S, **kwargs)
-
-    monkeypatch.setattr(patch_module, "check_semiring", counting_check)
-    monkeypatch.setattr(patch_module, "_LAWS_CHECKED", OrderedDict())
-    monkeypatch.setattr(patch_module, "_LAWS_CHECKED_BY_ID", {})
-    return checked
 
 
 def test_the_law_check_keeps_an_unhashable_user_semiring_by_identity(monkeypatch):
