@@ -68,13 +68,13 @@ class FormulaError(ValueError):
     """A formula that does not validate."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Analysis:
     """What a formula reads."""
 
-    full: set[str]  # names read as values (tensors kept alive when they are tensor params)
-    meta: set[tuple[str, str]]  # (tensor param, "shape" | "dtype" | "device") read as metadata
-    shapes: set[str]  # names read through shapes(...)
+    full: frozenset[str]  # names read as values (tensors kept alive when tensor params)
+    meta: frozenset[tuple[str, str]]  # (tensor param, "shape" | "dtype" | "device") read
+    shapes: frozenset[str]  # names read through shapes(...)
 
 
 def parse(expr: str, where: str) -> ast.Expression:
@@ -86,7 +86,9 @@ def parse(expr: str, where: str) -> ast.Expression:
 
 def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: set[str]) -> Analysis:
     """Validate names and calls; return which names the formula reads and how."""
-    out = Analysis(set(), set(), set())
+    full: set[str] = set()
+    meta: set[tuple[str, str]] = set()
+    shapes: set[str] = set()
     bound_locals: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)):
@@ -106,7 +108,7 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
                 arg = node.args[0].id
                 if arg not in known:
                     raise FormulaError(f"{where}: shapes() of unknown name {arg!r}")
-                out.shapes.add(arg)
+                shapes.add(arg)
                 meta_nodes.add(id(node.args[0]))
             elif fname not in PRIMITIVES and fname not in HELPERS and fname not in BUILTINS:
                 if fname in known or fname in bound_locals:
@@ -118,7 +120,7 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if node.value.id in tensor_params and node.attr in META_ATTRS:
                 meta_nodes.add(id(node.value))
-                out.meta.add((node.value.id, META_ATTRS[node.attr]))
+                meta.add((node.value.id, META_ATTRS[node.attr]))
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -128,7 +130,7 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
             and not node.args
         ):
             meta_nodes.add(id(node.func.value))
-            out.meta.add((node.func.value.id, "shape"))
+            meta.add((node.func.value.id, "shape"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             name = node.id
@@ -143,8 +145,8 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
                     "and earlier intermediates"
                 )
             if id(node) not in meta_nodes:
-                out.full.add(name)
-    return out
+                full.add(name)
+    return Analysis(frozenset(full), frozenset(meta), frozenset(shapes))
 
 
 #: structural primitives, the same in every semiring: tensor expressions on a one-component

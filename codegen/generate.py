@@ -39,17 +39,18 @@ from pathlib import Path
 import black
 import jinja2
 
-from .formulas import Flavour, rewrite
+from .formulas import Flavour
 from .loader import DerivativesError, load_entries
 from .model import OpEntry
-from .schema import Param
+from .rules import Rule, plan_source, rule, spec_source
 from .targets import CodegenError, targets
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
 #: the source checkout this file sits in, when it does (codegen/ beside pyproject.toml)
 CHECKOUT = HERE.parent if (HERE.parent / "pyproject.toml").is_file() else None
-_CONDITION = Flavour("generic")
+#: how structural rules are spelled: on one component tensor, written once
+STRUCTURAL_FLAVOUR = Flavour("single")
 #: the exit status after Ctrl-C (128 + SIGINT, as a shell reports it)
 INTERRUPTED = 130
 #: what the first line of every generated file holds (the templates write it)
@@ -66,15 +67,6 @@ def default_yaml_dir() -> Path:
 def default_out_dir() -> Path:
     """The checkout's generated/, or ./generated from an installed copy."""
     return CHECKOUT / "generated" if CHECKOUT is not None else Path("generated")
-
-
-def _default_source(p: Param) -> str:
-    """A parameter's default as Python source for the op table."""
-    if not p.has_default:
-        return "None"
-    if isinstance(p.default, tuple) and p.default[:1] == ("torch_attr",):
-        return p.default[1]
-    return repr(p.default)
 
 
 def _md_cell(text: str) -> str:
@@ -160,7 +152,6 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters["default_source"] = _default_source
     env.filters["md_cell"] = _md_cell
     return env
 
@@ -197,23 +188,22 @@ def render_uncached(yaml_dir: Path) -> dict[str, str]:
         "sources": ", ".join(sorted({f"derivatives/{e.source_file}" for e in entries})),
         "source_hash": source_hash(yaml_dir),
     }
-    out: dict[str, str] = {}
-    functions = env.get_template("functions.py.j2")
     all_targets = targets()
-
-    def condition(source: str) -> str:
-        return rewrite(ast.parse(source, mode="eval"), _CONDITION, set())
-
+    structural = [e for e in entries if e.structural]
+    own = [e for e in entries if not e.structural]
+    out: dict[str, str] = {}
     for target in all_targets:
-
-        def code(op: OpEntry, formula, flavour: Flavour = target.flavour) -> str:
-            return rewrite(formula.tree, flavour, op.tensor_params)
-
-        out[f"{target.module}.py"] = functions.render(
-            ops=entries, target=target, code=code, condition=condition, **common
+        rules = [rule(e, target.flavour, target.lead) for e in own]
+        imports = _imports(rules, target.imports + (_PLANS, _STRUCTURAL))
+        out[f"{target.module}.py"] = env.get_template("functions.py.j2").render(
+            target=target, rules=rules, imports=imports, **common
         )
+    rules = [rule(e, STRUCTURAL_FLAVOUR) for e in structural]
+    out["structural.py"] = env.get_template("structural.py.j2").render(
+        rules=rules, imports=_imports(rules, ()), **common
+    )
     out["ops_table.py"] = env.get_template("ops_table.py.j2").render(
-        ops=entries, condition=condition, **common
+        ops=entries, spec=spec_source, plan=plan_source, **common
     )
     out["__init__.py"] = env.get_template("package_init.py.j2").render(
         targets=all_targets, **common
@@ -226,6 +216,32 @@ def render_uncached(yaml_dir: Path) -> dict[str, str]:
         by_file=sorted(by_file.items()), **common
     )
     return out
+
+
+#: what generated rules may call, by the name they call it: name → its import
+_MODULES = {
+    "math": "import math",
+    "torch": "import torch",
+    "EH": "from semiring_autograd.ops import einsum_helpers as EH",
+    "H": "from semiring_autograd.ops import shape_helpers as H",
+    "TH": "from semiring_autograd.ops import tensor_helpers as TH",
+    "WH": "from semiring_autograd.ops import window_helpers as WH",
+}
+_PLANS = "from .ops_table import PLANS"
+_STRUCTURAL = "from .structural import STRUCTURAL"
+
+
+def _imports(rules: list[Rule], always: tuple[str, ...]) -> list[str]:
+    """The import lines of a module of ``rules``: the modules their bodies name, then
+    ``always``."""
+    names = {
+        node.id
+        for r in rules
+        for statement in r.body
+        for node in ast.walk(ast.parse(statement))
+        if isinstance(node, ast.Name)
+    }
+    return [line for name, line in _MODULES.items() if name in names] + list(always)
 
 
 def is_generated(path: Path) -> bool:

@@ -5,14 +5,19 @@ Every problem is reported with the file, the op and what to change.
 
 from __future__ import annotations
 
+import ast
 import importlib
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
-from .formulas import SPECIAL, FormulaError, analyse, parse
-from .model import Formula, Intermediate, OpEntry, SavedMeta, SavedValue
-from .schema import SchemaError, parse_schema
+from semiring_autograd.ops import forward_helpers
+from semiring_autograd.ops.primitives import PRIMITIVES
+
+from .formulas import SPECIAL, STRUCTURAL, FormulaError, analyse, parse
+from .model import Formula, Intermediate, Kept, OpEntry, SavedValue
+from .schema import Schema, SchemaError, parse_schema
 
 ENTRY_KEYS = frozenset(
     {
@@ -82,6 +87,37 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
     except SchemaError as exc:
         raise _fail(where, str(exc)) from exc
     where = f"{where} ({schema.full_name})"
+    formula_keys = _formula_keys(raw, schema, where)
+    out_diff = _output_differentiability(raw, where)
+    known = _known_names(schema, out_diff)
+    conditions = {key: _condition(raw, key, schema, where) for key in ("accepts", "returns_aux")}
+    if conditions["returns_aux"] is not None and len(out_diff) < 2:
+        raise _fail(where, "'returns_aux:' needs a forward helper's extra output")
+    intermediates, formulas = _formulas(raw, formula_keys, schema, known, where)
+    saved, kept = _plan_saves(schema, formulas, intermediates, where)
+    return OpEntry(
+        schema=schema,
+        torch_functions=_torch_functions(raw, where),
+        granularity=_granularity(raw, where),
+        formulas=formulas,
+        intermediates=intermediates,
+        non_differentiable=tuple(raw.get("non_differentiable") or ()),
+        accepts=conditions["accepts"],
+        forward=_forward_helper(raw, out_diff, where),
+        output_differentiability=out_diff,
+        returns_aux=conditions["returns_aux"],
+        aux_type=_aux_type(raw, conditions["returns_aux"], where),
+        source_file=source_file,
+        opinfo=_opinfo(raw, where),
+        saved=saved,
+        kept=kept,
+        structural=_is_structural([*intermediates, *formulas.values()], schema),
+    )
+
+
+def _formula_keys(raw: dict, schema: Schema, where: str) -> list[str]:
+    """The entry's formula keys, each a tensor parameter; every tensor parameter has a
+    formula or is listed under ``non_differentiable``."""
     params = {p.name: p for p in schema.params}
     formula_keys = [k for k in raw if k not in ENTRY_KEYS]
     for key in formula_keys:
@@ -106,27 +142,46 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
                 f"missing formula for tensor input {name!r} (add '{name}: <formula>' or list it "
                 "under non_differentiable)",
             )
+    return formula_keys
+
+
+def _torch_functions(raw: dict, where: str) -> tuple[str, ...]:
     torch_functions = raw.get("torch")
     if not isinstance(torch_functions, list) or not torch_functions:
         raise _fail(where, "'torch:' must list the torch functions this entry serves")
     for path in torch_functions:
         _check_torch_path(where, path)
+    return tuple(str(t) for t in torch_functions)
+
+
+def _granularity(raw: dict, where: str) -> str:
     granularity = raw.get("granularity")
     if not isinstance(granularity, str) or not granularity.strip():
         raise _fail(where, "'granularity:' must say 'op' or describe the composition")
+    return granularity.strip()
+
+
+def _output_differentiability(raw: dict, where: str) -> tuple[bool, ...]:
     out_diff = raw.get("output_differentiability", [True])
     if not isinstance(out_diff, list) or not out_diff or not out_diff[0]:
         raise _fail(where, "output_differentiability must be a list whose first item is true")
-    forward = raw.get("forward")
-    if out_diff != [True] and not forward:
-        raise _fail(where, "non-differentiable extra outputs need a 'forward:' helper")
-    if forward is not None:
-        import semiring_autograd.ops.forward_helpers as fh
+    return tuple(bool(x) for x in out_diff)
 
-        if not hasattr(fh, str(forward)):
-            raise _fail(
-                where, f"forward helper {forward!r} not in semiring_autograd.forward_helpers"
-            )
+
+def _forward_helper(raw: dict, out_diff: tuple[bool, ...], where: str) -> str | None:
+    forward = raw.get("forward")
+    if out_diff != (True,) and not forward:
+        raise _fail(where, "non-differentiable extra outputs need a 'forward:' helper")
+    if forward is None:
+        return None
+    if not hasattr(forward_helpers, str(forward)):
+        raise _fail(
+            where, f"forward helper {forward!r} not in semiring_autograd.ops.forward_helpers"
+        )
+    return str(forward)
+
+
+def _opinfo(raw: dict, where: str) -> tuple[str, ...]:
     opinfo = raw.get("opinfo", [])
     if not isinstance(opinfo, list) or not all(isinstance(n, str) and n for n in opinfo):
         raise _fail(
@@ -134,125 +189,124 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
             "'opinfo:' must list the names of the PyTorch OpInfo entries (op_db) whose samples "
             "call this entry, e.g. [add, __radd__] or [div.no_rounding_mode]",
         )
-    accepts = raw.get("accepts")
-    tensor_params = {p.name for p in schema.params if p.is_tensor}
-    known = set(params) | SPECIAL
-    if schema.returns != "Tensor[]":
-        known.discard("grads")
-    else:
-        known.discard("grad")
+    return tuple(opinfo)
+
+
+def _aux_type(raw: dict, returns_aux: str | None, where: str) -> str | None:
+    aux_type = raw.get("aux_type")
+    if aux_type is None:
+        return None
+    if returns_aux is None:
+        raise _fail(where, "'aux_type:' types the (output, aux) pair 'returns_aux:' returns")
+    _check_torch_path(where, aux_type)
+    return str(aux_type)
+
+
+def _condition(raw: dict, key: str, schema: Schema, where: str) -> str | None:
+    """A condition on the arguments (``accepts``, ``returns_aux``), validated."""
+    if raw.get(key) is None:
+        return None
+    source = str(raw[key])
+    analyse(parse(source, f"{where} {key}"), f"{where} {key}", set(), set(schema.param_names))
+    return source
+
+
+def _known_names(schema: Schema, out_diff: tuple[bool, ...]) -> set[str]:
+    """The names a formula may read: parameters and the special names that apply."""
+    known = set(schema.param_names) | SPECIAL
+    known.discard("grad" if schema.returns == "Tensor[]" else "grads")
     if len(out_diff) < 2:
         known.discard("aux")
-    if accepts is not None:
-        tree = parse(str(accepts), f"{where} accepts")
-        analyse(tree, f"{where} accepts", set(), set(params))
-    returns_aux = raw.get("returns_aux")
-    if returns_aux is not None:
-        if len(out_diff) < 2:
-            raise _fail(where, "'returns_aux:' needs a forward helper's extra output")
-        tree = parse(str(returns_aux), f"{where} returns_aux")
-        analyse(tree, f"{where} returns_aux", set(), set(params))
-    aux_type = raw.get("aux_type")
-    if aux_type is not None:
-        if returns_aux is None:
-            raise _fail(where, "'aux_type:' types the (output, aux) pair 'returns_aux:' returns")
-        _check_torch_path(where, aux_type)
-    intermediates: list[Intermediate] = []
+    return known
+
+
+def _formulas(
+    raw: dict, keys: list[str], schema: Schema, known: set[str], where: str
+) -> tuple[tuple[Intermediate, ...], dict[str, Formula]]:
+    """The intermediates and formulas, parsed and analysed, with what each needs."""
+    tensor_params = {p.name for p in schema.params if p.is_tensor}
     inter_raw = raw.get("intermediates") or {}
     if not isinstance(inter_raw, dict):
         raise _fail(where, "'intermediates:' must be a mapping of name: expression")
+    known = set(known)
+    parsed: list[Formula] = []
     try:
         for iname, expr in inter_raw.items():
             if iname in known:
                 raise _fail(where, f"intermediate {iname!r} shadows a parameter or special name")
-            f = _formula(
-                iname,
-                str(expr),
-                f"{where} intermediate {iname!r}",
-                tensor_params,
-                known,
-                Intermediate,
-            )
-            intermediates.append(f)
+            parsed.append(_formula(iname, str(expr), f"{where} intermediate {iname!r}", tensor_params, known))
             known.add(iname)
-        formulas = {
-            key: _formula(key, str(raw[key]), f"{where} formula for {key!r}", tensor_params, known)
-            for key in formula_keys
-        }
+        formulas = [
+            _formula(key, str(raw[key]), f"{where} formula for {key!r}", tensor_params, known)
+            for key in keys
+        ]
     except FormulaError as exc:
         raise DerivativesError(str(exc)) from exc
-    by_name = {f.target: f for f in intermediates}
-    for f in [*intermediates, *formulas.values()]:
-        for name in f.names_read:
-            if name in by_name:
-                f.needs |= {name} | by_name[name].needs
-    for i in intermediates:
-        i.users = tuple(t for t, f in formulas.items() if i.target in f.needs)
-        if not i.users:
-            raise _fail(where, f"intermediate {i.target!r} is not used by any formula")
-    entry = OpEntry(
-        schema=schema,
-        torch_functions=[str(t) for t in torch_functions],
-        granularity=granularity.strip(),
-        formulas=formulas,
-        intermediates=intermediates,
-        non_differentiable=non_diff,
-        accepts=None if accepts is None else str(accepts),
-        forward=None if forward is None else str(forward),
-        output_differentiability=[bool(x) for x in out_diff],
-        returns_aux=None if returns_aux is None else str(returns_aux),
-        aux_type=aux_type,
-        source_file=source_file,
-        opinfo=list(opinfo),
-    )
-    _plan_saves(entry, where)
-    return entry
+    needs: dict[str, frozenset[str]] = {}  # intermediate → the intermediates it needs
+    for f in parsed:
+        direct = f.names_read & needs.keys()
+        needs[f.target] = frozenset(direct.union(*(needs[n] for n in direct)))
+    for f in formulas:
+        direct = f.names_read & {i.target for i in parsed}
+        needs[f.target] = frozenset(direct.union(*(needs[n] for n in direct)))
+    intermediates = []
+    for f in parsed:
+        users = tuple(k.target for k in formulas if f.target in needs[k.target])
+        if not users:
+            raise _fail(where, f"intermediate {f.target!r} is not used by any formula")
+        intermediates.append(Intermediate(f.target, f.source, f.tree, f.reads, needs[f.target], users))
+    by_key = {f.target: replace(f, needs=needs[f.target]) for f in formulas}
+    return tuple(intermediates), by_key
 
 
-def _plan_saves(entry: OpEntry, where: str) -> None:
+def _plan_saves(
+    schema: Schema,
+    formulas: dict[str, Formula],
+    intermediates: tuple[Intermediate, ...],
+    where: str,
+) -> tuple[tuple[SavedValue, ...], tuple[Kept, ...]]:
     """What the forward keeps for backward: each tensor a formula reads as a value (saved
-    only when one of its readers will run), the metadata read instead of tensors, the
+    only when one of its readers will run), then the metadata read instead of tensors, the
     shapes read through ``shapes(...)`` and the non-tensor parameters formulas read."""
     readers: dict[str, list[str]] = {}
     metas: set[tuple[str, str]] = set()
     shapes: set[str] = set()
-    inter = {i.target: i for i in entry.intermediates}
-    for target, f in entry.formulas.items():
+    inter = {i.target: i for i in intermediates}
+    for target, f in formulas.items():
         for source in [f, *(inter[i] for i in sorted(f.needs))]:
             for n in source.reads.full:
                 if target not in readers.setdefault(n, []):
                     readers[n].append(target)
             metas |= source.reads.meta
             shapes |= source.reads.shapes
-    tensors = entry.tensor_params
-    lists = {p.name for p in entry.schema.params if p.is_tensor_list}
-    order = [p.name for p in entry.schema.params] + ["result", "aux"]
-    saved = [n for n in order if n in readers and (n in tensors | lists or n in ("result", "aux"))]
-    if entry.multi_output and "result" in saved:
+    tensors = {p.name for p in schema.params if p.is_tensor or p.is_tensor_list}
+    order = [*schema.param_names, "result", "aux"]
+    saved = [n for n in order if n in readers and (n in tensors or n in ("result", "aux"))]
+    if schema.returns == "Tensor[]" and "result" in saved:
         raise _fail(where, "a multi-output op may read its result only through shapes(result)")
-    entry.saved = [
-        SavedValue(n, "output" if n == "result" else n, tuple(sorted(readers[n])), n in lists)
-        for n in saved
-    ]
-    entry.metas = [SavedMeta(n, attr) for n, attr in sorted(metas)]
-    entry.shapes = sorted(shapes)
-    entry.ctx_params = [
-        p.name
-        for p in entry.schema.params
-        if p.name in readers and p.name not in tensors and not p.is_tensor_list
-    ]
+    kept = [Kept("meta", n, attr) for n, attr in sorted(metas)]
+    kept += [Kept("shapes", n) for n in sorted(shapes)]
+    kept += [Kept("param", n) for n in schema.param_names if n in readers and n not in tensors]
+    return tuple(SavedValue(n, tuple(sorted(readers[n]))) for n in saved), tuple(kept)
 
 
-def _formula(
-    target: str,
-    source: str,
-    where: str,
-    tensor_params: set[str],
-    known: set[str],
-    kind: type[Formula] = Formula,
-) -> Formula:
+def _is_structural(formulas: list[Formula], schema: Schema) -> bool:
+    """Whether every formula only moves, copies or reshapes messages (structural
+    primitives and helpers): the entry's rule is the same in every semiring."""
+    if schema.returns == "Tensor[]":
+        return False
+    called = {
+        node.func.id
+        for f in formulas
+        for node in ast.walk(f.tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+    return not (called & set(PRIMITIVES)) - set(STRUCTURAL)
+
+
+def _formula(target: str, source: str, where: str, tensor_params: set[str], known: set[str]) -> Formula:
     tree = parse(source, where)
-    return kind(target, source, tree, analyse(tree, where, tensor_params, known))
+    return Formula(target, source, tree, analyse(tree, where, tensor_params, known))
 
 
 def _check_torch_path(where: str, path: object) -> None:

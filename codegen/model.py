@@ -1,21 +1,20 @@
-"""The typed model of derivatives/*.yaml that the templates render.
+"""The typed model of derivatives/*.yaml that code generation renders.
 
-The loader (:mod:`.loader`) builds one :class:`OpEntry` per YAML entry and validates it;
-everything a generated Function needs is decided here, once: which tensors the forward
-saves and for which formulas, which metadata it keeps instead of a tensor, which
-intermediates each formula needs and in what order.
+The loader (:mod:`.loader`) builds one :class:`OpEntry` per YAML entry, complete and
+immutable: which tensors the forward saves and for which formulas, which metadata it keeps
+instead of a tensor, which intermediates each formula needs and in what order.
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .formulas import Analysis
 from .schema import Param, Schema
 
 
-@dataclass
+@dataclass(frozen=True)
 class Formula:
     """One expression of an entry: the message for a differentiable input (``target`` is the
     parameter) or, as an :class:`Intermediate`, a named value formulas share."""
@@ -25,7 +24,7 @@ class Formula:
     tree: ast.Expression
     reads: Analysis
     #: the intermediates it needs, transitively
-    needs: set[str] = field(default_factory=set)
+    needs: frozenset[str] = frozenset()
 
     @property
     def names_read(self) -> set[str]:
@@ -33,7 +32,7 @@ class Formula:
         return self.reads.full | {n for n, _ in self.reads.meta} | self.reads.shapes
 
 
-@dataclass
+@dataclass(frozen=True)
 class Intermediate(Formula):
     """A named expression computed once in backward, before the formulas that need it."""
 
@@ -44,42 +43,45 @@ class Intermediate(Formula):
 @dataclass(frozen=True)
 class SavedValue:
     """A tensor the forward saves (``save_for_backward``), kept only when a formula reading
-    it will run: ``source`` is the forward's variable (``output`` for the result)."""
+    it will run: ``name`` is a parameter, ``result`` or ``aux``."""
 
     name: str
-    source: str
     readers: tuple[str, ...]
-    #: a tensor list (``Tensor[]``, ``Tensor...``): saved as its elements, read back as a list
-    many: bool = False
-
-    @property
-    def target(self) -> str:
-        """Its name where backward unpacks ``ctx.saved_tensors``."""
-        return f"*{self.name}" if self.many else self.name
 
 
 @dataclass(frozen=True)
-class SavedMeta:
-    """Metadata of a tensor parameter kept instead of the tensor (``x.shape``, ``x.dtype``,
-    ``x.device`` in a formula): the generated code reads it as ``{name}__{attr}``."""
+class Kept:
+    """A non-tensor value the forward keeps for backward, read under ``name``: ``kind`` is
+    ``meta`` (attribute ``attr`` of tensor ``source``: ``x.shape`` in a formula reads
+    ``x__shape``), ``shapes`` (the shapes of a tensor list or of the results, read through
+    ``shapes(x)``) or ``param`` (a non-tensor parameter)."""
 
-    name: str
-    attr: str
+    kind: str
+    source: str
+    attr: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.kind == "meta":
+            return f"{self.source}__{self.attr}"
+        if self.kind == "shapes":
+            return f"{self.source}__shapes"
+        return self.source
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpEntry:
     """One validated YAML entry and what its generated Function saves and computes."""
 
     schema: Schema
-    torch_functions: list[str]
+    torch_functions: tuple[str, ...]
     granularity: str
     formulas: dict[str, Formula]
-    intermediates: list[Intermediate]
-    non_differentiable: list[str]
+    intermediates: tuple[Intermediate, ...]
+    non_differentiable: tuple[str, ...]
     accepts: str | None
     forward: str | None
-    output_differentiability: list[bool]
+    output_differentiability: tuple[bool, ...]
     #: a condition on the arguments under which the op returns (output, aux), as torch's
     #: ``return_indices=True`` forms do; otherwise it returns the output alone
     returns_aux: str | None
@@ -87,13 +89,12 @@ class OpEntry:
     aux_type: str | None
     source_file: str
     #: PyTorch OpInfo names (``name`` or ``name.variant``) whose samples call this entry
-    opinfo: list[str] = field(default_factory=list)
-    saved: list[SavedValue] = field(default_factory=list)
-    metas: list[SavedMeta] = field(default_factory=list)
-    #: names read through ``shapes(...)``: the forward keeps their shapes
-    shapes: list[str] = field(default_factory=list)
-    #: non-tensor parameters a formula reads, kept on ctx
-    ctx_params: list[str] = field(default_factory=list)
+    opinfo: tuple[str, ...]
+    saved: tuple[SavedValue, ...]
+    kept: tuple[Kept, ...]
+    #: whether its formulas only move, copy or reshape messages (no ⊕, ⊗ or lift): one rule,
+    #: written once for every semiring
+    structural: bool
 
     @property
     def name(self) -> str:
@@ -113,17 +114,17 @@ class OpEntry:
         return next((p for p in self.schema.params if p.is_tensor_list), None)
 
     @property
-    def positional(self) -> list[Param]:
-        """The parameters ``apply`` receives one by one (all but the ``Tensor[]``)."""
-        return [p for p in self.schema.params if not p.is_tensor_list]
-
-    def position(self, name: str) -> int:
-        """The index of parameter ``name`` among :attr:`positional`."""
-        return next(i for i, p in enumerate(self.positional) if p.name == name)
-
-    @property
     def tensor_params(self) -> set[str]:
         return {p.name for p in self.schema.params if p.is_tensor}
+
+    @property
+    def differentiable(self) -> tuple[str, ...]:
+        """The parameters with a formula, in signature order."""
+        return tuple(p.name for p in self.schema.params if p.name in self.formulas)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return self.schema.param_names
 
     @property
     def granularity_short(self) -> str:

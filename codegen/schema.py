@@ -81,6 +81,10 @@ class Schema:
     def func_name(self) -> str:
         return self.full_name.replace(".", "_")
 
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
 

@@ -2,7 +2,8 @@
 
 A built-in semiring whose registry entry says ``module="own"`` gets a module specialised to
 it; every other semiring (user semirings, and built-ins that gain nothing from their own
-module) runs the generic module, which takes the semiring as an argument.
+module) runs the generic module, which takes the semiring as an argument. Each target says
+how its module spells formulas and what it prints before its rules.
 """
 
 from __future__ import annotations
@@ -20,28 +21,35 @@ class CodegenError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """One generated module: its file name, the semiring class it is bound to (None: the
-    generic module) and how its formulas are spelled."""
+    """One generated module: its file name, how its formulas are spelled, the parameters
+    its rules take before the incoming message, and the text before its rules (imports
+    and the module's ``Rule`` base)."""
 
     module: str
-    semiring_class: str | None
     flavour: Flavour
     title: str
     description: str
+    lead: tuple[str, ...]
+    imports: tuple[str, ...]
+    preamble: str
 
-    @property
-    def kind(self) -> str:
-        return self.flavour.kind
 
+_PRIMITIVES = {
+    "plain": "from semiring_autograd.ops import real_primitives as RP",
+    "single": "from semiring_autograd.ops import component_primitives as C",
+    "generic": "from semiring_autograd.ops import primitives as P",
+}
 
 GENERIC = Target(
     "generic",
-    None,
     Flavour("generic"),
     "Semiring backward Functions for any semiring",
     "Each Function takes the semiring as its first argument; values are tuples of component\n"
     "tensors and every primitive is a call P.<name>(S, ...). User-defined semirings, and\n"
     "built-ins whose registry entry says module='generic', run these.",
+    ("S",),
+    (_PRIMITIVES["generic"], "from semiring_autograd.ops.function import GenericFunction"),
+    'class Rule(GenericFunction):\n    """An op\'s Function: its vjp takes the semiring S first."""',
 )
 
 
@@ -53,18 +61,28 @@ def _own_target(spec: SemiringSpec) -> Target:
             "component and InlineForms (cls.inline); give it those or set module='generic'"
         )
     if spec.plain_messages:
-        kind, messages = "plain", "messages are ordinary gradients in the primal's dtype"
+        kind, base = "plain", "PlainFunction"
+        messages = "messages are ordinary gradients in the primal's dtype"
     else:
-        kind, messages = "single", "messages are sa.Message wrappers of that tensor"
+        kind, base = "single", "ComponentFunction"
+        messages = "messages are sa.Message wrappers of that tensor"
     forms = cls.inline
+    name = cls.__name__
     return Target(
         spec.name,
-        cls.__name__,
         Flavour(kind, forms),
-        f"Semiring backward Functions specialised to {cls.__name__}",
+        f"Semiring backward Functions specialised to {name}",
         f"A value is its one component tensor ({messages}):\n"
         f"a ⊕ b is `{forms.add.format(a='a', b='b')}`, a ⊗ b is `{forms.mul.format(a='a', b='b')}`, "
         f"lift(w) is `{(forms.lift or 'S.lift({w})').format(w='w')}`.",
+        (),
+        (
+            _PRIMITIVES[kind],
+            f"from semiring_autograd.ops.function import {base}",
+            f"from semiring_autograd.semirings import {name}",
+        ),
+        f"S = {name}()\n\n\nclass Rule({base}):\n"
+        f'    """An op\'s Function under {name}."""\n\n    semiring = S',
     )
 
 

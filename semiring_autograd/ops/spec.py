@@ -31,11 +31,12 @@ class OpSpec:
     signature: str
     params: tuple[ParamSpec, ...]
     torch_functions: tuple[str, ...]
-    accepts: Callable[..., bool] | None
-    accepts_text: str
     granularity: str
     source_file: str
-    multi_output: bool
+    #: a condition on the arguments the op's formulas need (None: any), and its source
+    accepts: Callable[..., bool] | None = None
+    accepts_text: str = ""
+    multi_output: bool = False
     forward_helper: str | None = None  # a forward_helpers function computing (output, aux)
     differentiable: tuple[str, ...] = ()  # the parameters with a formula
 
