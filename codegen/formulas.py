@@ -3,7 +3,7 @@
 A formula is a Python expression over: ``grad`` (the incoming message; ``grads`` for
 multi-output ops), ``result`` (the op's primal output), ``aux`` (a forward helper's extra
 output), the op's parameters, earlier intermediates, the semiring primitives
-(:data:`semiring_autograd.primitives.PRIMITIVES`), the shape helpers, ``shapes(x)`` (the
+(:data:`semiring_autograd.ops.primitives.PRIMITIVES`), the shape helpers, ``shapes(x)`` (the
 shapes of a tensor list or of a multi-output result), ``torch``, ``math`` and a few
 builtins. ``x.shape``, ``x.ndim``, ``x.dim()``, ``x.dtype`` and ``x.device`` of a tensor parameter
 read saved metadata instead of keeping the tensor alive.
@@ -86,51 +86,10 @@ def parse(expr: str, where: str) -> ast.Expression:
 
 def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: set[str]) -> Analysis:
     """Validate names and calls; return which names the formula reads and how."""
+    bound_locals = _comprehension_names(tree, where)
+    shapes = _check_calls(tree, where, known | bound_locals)
+    meta, meta_nodes = _metadata_reads(tree, tensor_params)
     full: set[str] = set()
-    meta: set[tuple[str, str]] = set()
-    shapes: set[str] = set()
-    bound_locals: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)):
-            for gen in node.generators:
-                for t in ast.walk(gen.target):
-                    if isinstance(t, ast.Name):
-                        bound_locals.add(t.id)
-        if isinstance(node, ast.Lambda):
-            raise FormulaError(f"{where}: lambdas are not allowed in formulas")
-    meta_nodes: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            fname = node.func.id
-            if fname == "shapes":
-                if len(node.args) != 1 or not isinstance(node.args[0], ast.Name):
-                    raise FormulaError(f"{where}: shapes() takes one parameter name")
-                arg = node.args[0].id
-                if arg not in known:
-                    raise FormulaError(f"{where}: shapes() of unknown name {arg!r}")
-                shapes.add(arg)
-                meta_nodes.add(id(node.args[0]))
-            elif fname not in PRIMITIVES and fname not in HELPERS and fname not in BUILTINS:
-                if fname in known or fname in bound_locals:
-                    continue
-                raise FormulaError(
-                    f"{where}: unknown primitive or function {fname!r}; primitives are "
-                    f"{', '.join(PRIMITIVES)}; helpers are {', '.join(HELPERS)}"
-                )
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if node.value.id in tensor_params and node.attr in META_ATTRS:
-                meta_nodes.add(id(node.value))
-                meta.add((node.value.id, META_ATTRS[node.attr]))
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "dim"
-            and isinstance(node.func.value, ast.Name)
-            and node.func.value.id in tensor_params
-            and not node.args
-        ):
-            meta_nodes.add(id(node.func.value))
-            meta.add((node.func.value.id, "shape"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             name = node.id
@@ -147,6 +106,67 @@ def analyse(tree: ast.Expression, where: str, tensor_params: set[str], known: se
             if id(node) not in meta_nodes:
                 full.add(name)
     return Analysis(frozenset(full), frozenset(meta), frozenset(shapes))
+
+
+def _comprehension_names(tree: ast.Expression, where: str) -> set[str]:
+    """The names comprehensions bind (no lambdas allowed)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp)):
+            for gen in node.generators:
+                names |= {t.id for t in ast.walk(gen.target) if isinstance(t, ast.Name)}
+        if isinstance(node, ast.Lambda):
+            raise FormulaError(f"{where}: lambdas are not allowed in formulas")
+    return names
+
+
+def _check_calls(tree: ast.Expression, where: str, callable_names: set[str]) -> set[str]:
+    """Check every call of a bare name; return the names read through ``shapes(...)``."""
+    shapes: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        fname = node.func.id
+        if fname == "shapes":
+            if len(node.args) != 1 or not isinstance(node.args[0], ast.Name):
+                raise FormulaError(f"{where}: shapes() takes one parameter name")
+            if node.args[0].id not in callable_names:
+                raise FormulaError(f"{where}: shapes() of unknown name {node.args[0].id!r}")
+            shapes.add(node.args[0].id)
+        elif not {fname} & (set(PRIMITIVES) | HELPERS.keys() | BUILTINS | callable_names):
+            raise FormulaError(
+                f"{where}: unknown primitive or function {fname!r}; primitives are "
+                f"{', '.join(PRIMITIVES)}; helpers are {', '.join(HELPERS)}"
+            )
+    return shapes
+
+
+def _metadata_reads(
+    tree: ast.Expression, tensor_params: set[str]
+) -> tuple[set[tuple[str, str]], set[int]]:
+    """(tensor parameter, saved attribute) pairs read as metadata (``x.shape``, ``x.dim()``
+    …, and ``shapes(x)``'s argument), and the ids of the name nodes read that way."""
+    meta: set[tuple[str, str]] = set()
+    nodes: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "shapes" and node.args:
+                nodes.add(id(node.args[0]))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in tensor_params and node.attr in META_ATTRS:
+                nodes.add(id(node.value))
+                meta.add((node.value.id, META_ATTRS[node.attr]))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "dim"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in tensor_params
+            and not node.args
+        ):
+            nodes.add(id(node.func.value))
+            meta.add((node.func.value.id, "shape"))
+    return meta, nodes
 
 
 #: structural primitives, the same in every semiring: tensor expressions on a one-component

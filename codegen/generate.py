@@ -1,4 +1,6 @@
-"""``generate``: render derivatives/*.yaml into generated/ (``--check``: fail if stale).
+"""``semiring-autograd-generate`` (alias ``generate``): derivatives/*.yaml → generated/.
+
+``--check`` fails when generated/ is stale.
 
 The loader builds the typed model of the YAML (:mod:`.model`); named Jinja templates
 render it: ``functions.py.j2`` once per target (:mod:`.targets`: a module specialised to
@@ -342,7 +344,9 @@ def write(yaml_dir: Path, out_dir: Path, check: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="semiring-autograd-generate", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--yaml-dir", type=Path, default=None, help="default: " + str(default_yaml_dir())
     )

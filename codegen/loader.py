@@ -234,7 +234,9 @@ def _formulas(
         for iname, expr in inter_raw.items():
             if iname in known:
                 raise _fail(where, f"intermediate {iname!r} shadows a parameter or special name")
-            parsed.append(_formula(iname, str(expr), f"{where} intermediate {iname!r}", tensor_params, known))
+            parsed.append(
+                _formula(iname, str(expr), f"{where} intermediate {iname!r}", tensor_params, known)
+            )
             known.add(iname)
         formulas = [
             _formula(key, str(raw[key]), f"{where} formula for {key!r}", tensor_params, known)
@@ -254,7 +256,9 @@ def _formulas(
         users = tuple(k.target for k in formulas if f.target in needs[k.target])
         if not users:
             raise _fail(where, f"intermediate {f.target!r} is not used by any formula")
-        intermediates.append(Intermediate(f.target, f.source, f.tree, f.reads, needs[f.target], users))
+        intermediates.append(
+            Intermediate(f.target, f.source, f.tree, f.reads, needs[f.target], users)
+        )
     by_key = {f.target: replace(f, needs=needs[f.target]) for f in formulas}
     return tuple(intermediates), by_key
 
@@ -304,7 +308,9 @@ def _is_structural(formulas: list[Formula], schema: Schema) -> bool:
     return not (called & set(PRIMITIVES)) - set(STRUCTURAL)
 
 
-def _formula(target: str, source: str, where: str, tensor_params: set[str], known: set[str]) -> Formula:
+def _formula(
+    target: str, source: str, where: str, tensor_params: set[str], known: set[str]
+) -> Formula:
     tree = parse(source, where)
     return Formula(target, source, tree, analyse(tree, where, tensor_params, known))
 

@@ -36,7 +36,9 @@ def rule(entry: OpEntry, flavour: Flavour, lead: tuple[str, ...] = ()) -> Rule:
     device) ``_ref``; it returns the message of its one input, or the inputs' messages in
     formula order (None for an input not needed)."""
     several = len(entry.formulas) > 1
-    code = {f.target: rewrite(f.tree, flavour, entry.tensor_params) for f in entry.formulas.values()}
+    code = {
+        f.target: rewrite(f.tree, flavour, entry.tensor_params) for f in entry.formulas.values()
+    }
     body = [
         f"if {' or '.join(f'need_{u}' for u in i.users)}:\n"
         f"    {i.target} = {rewrite(i.tree, flavour, entry.tensor_params)}"
@@ -88,9 +90,7 @@ def plan_source(entry: OpEntry) -> str:
             for s in entry.saved
         )
     if entry.kept:
-        fields["kept"] = _tuple(
-            f"({k.kind!r}, {index[k.source]}, {k.attr!r})" for k in entry.kept
-        )
+        fields["kept"] = _tuple(f"({k.kind!r}, {index[k.source]}, {k.attr!r})" for k in entry.kept)
     if entry.tensor_list is not None:
         fields["list_at"] = index[entry.tensor_list.name]
     if entry.forward:
@@ -122,7 +122,9 @@ def spec_source(entry: OpEntry) -> str:
         "source_file": repr(entry.source_file),
     }
     if entry.accepts:
-        fields["accepts"] = f"lambda {', '.join(entry.param_names)}: {condition_source(entry.accepts)}"
+        fields["accepts"] = (
+            f"lambda {', '.join(entry.param_names)}: {condition_source(entry.accepts)}"
+        )
         fields["accepts_text"] = repr(entry.accepts)
     if entry.multi_output:
         fields["multi_output"] = "True"
