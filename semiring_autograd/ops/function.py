@@ -1,14 +1,16 @@
 """The hand-written half of every generated Function: recording a call and running a rule.
 
-A generated module holds, per op, a subclass of one of the bases here with the op's
-:class:`Plan` (emitted once, in ``generated/ops_table.py``) and its ``vjp``: the op's
-backward formulas in one semiring, a function of the incoming message, one ``need_<input>``
-flag per differentiable input and the values the plan keeps. The base does what is the same
-for every op: the call, saving what the plan says (a tensor only when a formula that reads it
-will run), unwrapping the incoming message, asking which inputs the running backward uses
-(:func:`.demand.input_demand`) and wrapping each result as a message with its input's
-metadata. A structural rule (views, reshapes, permutes: no ⊕, ⊗ or lift) is one function
-of one component tensor, run on every component by the base of each module.
+A generated module holds, per op, a rule ``<op>_vjp``: the op's backward formulas in one
+semiring, a function of the incoming message, a ``need_<input>`` flag per input (where the
+op has several) and the values the op's :class:`Plan` keeps (one plan per op, emitted in
+``generated/ops_table.py``). :meth:`SemiringFunction.functions` makes one
+``torch.autograd.Function`` per op of a module from its plan and its rule; the base does
+what is the same for every op: the call, saving what the plan says (a tensor only when a
+formula that reads it will run), unwrapping the incoming message, asking which inputs the
+running backward uses (:func:`.demand.input_demand`), calling the rule and wrapping each
+result as a message with its input's metadata. A structural rule (views, reshapes,
+permutes: no ⊕, ⊗ or lift, ``generated/structural.py``) is written once, on one component
+tensor; each module's base runs it on every component of a value.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ class Plan:
 
     ``params`` are the signature's parameters in order; the one at ``list_at`` (if any) is a
     tensor list, passed to ``apply`` unpacked after the others. ``targets`` are the inputs
-    with a formula, in the order ``vjp`` returns their messages, each as its parameter's
+    with a formula, in the order the rule returns their messages, each as its parameter's
     index. ``saved`` lists the tensors to save as (source, the targets reading it): a
-    parameter's index, :data:`OUTPUT` or :data:`AUX`. ``kept`` lists the other values
-    ``vjp`` reads, after the saved tensors: ``("meta", i, attr)`` an attribute of tensor
+    parameter's index, :data:`OUTPUT` or :data:`AUX`. ``kept`` lists the other values the
+    rule reads, after the saved tensors: ``("meta", i, attr)`` an attribute of tensor
     parameter i, ``("shapes", source, "")`` the shapes of a tensor list or of the outputs,
     ``("param", i, "")`` a non-tensor parameter.
     """
@@ -59,14 +61,20 @@ class Plan:
 
     @functools.cached_property
     def positions(self) -> tuple[int, ...]:
-        """Each target's position among ``apply``'s tensor arguments after the leading
-        ones (the tensor list: the position of its first element)."""
+        """Each target's position among ``apply``'s arguments after the leading ones (the
+        tensor list: the position of its first element)."""
         if self.list_at is None:
             return self.targets
         return tuple(
             len(self.params) - 1 if t == self.list_at else t - (t > self.list_at)
             for t in self.targets
         )
+
+    @functools.cached_property
+    def saved_list_at(self) -> int | None:
+        """The index in ``saved`` of the tensor list, if it is saved."""
+        sources = [source for source, _ in self.saved]
+        return sources.index(self.list_at) if self.list_at in sources else None
 
 
 def _fresh(out: Any, inputs: tuple) -> Any:
@@ -77,19 +85,13 @@ def _fresh(out: Any, inputs: tuple) -> Any:
     return out
 
 
-def _kept(kind: str, source: int, attr: str, values: tuple, output: Any) -> Any:
-    value = output if source == OUTPUT else values[source]
-    if kind == "meta":
-        return None if value is None else getattr(value, attr)
-    if kind == "shapes":
-        return [t.shape for t in value]
-    return value
-
-
 class SemiringFunction(torch.autograd.Function):
     """The base of every generated Function. ``apply`` takes the semiring (generic modules
     only), the unpatched call and the op's arguments; :meth:`call` takes them as the
-    dispatcher binds them (by name, a tensor list as one list)."""
+    dispatcher binds them (by name, a tensor list as one list).
+
+    The forward and backward below run for every recorded op, so they are loops in one
+    function body, not calls of helpers."""
 
     plan: ClassVar[Plan]
     #: the op's backward rule (see :meth:`functions`; torch's ``Function.vjp`` is its
@@ -98,6 +100,8 @@ class SemiringFunction(torch.autograd.Function):
     takes_ref: ClassVar[bool]
     #: the semiring a specialised module is bound to (None: ``apply`` takes it first)
     semiring: ClassVar[Semiring | None] = None
+    #: how many arguments ``apply`` takes before the op's: (call,) or (semiring, call)
+    lead: ClassVar[int] = 1
     #: whether messages are Message wrappers (False: ordinary gradients, Real's module)
     messages: ClassVar[bool] = True
 
@@ -120,9 +124,10 @@ class SemiringFunction(torch.autograd.Function):
         """The forward: the op's outputs, with what the plan says saved on ``ctx``."""
         plan = cls.plan
         values = args
-        if plan.list_at is not None:
+        list_at = plan.list_at
+        if list_at is not None:
             n = len(plan.params) - 1
-            values = (*args[: plan.list_at], list(args[n:]), *args[plan.list_at : n])
+            values = (*args[:list_at], list(args[n:]), *args[list_at:n])
         if plan.forward is not None:
             outputs = plan.forward(*values)
         elif plan.multi_output:
@@ -132,8 +137,11 @@ class SemiringFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.semiring = S
         ctx.op_name = plan.name
-        lead = 2 if cls.semiring is None else 1
-        ctx._tensor_args = (False,) * lead + tuple(isinstance(x, Tensor) for x in args)
+        lead = cls.lead
+        tensor_args = [False] * lead
+        for x in args:
+            tensor_args.append(isinstance(x, Tensor))
+        ctx._tensor_args = tuple(tensor_args)
         if plan.has_aux:
             output, aux = outputs
             ctx.mark_non_differentiable(aux)
@@ -141,43 +149,43 @@ class SemiringFunction(torch.autograd.Function):
             output, aux = outputs, None
         first = output[0] if plan.multi_output else output
         ctx._ref = (first.dtype, first.device)
-        need = cls._need(plan, ctx.needs_input_grad, lead)
+        needs = ctx.needs_input_grad
+        need = []
+        for t, p in zip(plan.targets, plan.positions):
+            need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
         if plan.saved:
-            ctx.save_for_backward(*cls._to_save(plan, values, output, aux, need))
-        ctx.kept = tuple([_kept(k, s, a, values, output) for k, s, a in plan.kept])
+            tensors = []
+            for source, readers in plan.saved:
+                value = output if source == OUTPUT else aux if source == AUX else values[source]
+                live = False
+                for r in readers:
+                    live = live or need[r]
+                if source != list_at:
+                    tensors.append(value if live else None)
+                else:
+                    tensors += value if live else [None] * len(value)
+            ctx.save_for_backward(*tensors)
+        kept = []
+        for kind, source, attr in plan.kept:
+            value = output if source == OUTPUT else values[source]
+            if kind == "meta":
+                value = None if value is None else getattr(value, attr)
+            elif kind == "shapes":
+                value = [t.shape for t in value]
+            kept.append(value)
+        ctx.kept = tuple(kept)
         if cls.messages:
-            ctx.metas = tuple([_metas(values[t]) for t in plan.targets])
+            metas = []
+            for t in plan.targets:
+                value = values[t]
+                if t == list_at:
+                    metas.append([(v.shape, v.dtype, v.device) for v in value])
+                else:
+                    metas.append(
+                        None if value is None else (value.shape, value.dtype, value.device)
+                    )
+            ctx.metas = tuple(metas)
         return outputs
-
-    @staticmethod
-    def _need(plan: Plan, needs: tuple[bool, ...], lead: int) -> list[bool]:
-        list_start = lead + len(plan.params) - 1
-        return [
-            any(needs[list_start:]) if t == plan.list_at else needs[lead + p]
-            for t, p in zip(plan.targets, plan.positions)
-        ]
-
-    @staticmethod
-    def _to_save(plan: Plan, values: tuple, output: Any, aux: Any, need: list[bool]) -> list:
-        tensors = []
-        for source, readers in plan.saved:
-            value = output if source == OUTPUT else aux if source == AUX else values[source]
-            live = any([need[r] for r in readers])
-            if source == plan.list_at:
-                tensors += value if live else [None] * len(value)
-            else:
-                tensors.append(value if live else None)
-        return tensors
-
-    @staticmethod
-    def _saved(plan: Plan, tensors: tuple) -> tuple:
-        """The saved tensors as ``vjp`` reads them (a tensor list's as one list)."""
-        at = next((i for i, (s, _) in enumerate(plan.saved) if s == plan.list_at), None)
-        if plan.list_at is None or at is None:
-            return tensors
-        after = len(plan.saved) - at - 1
-        end = len(tensors) - after
-        return (*tensors[:at], list(tensors[at:end]), *tensors[end:])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple:
@@ -193,37 +201,44 @@ class SemiringFunction(torch.autograd.Function):
             incoming = cls.unwrap(S, grads[0], plan.name)
             if incoming is None:
                 return none
-        lead = 2 if cls.semiring is None else 1
+        lead = cls.lead
+        list_at = plan.list_at
         needs = input_demand(ctx, ctx._tensor_args)
-        need = cls._need(plan, needs, lead)
+        need = []
+        for t, p in zip(plan.targets, plan.positions):
+            need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
         if not any(need):
             return none
-        args = (*cls._saved(plan, ctx.saved_tensors), *ctx.kept)
-        if cls.takes_ref:
-            args += (ctx._ref,)
-        if len(need) > 1:
-            results = cls.run(S, incoming, (*need, *args))
+        saved = ctx.saved_tensors
+        at = plan.saved_list_at
+        if at is not None:
+            end = len(saved) - (len(plan.saved) - at - 1)
+            saved = (*saved[:at], list(saved[at:end]), *saved[end:])
+        args = (*saved, *ctx.kept, ctx._ref) if cls.takes_ref else (*saved, *ctx.kept)
+        several = len(need) > 1
+        if several:
+            args = (*need, *args)
+        if cls.semiring is None:
+            results = cls.rule(S, incoming, *args)
         else:
-            results = (cls.run(S, incoming, args),)
+            results = cls.rule(incoming, *args)
+        if not several:
+            results = (results,)
         out = list(none)
-        list_start = lead + len(plan.params) - 1
+        wrap = cls.wrap
+        metas = ctx.metas if cls.messages else (None,) * len(need)
         for i, (t, p) in enumerate(zip(plan.targets, plan.positions)):
             if not need[i]:
                 continue
-            if t == plan.list_at:
-                metas = ctx.metas[i] if cls.messages else [None] * len(results[i])
-                out[list_start:] = [
-                    cls.wrap(S, v, m) if n else None
-                    for v, m, n in zip(results[i], metas, needs[list_start:])
-                ]
-            else:
-                out[lead + p] = cls.wrap(S, results[i], ctx.metas[i] if cls.messages else None)
+            if t != list_at:
+                out[lead + p] = wrap(S, results[i], metas[i])
+                continue
+            start = lead + p
+            parts = results[i]
+            list_metas = metas[i] or [None] * len(parts)
+            for j, (v, m) in enumerate(zip(parts, list_metas)):
+                out[start + j] = wrap(S, v, m) if needs[start + j] else None
         return tuple(out)
-
-    @classmethod
-    def run(cls, S: Semiring, incoming: Any, args: tuple) -> Any:
-        """The op's rule on the incoming message(s) and the rest of its arguments."""
-        return cls.rule(incoming, *args)
 
     @staticmethod
     def unwrap(S: Semiring, grad: Tensor | None, op: str) -> Any:
@@ -260,13 +275,6 @@ class SemiringFunction(torch.autograd.Function):
     def componentwise(rule: Callable) -> Callable:
         """A structural rule of one component tensor as this module's rule."""
         return rule
-
-
-def _metas(value: Any) -> Any:
-    """(shape, dtype, device) of a tensor (each tensor of a list), None for None."""
-    if isinstance(value, list):
-        return [(t.shape, t.dtype, t.device) for t in value]
-    return None if value is None else (value.shape, value.dtype, value.device)
 
 
 def _class_name(op: str) -> str:
@@ -306,18 +314,15 @@ class ComponentFunction(SpecialisedFunction):
 
 class GenericFunction(SemiringFunction):
     """The generic module's Functions: ``apply`` takes the semiring, a value is a tuple of
-    component tensors and ``vjp`` takes the semiring first."""
+    component tensors and a rule takes the semiring first."""
 
+    lead = 2
     unwrap = staticmethod(unwrap)
     wrap = staticmethod(wrap_meta)
 
     @staticmethod
     def forward(ctx: Any, S: Semiring, call: Callable, *args: Any) -> Any:
         return ctx._forward_cls.record(ctx, S, call, args)
-
-    @classmethod
-    def run(cls, S: Semiring, incoming: Any, args: tuple) -> tuple:
-        return cls.rule(S, incoming, *args)
 
     @staticmethod
     def componentwise(rule: Callable) -> Callable:
