@@ -31,6 +31,7 @@ import torch
 import transformers
 
 import semiring_autograd as sa
+from semiring_autograd.engine.compiled import backward as compiled
 from semiring_autograd.semirings.registry import SEMIRINGS as REGISTRY
 
 #: every built-in semiring (the registry's order), Real also with its formulas
@@ -111,12 +112,12 @@ def median_ms(times: list[float]) -> float:
 def measure(name: str, repeats: int) -> dict[str, float]:
     model, emb, target = build()
     semiring = semiring_of(name)
-    sa.clear_compiled()
+    compiled.clear()
     start = time.perf_counter()
     sa.grad(patched_forward(model, emb, target, semiring), emb, compile=True)
     capture_ms = (time.perf_counter() - start) * 1e3
     sa.grad(patched_forward(model, emb, target, semiring), emb, compile=True)  # verified
-    steps = sa.compiled_stats()["steps"]
+    steps = compiled.stats()["steps"]
     step = sa.compiled_step(model, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, target])
     step(emb)
     step(emb)  # captured, then verified
@@ -141,7 +142,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
                 step(emb)
             if i >= 3:
                 times[kind].append(time.perf_counter() - start)
-    if sa.compiled_stats()["eager"]:
+    if compiled.stats()["eager"]:
         raise RuntimeError(f"{name}: a compile=True call ran eagerly")
     out = patched_forward(model, emb, target, semiring)
     nodes = recorded_nodes(out)
@@ -167,7 +168,7 @@ def operator_table(name: str, top: int, steps: int = 20) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
     model, emb, target = build()
-    sa.clear_compiled()
+    compiled.clear()
     semiring = semiring_of(name)
     step = sa.compiled_step(model, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, target])
     for _ in range(3):

@@ -1,25 +1,27 @@
-"""semiring_autograd: backpropagation over arbitrary semirings for PyTorch.
+"""semiring_autograd: backpropagation over semirings for PyTorch.
 
 >>> import semiring_autograd as sa
 >>> with sa.patch(model, sa.MaxProduct()):
 ...     y = model(x)
 >>> score = sa.grad(y[0, 3], x)   # weight of the strongest path to every element of x
 
-The package, one layer on the next (docs/architecture.md): ``semirings`` (the algebra) and
-``kernels``; ``ops`` (what a generated Function computes with); ``generated`` (one
-Function per op, emitted from derivatives/*.yaml by ``codegen``); ``engine`` (the patch,
-``sa.grad``, node records, tracing); ``explain`` (top paths, attribution); ``integrations``
-(Hugging Face loading, the CLI).
+This namespace holds what a user calls: ``patch``, ``grad`` and ``compiled_step``; the
+readouts built on them (``trace``, ``top_path``, ``top_paths``, ``attribute``,
+``module_flow``, ``consumer_flow``, ``node_info``); the semirings and ``check_semiring``;
+the exceptions; and ``sa.captum`` (imported on first use, it needs ``captum``). The types
+these return and the rest live in their modules, one layer on the next
+(docs/architecture.md): ``semirings`` (the algebra) and ``kernels``; ``ops`` (what a
+generated Function computes with); ``generated`` (one Function per op, emitted by
+``codegen``); ``engine`` (the patch, ``sa.grad``, node records, tracing, and
+``engine.compiled``); ``explain`` (top paths, attribution); ``integrations`` (Hugging Face
+loading, the CLI, Captum).
 """
 
-from .engine.dispatch import Registry
-from .engine.compiled import clear as clear_compiled
-from .engine.compiled import stats as compiled_stats
-from .engine.compiled_step import CompiledStep, compiled_step
-from .engine.grad import grad, message_value, recorded_semiring, seed_message
-from .engine.graph import NodeInfo, node_info
-from .engine.patch import PatchHandle, patch
-from .engine.trace import TraceEvent, trace
+from .engine.compiled.step import compiled_step
+from .engine.grad import grad
+from .engine.graph import node_info
+from .engine.patch import patch
+from .engine.trace import trace
 from .errors import (
     BackwardOutOfMemoryError,
     ForeignOpError,
@@ -30,13 +32,11 @@ from .errors import (
     SemiringMismatchError,
     UnsupportedOpError,
 )
-from .explain.attribution import Attribution, Prediction, attribute
-from .explain.flow import ConsumerFlow, capture, consumer_flow, module_flow
-from .explain.k_paths import top_paths, top_paths_from
-from .explain.paths import AttentionEdge, Path, PathFinder, Step, top_path
-from .ops.message import Message
+from .explain.attribution import attribute
+from .explain.flow import consumer_flow, module_flow
+from .explain.k_paths import top_paths
+from .explain.paths import top_path
 from .semirings import (
-    BUILTIN_SEMIRINGS,
     Boolean,
     Counting,
     Entropy,
@@ -46,61 +46,38 @@ from .semirings import (
     Real,
     Semiring,
     SignedMaxProduct,
-    Value,
     check_semiring,
 )
 
 __all__ = [
-    "AttentionEdge",
-    "BackwardOutOfMemoryError",
-    "Attribution",
-    "attribute",
-    "capture",
-    "clear_compiled",
-    "compiled_stats",
-    "compiled_step",
-    "CompiledStep",
-    "consumer_flow",
-    "ConsumerFlow",
-    "BUILTIN_SEMIRINGS",
-    "Boolean",
-    "Counting",
-    "Entropy",
-    "KBest",
-    "ForeignOpError",
-    "Log",
-    "MaxProduct",
-    "Message",
-    "module_flow",
-    "NodeInfo",
-    "PatchError",
-    "PatchHandle",
-    "Path",
-    "PathFinder",
-    "Prediction",
-    "Real",
-    "Registry",
-    "Semiring",
-    "SemiringAutogradError",
-    "SemiringDefinitionError",
-    "SemiringLawError",
-    "SemiringMismatchError",
-    "SignedMaxProduct",
-    "Step",
-    "TraceEvent",
-    "UnsupportedOpError",
-    "Value",
-    "check_semiring",
-    "grad",
-    "message_value",
-    "node_info",
     "patch",
-    "recorded_semiring",
-    "seed_message",
+    "grad",
+    "compiled_step",
+    "trace",
     "top_path",
     "top_paths",
-    "top_paths_from",
-    "trace",
+    "attribute",
+    "module_flow",
+    "consumer_flow",
+    "node_info",
+    "check_semiring",
+    "Semiring",
+    "Real",
+    "MaxProduct",
+    "SignedMaxProduct",
+    "Log",
+    "Counting",
+    "Boolean",
+    "Entropy",
+    "KBest",
+    "SemiringAutogradError",
+    "UnsupportedOpError",
+    "ForeignOpError",
+    "SemiringMismatchError",
+    "PatchError",
+    "SemiringLawError",
+    "SemiringDefinitionError",
+    "BackwardOutOfMemoryError",
 ]
 
 

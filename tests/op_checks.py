@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import Semiring, Value
+from semiring_autograd.ops.message import Message
 
 
 class Apply(nn.Module):
@@ -36,7 +37,7 @@ def raw_value(S: Semiring, message: Tensor | None, like: Tensor) -> Value:
     if message is None:
         return S.zero(like.shape, like.detach())
     assert message.shape == like.shape, (message.shape, like.shape)
-    if isinstance(message, sa.Message):
+    if isinstance(message, Message):
         assert message.semiring == S
         return message.value
     assert isinstance(S, sa.Real), f"raw result for {S!r} is a plain {type(message).__name__}"

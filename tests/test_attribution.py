@@ -13,8 +13,10 @@ from hf_models import minilm, tiny_inputs, tiny_model
 import semiring_autograd as sa
 import semiring_autograd_cli
 from semiring_autograd.integrations import cli
+from semiring_autograd.ops.message import Message
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
-SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS]
+SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS]
 
 
 class _Text(html.parser.HTMLParser):
@@ -260,7 +262,7 @@ def test_compiled_attribution_over_texts_of_one_length(llama_directory):
     """attribute(compile=True) over several texts of one token length: one captured program
     (forward and backward) replayed, the scores and the predictions equal the eager ones
     exactly."""
-    from semiring_autograd.engine import compiled
+    from semiring_autograd.engine.compiled import backward as compiled
     from semiring_autograd.integrations.huggingface import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(str(llama_directory))
@@ -276,7 +278,7 @@ def test_compiled_attribution_over_texts_of_one_length(llama_directory):
         for e, f in zip(eager, fast):
             assert torch.equal(e.scores, f.scores) and e.tokens == f.tokens
             assert e.prediction == f.prediction
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 2 and stats["replays"] == 6 and stats["eager"] == 0, stats
     assert len(compiled.OWN_STEPS) == 2  # one step per semiring, kept for the next text
     compiled.clear()
@@ -365,7 +367,7 @@ def test_trace_reports_every_semiring_node_and_hooks_see_messages():
     assert all(e.module in names or e.module == type(model).__name__ for e in t.events)
     assert t.events[0].module == "lm_head" and t.events[0].op == "linear"
     assert any(e.op == "scaled_dot_product_attention" for e in t.events)
-    assert seen == [("lm_head", sa.Message)]
+    assert seen == [("lm_head", Message)]
     again = sa.trace(file=None)
     sa.grad(logits[1, -3, 1], x, trace=again)
     assert [e.op for e in again.events] == [e.op for e in t.events]

@@ -11,11 +11,12 @@ from torch import nn
 from user_semirings import Tropical
 
 import semiring_autograd as sa
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 captum_attr = pytest.importorskip("captum.attr")
 captum_metrics = pytest.importorskip("captum.metrics")
 
-SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS if cls is not sa.Real] + [Tropical()]
+SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS if cls is not sa.Real] + [Tropical()]
 
 
 def _mlp() -> nn.Module:

@@ -14,6 +14,8 @@ from torch import nn
 import semiring_autograd as sa
 from semiring_autograd.codegen import generate
 from semiring_autograd.codegen.loader import DerivativesError, load_entries, load_entry
+from semiring_autograd.engine.dispatch import OpTable
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -226,7 +228,7 @@ def test_new_op_via_yaml_end_to_end(tmp_path):
     (yaml_dir / "extra.yaml").write_text(SIN_ENTRY)
     out = tmp_path / "generated"
     assert generate.main(["--yaml-dir", str(yaml_dir), "--out-dir", str(out)]) == 0
-    registry = sa.Registry.load(out)
+    op_table = OpTable.load(out)
 
     class Net(nn.Module):
         def __init__(self):
@@ -244,10 +246,10 @@ def test_new_op_via_yaml_end_to_end(tmp_path):
             model(x)
     (expected,) = torch.autograd.grad(model(x).sum(), x)  # unpatched
     for real in (sa.Real(), sa.Real(formulas=True)):  # torch's graph; the new formula
-        with sa.patch(model, real, registry=registry):
+        with sa.patch(model, real, op_table=op_table):
             y = model(x)
         torch.testing.assert_close(sa.grad(y.sum(), x), expected, rtol=1e-12, atol=1e-12)
-    with sa.patch(model, sa.MaxProduct(), registry=registry):
+    with sa.patch(model, sa.MaxProduct(), op_table=op_table):
         y = model(x)
     got = sa.grad(y[1], x)
     # brute force: paths x[1, j] -> h[1, i] -> sin -> sum; weight |W_ij| |cos(h_i)|
@@ -312,7 +314,7 @@ def _inline_cases(S: sa.Semiring) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize(
-    "cls", [c for c in sa.BUILTIN_SEMIRINGS if c.inline is not None], ids=lambda c: c.__name__
+    "cls", [c for c in BUILTIN_SEMIRINGS if c.inline is not None], ids=lambda c: c.__name__
 )
 def test_inline_forms_equal_the_methods(cls):
     """The tensor expressions a specialised module is generated from compute what the

@@ -17,11 +17,13 @@ from torch import Tensor, nn
 from user_semirings import Tropical
 
 import semiring_autograd as sa
-from semiring_autograd.engine import compiled
+from semiring_autograd.engine.compiled import backward as compiled
+from semiring_autograd.ops.message import Message
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 tf.logging.set_verbosity_error()
 
-SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS if cls is not sa.Real]
+SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in BUILTIN_SEMIRINGS if cls is not sa.Real]
 SEMIRINGS += [sa.KBest(3), Tropical()]
 
 
@@ -88,7 +90,7 @@ def test_replay_equals_eager_on_new_inputs(llama, semiring):
         got = sa.grad(_read(llama, semiring, emb), emb, compile=True)
         _assert_identical(got, expected)
         assert got.double().abs().nan_to_num().sum() > 0
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 1 and stats["replays"] == 4 and stats["eager"] == 0, stats
 
 
@@ -108,10 +110,10 @@ def test_raw_messages_and_several_inputs(llama, semiring):
 
         expected, got = run(), run(compile=True)
         for e, g in zip(expected, got):
-            assert isinstance(g, sa.Message) and g.shape == e.shape
+            assert isinstance(g, Message) and g.shape == e.shape
             for ge, ee in zip(g.value, e.value):
                 _assert_identical(ge, ee)
-    assert sa.compiled_stats()["replays"] == 2
+    assert compiled.stats()["replays"] == 2
 
 
 def test_a_new_shape_is_a_new_signature(llama):
@@ -120,7 +122,7 @@ def test_a_new_shape_is_a_new_signature(llama):
         emb = _embeddings(llama, length, length)
         expected = sa.grad(_read(llama, semiring, emb), emb)
         _assert_identical(sa.grad(_read(llama, semiring, emb), emb, compile=True), expected)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["signatures"] == 2 and stats["captures"] == 2 and stats["replays"] == 2
 
 
@@ -132,7 +134,7 @@ def test_float64_and_float32_models_differ_in_signature(llama):
         expected = sa.grad(_read(model, semiring, emb), emb)
         _assert_identical(sa.grad(_read(model, semiring, emb), emb, compile=True), expected)
     llama.to(torch.float32)
-    assert sa.compiled_stats()["signatures"] == 2
+    assert compiled.stats()["signatures"] == 2
 
 
 def test_data_read_in_the_backward_is_guarded(llama):
@@ -149,7 +151,7 @@ def test_data_read_in_the_backward_is_guarded(llama):
             out = llama(inputs_embeds=emb).logits
         expected = sa.grad(out, emb, seed, retain_graph=True)
         _assert_identical(sa.grad(out, emb, seed, compile=True), expected)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["signatures"] == 1 and stats["programs"] == 2, stats
     assert stats["captures"] == 2 and stats["replays"] == 2
 
@@ -181,7 +183,7 @@ def test_python_branch_in_a_user_semiring_is_exact():
             y = model(x)
         expected = sa.grad(y, x, retain_graph=True)
         _assert_identical(sa.grad(y, x, compile=True), expected)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["programs"] == 2 and stats["replays"] == 3 and stats["eager"] == 0, stats
 
 
@@ -202,7 +204,7 @@ def test_too_many_branches_run_eagerly_with_one_warning(llama, monkeypatch):
             _assert_identical(sa.grad(out, emb, seed, compile=True), expected)
     messages = [str(w.message) for w in caught if "compile=True" in str(w.message)]
     assert len(messages) == 1 and "branches" in messages[0]
-    assert sa.compiled_stats()["eager"] == 2
+    assert compiled.stats()["eager"] == 2
 
 
 def test_shapes_changing_every_call_stop_capturing(monkeypatch):
@@ -211,7 +213,7 @@ def test_shapes_changing_every_call_stop_capturing(monkeypatch):
     inputs = (torch.rand(rows, 4).requires_grad_(True) for rows in range(1, 7))
     messages = _compiled_against_eager(lin, sa.Log(), inputs)
     assert len(messages) == 1 and "changed on each of 3 calls" in messages[0]
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 3 and stats["eager"] == 3
 
 
@@ -231,7 +233,7 @@ def test_a_program_that_disagrees_is_dropped(llama):
         got = sa.grad(_read(llama, semiring, emb), emb, compile=True)
     _assert_identical(got, expected)
     _assert_identical(sa.grad(_read(llama, semiring, emb), emb, compile=True), expected)
-    assert sa.compiled_stats()["programs"] == 0 and sa.compiled_stats()["eager"] == 2
+    assert compiled.stats()["programs"] == 0 and compiled.stats()["eager"] == 2
 
 
 def test_trace_runs_eagerly_with_a_warning(llama):
@@ -250,7 +252,7 @@ def test_real_runs_torch_engine(llama):
     emb = _embeddings(llama, 0)
     expected = sa.grad(_read(llama, sa.Real(), emb), emb)
     _assert_identical(sa.grad(_read(llama, sa.Real(), emb), emb, compile=True), expected)
-    assert sa.compiled_stats()["signatures"] == 0
+    assert compiled.stats()["signatures"] == 0
 
 
 def test_replay_under_an_active_patch(llama):
@@ -264,7 +266,7 @@ def test_replay_under_an_active_patch(llama):
             expected = sa.grad(out, emb, retain_graph=True)
             got = sa.grad(out, emb, compile=True)
         _assert_identical(got, expected)
-    assert sa.compiled_stats()["replays"] == 2
+    assert compiled.stats()["replays"] == 2
 
 
 def test_program_source_is_straight_line(llama):
@@ -299,7 +301,7 @@ def test_an_op_argument_is_part_of_the_signature():
             y = model(x)
         expected = sa.grad(y, x, retain_graph=True)
         _assert_identical(sa.grad(y, x, compile=True), expected)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["signatures"] == 4 and stats["replays"] == 2 and stats["eager"] == 0, stats
 
 
@@ -346,7 +348,7 @@ def test_compiled_step_equals_eager(llama, semiring):
         emb = _embeddings(llama, seed)
         expected = sa.grad(_read(llama, semiring, emb), emb)
         _assert_identical(step(emb), expected)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 1 and stats["replays"] == 3 and stats["eager"] == 0, stats
 
 
@@ -371,7 +373,7 @@ def test_compiled_step_keyword_tensors_are_inputs(llama):
         _assert_identical(step(emb, attention_mask=mask), sa.grad(out, emb))
     # each mask takes other branches (the model tests for an all-ones mask, the backward
     # reads which rows are live): a variant each
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["eager"] == 0 and stats["programs"] == 3, stats
     step = sa.compiled_step(
         llama, semiring, lambda m, x, scale: m(inputs_embeds=x * scale).logits[0, -1, 7]
@@ -381,7 +383,7 @@ def test_compiled_step_keyword_tensors_are_inputs(llama):
         with sa.patch(llama, semiring):
             out = llama(inputs_embeds=emb * scale).logits[0, -1, 7]
         _assert_identical(step(emb, scale=scale), sa.grad(out, emb))
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["eager"] == 0 and stats["programs"] == 4 and stats["replays"] == 2, stats
 
 
@@ -407,7 +409,7 @@ def test_compiled_step_sees_weights_changed_in_place_and_new_dtypes(llama):
         _assert_identical(step(emb), sa.grad(_read(llama, semiring, emb), emb))
     finally:
         llama.to(torch.float32)
-    assert sa.compiled_stats()["signatures"] == 2
+    assert compiled.stats()["signatures"] == 2
 
 
 def test_compiled_step_raw_and_several_inputs(llama):
@@ -425,7 +427,7 @@ def test_compiled_step_raw_and_several_inputs(llama):
         expected = sa.grad(out, [emb, scale], raw=True)
         got = step(emb, scale)
         for g, e in zip(got, expected):
-            assert isinstance(g, sa.Message)
+            assert isinstance(g, Message)
             for gc, ec in zip(g.value, e.value):
                 _assert_identical(gc, ec)
 
@@ -458,7 +460,7 @@ def test_compiled_step_has_aux(llama):
         _assert_identical(got, expected)
         _assert_identical(last, logits[-1].detach())
         _assert_identical(first, logits[0].detach() * 2)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 2 and stats["replays"] == 4 and stats["eager"] == 0, stats
 
 
@@ -529,7 +531,7 @@ def test_compiled_step_input_at_another_storage_offset(llama):
         x = base[:, start : start + 6].detach().requires_grad_(True)
         expected = sa.grad(_read(llama, semiring, x), x)
         _assert_identical(step(x), expected)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["signatures"] == 2 and stats["replays"] == 2 and stats["eager"] == 0, stats
 
 
@@ -544,7 +546,7 @@ def test_random_operators_run_eagerly_with_a_warning():
         first = step(x)
     second = step(x)
     assert first.shape == second.shape == (4, 6)
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 0 and stats["eager"] == 2, stats
 
 
@@ -558,7 +560,7 @@ def test_compiled_step_of_a_model_without_parameters():
         with sa.patch(model, sa.MaxProduct()):
             y = model(x)
         _assert_identical(step(x), sa.grad(y, x))
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 1 and stats["replays"] == 2 and stats["eager"] == 0, stats
 
 
@@ -583,14 +585,14 @@ def test_checkpointed_region_runs_eagerly_with_a_warning():
     inputs = ((torch.rand(4, 5) * scale).requires_grad_(True) for scale in (1.0, 2.0))
     messages = _compiled_against_eager(model, sa.Log(), inputs)
     assert len(messages) == 1 and "checkpointed region" in messages[0]
-    stats = sa.compiled_stats()
+    stats = compiled.stats()
     assert stats["captures"] == 0 and stats["eager"] == 2, stats
 
 
 def test_identity_views_record_nothing():
     """A view operator whose result is its input's view (same storage, offset, shape and
     strides) is no step: its result stands for the input's value. Other views are steps."""
-    from semiring_autograd.engine.program import Program, Recorder
+    from semiring_autograd.engine.compiled.program import Program, Recorder
 
     x = torch.randn(3, 4)
     recorder = Recorder([x])
@@ -612,8 +614,8 @@ def test_identity_views_record_nothing():
 def test_a_shape_changed_in_place_after_an_identity_view_is_refused():
     """Two tensor objects stand for one value after an identity view; changing the shape of
     one in place would change the other in a replay, so the capture is refused."""
-    from semiring_autograd.engine.program import Recorder
-    from semiring_autograd.engine.signature import Uncapturable
+    from semiring_autograd.engine.compiled.program import Recorder
+    from semiring_autograd.engine.compiled.signature import Uncapturable
 
     x = torch.randn(3, 4)
     with pytest.raises(Uncapturable, match="changes the shape of a tensor in place"):

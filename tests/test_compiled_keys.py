@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import semiring_autograd as sa
-from semiring_autograd.engine import compiled, program
-from semiring_autograd.engine.compiled_step import _model_state
-from semiring_autograd.engine.signature import Identities
+from semiring_autograd.engine.compiled import backward as compiled_backward
+from semiring_autograd.engine.compiled import program
+from semiring_autograd.engine.compiled.signature import Identities
+from semiring_autograd.engine.compiled.step import _model_state
 from semiring_autograd.errors import SemiringAutogradError
 
 SEMIRING = sa.MaxProduct()
@@ -38,12 +39,12 @@ SEMIRING = sa.MaxProduct()
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    compiled.clear()
+    compiled_backward.clear()
     with warnings.catch_warnings():
         # the eager fallbacks warn once per reason; every call is checked against eager
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
-    compiled.clear()
+    compiled_backward.clear()
 
 
 def _model(seed: int = 0) -> nn.Sequential:
@@ -83,7 +84,7 @@ def _captured(step, model: nn.Module, read: Callable) -> None:
     """Three calls: a capture, the checked first replay, a replay of a checked program."""
     for seed in range(3):
         _check(step, model, read, seed)
-    assert sa.compiled_stats()["replays"] >= 2, sa.compiled_stats()
+    assert compiled_backward.stats()["replays"] >= 2, compiled_backward.stats()
 
 
 def _column(k: int) -> Callable:
@@ -177,7 +178,7 @@ def test_a_read_that_keeps_what_it_computes_keeps_its_program():
     offset = torch.zeros(())  # a tensor in the closure, keyed by identity
     step = sa.compiled_step(model, SEMIRING, lambda m, x: (m(x)[:, 1] + offset).sum())
     _captured(step, model, lambda m, x: m(x)[:, 1].sum())
-    stats = sa.compiled_stats()
+    stats = compiled_backward.stats()
     assert stats["captures"] == 1 and stats["replays"] == 2 and stats["eager"] == 0, stats
 
 
@@ -448,7 +449,7 @@ def test_a_cold_backward_captured_from_two_threads():
     for i in range(2):
         for value, want in zip(got[i], expected[i::2]):
             _assert_identical(value, want)
-    assert sa.compiled_stats()["captures"] == 1, sa.compiled_stats()
+    assert compiled_backward.stats()["captures"] == 1, compiled_backward.stats()
 
 
 def test_the_key_of_a_patched_model_is_its_unpatched_key():
@@ -472,7 +473,7 @@ def test_a_step_called_while_another_thread_holds_a_patch_replays():
     read = _column(0)
     step = sa.compiled_step(model, SEMIRING, read)
     _captured(step, model, read)
-    before = sa.compiled_stats()
+    before = compiled_backward.stats()
     patched, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -489,7 +490,7 @@ def test_a_step_called_while_another_thread_holds_a_patch_replays():
     finally:
         release.set()
         holder.join()
-    after = sa.compiled_stats()
+    after = compiled_backward.stats()
     assert after["captures"] == before["captures"], after
     assert after["replays"] == before["replays"] + 1, after
     _assert_identical(got, _eager(model, read, x))
@@ -497,7 +498,7 @@ def test_a_step_called_while_another_thread_holds_a_patch_replays():
 
 def test_a_programs_thread_copies_go_with_the_program(monkeypatch):
     """The copies of the capturing thread's scratch buffers that a replaying thread writes
-    into are the program's: ``sa.clear_compiled()`` frees them while that thread lives."""
+    into are the program's: ``compiled_backward.clear()`` frees them while that thread lives."""
     made: list = []
 
     def recorded(t: Tensor) -> Tensor:
@@ -535,7 +536,7 @@ def test_a_programs_thread_copies_go_with_the_program(monkeypatch):
         if errors:
             raise errors[0]
         assert made, "the replaying thread made no copy of a scratch buffer"
-        sa.clear_compiled()
+        compiled_backward.clear()
         gc.collect()
         assert all(ref() is None for ref in made)
     finally:
@@ -642,7 +643,7 @@ def test_random_operations_against_eager(operations):
     """Any sequence of creating steps, switching train/eval, editing weights in place,
     replacing a submodule or a parameter, adding or removing hooks, deleting steps and
     calling them: every call equals eager under the same seed, bit for bit."""
-    compiled.clear()
+    compiled_backward.clear()
     world = _World()
     try:
         for operation, arg in operations + [("call", 0)]:
@@ -656,7 +657,7 @@ def test_seeded_sequences_against_eager():
     program captured (each order of changes gets its chance to come first), every call
     against eager."""
     for seed in range(40):
-        compiled.clear()
+        compiled_backward.clear()
         rng = random.Random(seed)
         world = _World()
         try:

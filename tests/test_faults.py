@@ -20,8 +20,10 @@ from torch.nn.modules import module as nn_module
 from torch.utils.checkpoint import checkpoint
 
 import semiring_autograd as sa
+from semiring_autograd.engine.grad import seed_message
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
-ALL = [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.Real(formulas=True)]
+ALL = [cls() for cls in BUILTIN_SEMIRINGS] + [sa.Real(formulas=True)]
 FUNCTIONS = [s for s in ALL if repr(s) != "Real()"]
 
 
@@ -364,7 +366,7 @@ def test_reentrant_checkpoint_is_refused_with_the_fix():
     with sa.patch(model, sa.MaxProduct()):
         y = model(x)
     with pytest.raises(sa.ForeignOpError, match="reentrant torch.utils.checkpoint"):
-        y.backward(sa.seed_message(sa.MaxProduct(), y))
+        y.backward(seed_message(sa.MaxProduct(), y))
 
 
 # ----- messages are not gradients ---------------------------------------------------------
@@ -373,7 +375,7 @@ def test_optimizer_step_on_messages_is_refused_and_changes_nothing():
     x = _x()
     with sa.patch(model, sa.MaxProduct()):
         y = model(x)
-    y.backward(sa.seed_message(sa.MaxProduct(), y))
+    y.backward(seed_message(sa.MaxProduct(), y))
     before = [p.detach().clone() for p in model.parameters()]
     for foreach in (False, True):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=foreach)

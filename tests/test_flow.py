@@ -12,6 +12,7 @@ from oracle import every_path
 from small_models import flat_index, setup_model
 
 import semiring_autograd as sa
+from semiring_autograd.explain.flow import capture
 
 ELEMENT = (1, 2)
 RTOL = 1e-10
@@ -44,7 +45,7 @@ def _expected(paths: dict[int, list], keep, readout, numel: int) -> torch.Tensor
 def test_module_flow_is_the_paths_through_the_module(name: str, semiring):
     model, x0, program = setup_model(name)
     x = x0.clone().requires_grad_()
-    with sa.patch(model, semiring), sa.capture(model, list(THROUGH[name])) as seen:
+    with sa.patch(model, semiring), capture(model, list(THROUGH[name])) as seen:
         out = model(x)
     flows = sa.module_flow(out[ELEMENT], x, seen)
     paths = every_path(program, "out", flat_index(ELEMENT, out.shape), "x")
@@ -97,7 +98,7 @@ def test_consumer_flows_merge_into_the_readout():
 def test_flow_refusals():
     model, x0, _ = setup_model("mlp")
     with pytest.raises(ValueError, match="not submodules"):
-        with sa.capture(model, ["fc9"]):
+        with capture(model, ["fc9"]):
             pass
     x = x0.clone().requires_grad_()
     with sa.patch(model, sa.MaxProduct()):
@@ -111,7 +112,7 @@ def test_tiny_bert_attention_input_splits_into_query_key_value_and_residual():
     model = tiny_model("BertForSequenceClassification")
     emb, mask = tiny_inputs(model)
     x = emb.clone().requires_grad_()
-    with sa.patch(model, sa.MaxProduct()), sa.capture(model, ["bert.embeddings"]) as seen:
+    with sa.patch(model, sa.MaxProduct()), capture(model, ["bert.embeddings"]) as seen:
         logits = model(inputs_embeds=x, attention_mask=mask).logits
     h = seen["bert.embeddings"]
     flows = sa.consumer_flow(logits[1, 1], h)
@@ -119,7 +120,7 @@ def test_tiny_bert_attention_input_splits_into_query_key_value_and_residual():
     assert set(kinds) == {"query", "key", "value", "output"}, [f.module for f in flows]
     assert kinds["output"].op == "add.Tensor"  # the residual into the attention output
     merged = torch.stack([f.readout for f in flows]).amax(0)
-    with sa.patch(model, sa.MaxProduct()), sa.capture(model, ["bert.embeddings"]) as seen:
+    with sa.patch(model, sa.MaxProduct()), capture(model, ["bert.embeddings"]) as seen:
         logits = model(inputs_embeds=emb.clone().requires_grad_(), attention_mask=mask).logits
     h = seen["bert.embeddings"]
     torch.testing.assert_close(merged, sa.grad(logits[1, 1], h), rtol=0, atol=0)

@@ -21,8 +21,9 @@ from hf_models import TINY, minilm, smollm2, tiny_inputs, tiny_model
 from torch import Tensor, nn
 
 import semiring_autograd as sa
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
-SEMIRINGS = [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.Real(formulas=True)]
+SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS] + [sa.Real(formulas=True)]
 
 
 def _logits(model: nn.Module, emb: Tensor, mask: Tensor) -> Tensor:

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 import semiring_autograd as sa
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
-SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.KBest(2)]
+SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in BUILTIN_SEMIRINGS] + [sa.KBest(2)]
 #: the semirings that record semiring formulas (sa.Real() records torch's own graph)
 FORMULA_SEMIRINGS = [s for s in SEMIRINGS if repr(s) != "Real()"]
 

@@ -11,6 +11,8 @@ from oracle import every_path
 from small_models import MODELS, flat_index, record_with_paths
 
 import semiring_autograd as sa
+from semiring_autograd.explain.k_paths import top_paths_from
+from semiring_autograd.explain.paths import Path, PathFinder
 
 RTOL = 1e-12  # float64 models: products of the same float64 derivatives
 
@@ -24,13 +26,13 @@ def _k_largest(values: list[float], k: int) -> list[float]:
     return best + [0.0] * (k - len(best))
 
 
-def _nodes(path: sa.Path) -> list[tuple[int, float]]:
+def _nodes(path: Path) -> list[tuple[int, float]]:
     """The path's (flat element, local derivative) per edge, outside-patch steps dropped."""
     steps = [s for s in path.steps[1:] if s.module != "(outside sa.patch)"]
     return [(flat_index(s.index, s.shape), s.local_derivative) for s in steps]
 
 
-def _assert_distinct_enumerated(paths: list[sa.Path], enumerated: list[tuple[float, list]]):
+def _assert_distinct_enumerated(paths: list[Path], enumerated: list[tuple[float, list]]):
     """Each returned path is one of the enumerated paths (same elements, same local
     derivatives), no enumerated path returned twice."""
     pool = [[(node[1], w) for node, w in trail] for _, trail in enumerated]
@@ -224,7 +226,7 @@ def test_top_paths_on_tiny_bert_match_k_best_and_top_path():
         for step in path.steps[1:]:
             product *= abs(step.local_derivative)
         assert product == pytest.approx(path.weight, rel=1e-6)
-    on_kbest = sa.top_paths_from(sa.PathFinder(ky, kx), k, index)
+    on_kbest = top_paths_from(PathFinder(ky, kx), k, index)
     assert [p.weight for p in on_kbest] == pytest.approx([p.weight for p in paths], rel=1e-6)
 
 

@@ -4,7 +4,9 @@ Each entry of ``derivatives/*.yaml`` names under ``opinfo:`` the OpInfo entries 
 ``torch.testing._internal.common_methods_invocations.op_db`` whose samples call it. Every
 sample of those OpInfos (float64 on CPU: 0-dim and empty tensors, broadcasting both ways,
 negative dims, keyword variants, non-contiguous inputs) runs as a one-op module under
-``sa.patch``, and per semiring:
+``sa.patch``. One test runs per (OpInfo, semiring): it generates the OpInfo's samples (from a
+seed of its name, so each OpInfo's samples are the same in every run and every worker), runs
+each, and reports every failing sample by its index. Per semiring:
 
 * the patched forward equals the unpatched one exactly;
 * Real (``formulas=True``, the generated formulas) equals ``torch.autograd.grad`` with a
@@ -28,7 +30,9 @@ refusal says, and ``test_refusals_are_exactly_the_listed_ones`` keeps the list e
 
 from __future__ import annotations
 
+import functools
 import inspect
+import traceback
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +55,7 @@ from torch.testing._internal.opinfo.core import OpInfo, SampleInput
 from user_semirings import Tropical
 
 import semiring_autograd as sa
-from codegen.loader import load_entries
+from semiring_autograd.codegen.loader import load_entries
 from semiring_autograd.errors import UnsupportedOpError
 from semiring_autograd.semirings import Semiring, Value
 
@@ -68,6 +72,8 @@ for _entry in ENTRIES:
     for _name in _entry.opinfo:
         DECLARED.setdefault(_name, []).append(_entry.name)
 COMPOSITIONS = {e.name for e in ENTRIES if not e.granularity.startswith("op")}
+#: the declared OpInfos op_db has (test_declared_opinfos_exist reports the others)
+OPINFOS = sorted(name for name in DECLARED if name in OP_DB)
 
 #: OpInfos whose samples are a cross product of options, run as an evenly spaced subset
 THINNED = {
@@ -104,10 +110,6 @@ SEMIRINGS = (
 #: is checked in test_ops_oracle (its sdpa rows), test_compositions and test_k_best
 #: (a tiny BERT against top_paths)
 LEFT_OUT = {("nn.functional.scaled_dot_product_attention", sa.KBest(3))}
-
-
-def _runs(case: "Case", S: Semiring) -> bool:
-    return (case.opinfo, S) not in LEFT_OUT
 
 
 # ----------------------------------------------------------------------------- samples as calls
@@ -176,28 +178,29 @@ class Case:
 
 
 def _samples(name: str) -> list[tuple[int, SampleInput]]:
-    """The OpInfo's samples with their indices (an evenly spaced subset where ``THINNED``)."""
-    samples = list(enumerate(OP_DB[name].sample_inputs("cpu", torch.float64, requires_grad=True)))
+    """The OpInfo's samples with their indices (an evenly spaced subset where ``THINNED``),
+    drawn from a seed of ``name``; torch's global generator is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(name.encode()))
+        samples = list(
+            enumerate(OP_DB[name].sample_inputs("cpu", torch.float64, requires_grad=True))
+        )
     if name in THINNED:
         # an odd step, so an option that alternates from sample to sample keeps both values
         return samples[:: -(-len(samples) // THINNED_TO) | 1]
     return samples
 
 
-def _cases() -> list[Case]:
+@functools.lru_cache(maxsize=2)  # the tests run OpInfo by OpInfo, each under every semiring
+def _cases(name: str) -> tuple[Case, ...]:
+    """The OpInfo's samples with a differentiable tensor, as cases."""
     cases = []
-    for name in sorted(DECLARED):
-        if name not in OP_DB:  # reported by test_declared_opinfos_exist
-            continue
-        for i, sample in _samples(name):
-            found: list[Tensor] = []
-            template = _template(([sample.input, *sample.args], dict(sample.kwargs)), found)
-            if found:
-                cases.append(Case(name, i, sample, template, tuple(found)))
-    return cases
-
-
-CASES = _cases()
+    for i, sample in _samples(name):
+        found: list[Tensor] = []
+        template = _template(([sample.input, *sample.args], dict(sample.kwargs)), found)
+        if found:
+            cases.append(Case(name, i, sample, template, tuple(found)))
+    return tuple(cases)
 
 
 # ----------------------------------------------------------------------------- oracles
@@ -415,10 +418,11 @@ def test_refusals_are_exactly_the_listed_ones():
     """The OpInfos with a refused sample are those of REFUSALS, each refusal saying what
     is listed; printed so the refusals are in the test log."""
     refused: dict[str, list[str]] = {}
-    for case in CASES:
-        exc = _refusal(case)
-        if exc is not None:
-            refused.setdefault(case.opinfo, []).append(f"{case.id}: {exc}")
+    for name in OPINFOS:
+        for case in _cases(name):
+            exc = _refusal(case)
+            if exc is not None:
+                refused.setdefault(name, []).append(f"{case.id}: {exc}")
     for name, messages in sorted(refused.items()):
         print(f"{name}: {len(messages)} refused samples")
         for m in messages:
@@ -430,11 +434,32 @@ def test_refusals_are_exactly_the_listed_ones():
 
 
 @pytest.mark.parametrize(
-    "case, S",
-    [(c, S) for S in SEMIRINGS for c in CASES if _runs(c, S)],
-    ids=lambda v: v.id if isinstance(v, Case) else repr(v),
+    "name, S",
+    [(name, S) for name in OPINFOS for S in SEMIRINGS if (name, S) not in LEFT_OUT],
+    ids=lambda v: v if isinstance(v, str) else repr(v),
 )
-def test_opinfo_sample(case: Case, S: Semiring):
+def test_opinfo_samples(name: str, S: Semiring):
+    """Every sample of the OpInfo under ``S``; the failures of all its samples reported."""
+    cases = _cases(name)
+    failures: list[tuple[Case, Exception]] = []
+    for case in cases:
+        try:
+            _check_sample(case, S)
+        except Exception as exc:  # noqa: BLE001 - reported with the sample, below
+            failures.append((case, exc))
+    if failures:
+        lines = [
+            f"{case.id}: {''.join(traceback.format_exception_only(exc)).strip()}"
+            for case, exc in failures
+        ]
+        raise AssertionError(
+            f"{len(failures)} of {len(cases)} samples of {name} fail under {S!r} (the first's "
+            "traceback above):\n" + "\n".join(lines)
+        ) from failures[0][1]
+
+
+def _check_sample(case: Case, S: Semiring) -> None:
+    """One sample under ``S``: the patched forward, then the backward against its oracle."""
     module = Apply(case.call)
     ref_leaves = case.leaves()
     torch.manual_seed(RNG_SEED)

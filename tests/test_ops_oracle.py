@@ -28,7 +28,7 @@ from oracle import merge_positions, op_oracle
 from torch import Tensor
 
 import semiring_autograd as sa
-from semiring_autograd.semirings import Semiring, Value
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS, Semiring, Value
 
 RTOL, ATOL = 1e-7, 1e-9
 REAL_RTOL, REAL_ATOL = 1e-10, 1e-12
@@ -1405,7 +1405,7 @@ OPS: list[OpRow] = [
 ]
 
 #: Real twice: torch's own graph (the default) and the generated formulas
-SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.KBest(3)]
+SEMIRINGS = [sa.Real(formulas=True)] + [cls() for cls in BUILTIN_SEMIRINGS] + [sa.KBest(3)]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import semiring_autograd as sa
+from semiring_autograd.explain.flow import capture
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "examples" / "paper"
 
@@ -68,7 +69,7 @@ def test_first_token_repeated_credits(first_token_repeated, granularity):
     # the credited value is the readout at the token's strongest hidden unit
     semiring = ftr.GRANULARITIES[granularity]
     readout = ftr.LabelLogit(model)
-    with sa.patch(readout, semiring), sa.capture(model, ["bert.embeddings"]) as seen:
+    with sa.patch(readout, semiring), capture(model, ["bert.embeddings"]) as seen:
         total = readout(ids, labels)
     values = sa.grad(total, seen["bert.embeddings"])
     best = (values[0] if granularity == "tensor" else values).amax(-1)

@@ -13,6 +13,9 @@ from small_models import MODELS, flat_index, record_with_paths, setup_model
 import semiring_autograd as sa
 from semiring_autograd.ops.decompositions import DECOMPOSITIONS
 from semiring_autograd.engine.graph import reachable_nodes
+from semiring_autograd.explain.k_paths import top_paths_from
+from semiring_autograd.explain.paths import Path, PathFinder
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 
 @pytest.mark.parametrize("element", [(1, 2), (0, 0)])
@@ -21,7 +24,7 @@ def test_top_path_is_the_argmax_of_path_enumeration(name: str, element: tuple[in
     """Every input element: the same nodes, the same local derivatives, the same weight."""
     out, x, program = record_with_paths(name, sa.MaxProduct())
     flat_out = flat_index(element, tuple(out.shape))
-    finder = sa.PathFinder(out[element], x)
+    finder = PathFinder(out[element], x)
     oracle = best_paths(program, "out", flat_out, "x")
     assert oracle, "the oracle found no path"
     for j, (product, trail) in oracle.items():
@@ -46,7 +49,7 @@ def test_top_path_is_the_argmax_of_path_enumeration(name: str, element: tuple[in
 @pytest.mark.parametrize("which", ["max", "min"])
 def test_signed_top_path_is_the_extreme_signed_product(which: str):
     out, x, program = record_with_paths("mlp", sa.SignedMaxProduct())
-    finder = sa.PathFinder(out[1, 2], x, which=which)
+    finder = PathFinder(out[1, 2], x, which=which)
     oracle = best_paths(program, "out", flat_index((1, 2), tuple(out.shape)), "x", which=which)
     readout = sa.grad(out[1, 2], x, retain_graph=True)[0 if which == "max" else 1]
     for j, (product, trail) in oracle.items():
@@ -77,7 +80,7 @@ def test_tiny_bert_path_names_modules_indices_and_edges():
     x = emb.clone().requires_grad_()
     with sa.patch(model, sa.MaxProduct(), paths=True):
         logits = model(inputs_embeds=x, attention_mask=mask).logits
-    finder = sa.PathFinder(logits[1, 1], x)
+    finder = PathFinder(logits[1, 1], x)
     # a token other than [CLS] reaches the pooled [CLS] output only through attention
     token = 2
     path = finder.path((1, token, int(finder.readout[1, token].argmax())))
@@ -109,7 +112,7 @@ def test_paths_need_recording_and_a_max_semiring():
         out = model(x)
     nodes = reachable_nodes([out.grad_fn])
     assert any(sa.node_info(n) is not None for n in nodes)
-    assert all(sa.node_info(n) is None or sa.node_info(n).replay is None for n in nodes)
+    assert all(sa.node_info(n) is None or sa.node_info(n).recorded is None for n in nodes)
     with pytest.raises(sa.SemiringAutogradError, match="paths=True"):
         sa.top_path(out[0, 0], x)
     with sa.patch(model, sa.Log(), paths=True):
@@ -197,7 +200,7 @@ def test_every_decomposition_is_checked():
     assert set(_COMPOSITES) == set(DECOMPOSITIONS)
 
 
-@pytest.mark.parametrize("S", [c() for c in sa.BUILTIN_SEMIRINGS], ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("S", [c() for c in BUILTIN_SEMIRINGS], ids=lambda s: type(s).__name__)
 @pytest.mark.parametrize("name", list(_COMPOSITES))
 def test_decomposition_is_the_stated_composition(name, S):
     """Path recovery re-runs composite ops as their decomposition: it must compute the same
@@ -227,7 +230,7 @@ def test_boolean_top_path_is_a_witness(name: str):
     element = (1, 2)
     flat_out = flat_index(element, tuple(out.shape))
     paths = every_path(program, "out", flat_out, "x")
-    finder = sa.PathFinder(out[element], x)
+    finder = PathFinder(out[element], x)
     for j in range(x.numel()):
         if j not in paths:
             assert not bool(finder.readout.reshape(-1)[j])
@@ -269,12 +272,12 @@ def test_boolean_top_path_is_a_witness(name: str):
 )
 def test_out_of_range_index_is_refused_by_every_path_function(index, message: str):
     out, x, _ = record_with_paths("mlp", sa.MaxProduct())
-    finder = sa.PathFinder(out[1, 2], x)
+    finder = PathFinder(out[1, 2], x)
     calls = {
         "top_path": lambda: sa.top_path(out[1, 2], x, index),
         "PathFinder.path": lambda: finder.path(index),
         "top_paths": lambda: sa.top_paths(out[1, 2], x, 2, index=index),
-        "top_paths_from": lambda: sa.top_paths_from(finder, 2, index),
+        "top_paths_from": lambda: top_paths_from(finder, 2, index),
     }
     for name, call in calls.items():
         with pytest.raises(IndexError, match=message):
@@ -291,12 +294,12 @@ def test_index_of_the_wrong_type_is_refused(index):
 
 def test_negative_indices_in_range_count_from_the_end():
     out, x, _ = record_with_paths("mlp", sa.MaxProduct())
-    finder = sa.PathFinder(out[1, 2], x)
+    finder = PathFinder(out[1, 2], x)
     for negative, positive in [((1, -1), (1, 2)), ((-1, -3), (1, 0)), (-2, 4), (-3, 3)]:
         got, want = finder.path(negative), finder.path(positive)
         assert got.steps == want.steps and got.weight == want.weight
-        assert [p.steps for p in sa.top_paths_from(finder, 3, negative)] == [
-            p.steps for p in sa.top_paths_from(finder, 3, positive)
+        assert [p.steps for p in top_paths_from(finder, 3, negative)] == [
+            p.steps for p in top_paths_from(finder, 3, positive)
         ]
     assert finder.path(torch.tensor(4)).steps == finder.path(4).steps
 
@@ -322,7 +325,7 @@ def _program_with_readout(name: str, readout):
     return program
 
 
-def _split_at_patch(path: sa.Path) -> tuple[list, list]:
+def _split_at_patch(path: Path) -> tuple[list, list]:
     """(steps inside the patched region, steps over native nodes after it)."""
     steps = list(path.steps[1:])
     inside = [s for s in steps if s.module != "(outside sa.patch)"]
@@ -341,10 +344,10 @@ def test_steps_after_the_patch_carry_their_local_derivatives(name: str, readout:
     out, x, _ = record_with_paths(name, sa.MaxProduct())
     program = _program_with_readout(name, fn)
     oracle = best_paths(program, "r", 0, "x")
-    finder = sa.PathFinder(fn(out), x)
+    finder = PathFinder(fn(out), x)
     assert oracle
     for j, (product, trail) in oracle.items():
-        for path in (finder.path(j), sa.top_paths_from(finder, 2, j)[0]):
+        for path in (finder.path(j), top_paths_from(finder, 2, j)[0]):
             inside, outside = _split_at_patch(path)
             assert outside, "the read-out's native nodes are no steps"
             assert path.weight == pytest.approx(abs(product), rel=1e-12)
@@ -366,9 +369,9 @@ def test_signed_steps_after_the_patch_carry_their_signs(which: str):
     fn = READOUTS["division"]
     out, x, _ = record_with_paths("mlp", sa.SignedMaxProduct())
     program = _program_with_readout("mlp", fn)
-    finder = sa.PathFinder(fn(out), x, which=which)
+    finder = PathFinder(fn(out), x, which=which)
     for j, (product, _) in best_paths(program, "r", 0, "x", which=which).items():
-        for path in (finder.path(j), sa.top_paths_from(finder, 1, j)[0]):
+        for path in (finder.path(j), top_paths_from(finder, 1, j)[0]):
             assert path.weight == pytest.approx(product, rel=1e-12)
             signed = math.prod(s.local_derivative for s in path.steps[1:])
             assert signed == pytest.approx(product, rel=1e-12)

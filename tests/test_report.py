@@ -17,6 +17,7 @@ from hf_models import tiny_model
 import semiring_autograd as sa
 from semiring_autograd.explain import report
 from semiring_autograd.explain.report import NEGATIVE, POSITIVE, ZERO, Scale
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 IDS = torch.tensor([[3, 17, 5, 29, 11, 8]])
 OTHER_IDS = torch.tensor([[9, 4, 21, 2, 30, 6, 12]])
@@ -43,7 +44,7 @@ def attributions():
     model = _llama()
     return {
         type(S).__name__: sa.attribute(model, _encoding(), 7, S, position=-2, model_name="tiny")
-        for S in (cls() for cls in sa.BUILTIN_SEMIRINGS)
+        for S in (cls() for cls in BUILTIN_SEMIRINGS)
     }
 
 

@@ -24,6 +24,7 @@ from hf_models import tiny_model
 import semiring_autograd as sa
 from semiring_autograd.explain import report
 from semiring_autograd.explain.report import Scale
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 CHROMIUM = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
@@ -156,7 +157,7 @@ def long_text_attributions():
     groups = []
     for ids, text in ((IDS, "x" * 300), (IDS[:, :4], "a short text")):
         group = []
-        for semiring in (cls() for cls in sa.BUILTIN_SEMIRINGS):
+        for semiring in (cls() for cls in BUILTIN_SEMIRINGS):
             r = sa.attribute(model, {"input_ids": ids}, 7, semiring, model_name="tiny")
             group.append(replace(r, prediction=replace(r.prediction, text=text)))
         groups.append(group)

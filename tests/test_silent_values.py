@@ -19,12 +19,13 @@ from torch import nn
 from torch.nn import functional as F
 
 import semiring_autograd as sa
-from semiring_autograd.engine import compiled
+from semiring_autograd.engine.compiled import backward as compiled_backward
 from semiring_autograd.errors import SemiringDefinitionError
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 from oracle import Program
 from user_semirings import Tropical
 
-ALL = [cls() for cls in sa.BUILTIN_SEMIRINGS] + [sa.Real(formulas=True), sa.KBest(2), Tropical()]
+ALL = [cls() for cls in BUILTIN_SEMIRINGS] + [sa.Real(formulas=True), sa.KBest(2), Tropical()]
 #: where ∞·0 is NaN, as in torch's backward (README, "NaN, infinities and faults")
 NAN_CARRYING = [sa.Real(), sa.Real(formulas=True), sa.MaxProduct(), sa.Log(), sa.Entropy()]
 #: a zero derivative is no edge: no path passes it, so no NaN
@@ -144,7 +145,7 @@ def test_captured_backward_reads_inf_times_zero_as_the_eager_one(S):
     is a guard); the finite weight again replays the first. Each gives the eager readouts."""
     rows = BATCHES["7"]
     finite = WEIGHT.nan_to_num(posinf=1e300)
-    compiled.clear()
+    compiled_backward.clear()
     for weight in (finite, WEIGHT, finite):
         model = _tanh_layer(weight)
         x = ROWS[rows].clone().requires_grad_()
@@ -153,7 +154,7 @@ def test_captured_backward_reads_inf_times_zero_as_the_eager_one(S):
         replayed = sa.grad(y, x, compile=True)
         eager = _readout(S, rows, weight)
         torch.testing.assert_close(replayed, eager, rtol=0, atol=0, equal_nan=True)
-    counts = compiled.stats()
+    counts = compiled_backward.stats()
     assert (counts["captures"], counts["replays"], counts["eager"]) == (2, 1, 0), counts
 
 

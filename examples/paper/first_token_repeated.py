@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from transformers import BertConfig, BertForSequenceClassification
 
 import semiring_autograd as sa
+from semiring_autograd.explain.flow import capture
 
 #: the paper's means (Table 1, FirstTokenRepeatedOnce): key, query, value, skip
 PAPER = {"key": 0.030, "query": 0.017, "value": 0.001, "skip": 0.009}
@@ -136,7 +137,7 @@ def credits(
     position's strongest hidden unit where that consumer's message carries it, else 0."""
     semiring = GRANULARITIES[granularity]
     readout = LabelLogit(model)
-    with sa.patch(readout, semiring), sa.capture(model, ["bert.embeddings"]) as seen:
+    with sa.patch(readout, semiring), capture(model, ["bert.embeddings"]) as seen:
         total = readout(ids, labels)
     flows = sa.consumer_flow(total, seen["bert.embeddings"])
     by_name = {}

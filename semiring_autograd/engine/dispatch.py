@@ -27,7 +27,7 @@ def _resolve(path: str) -> Any:
     return obj
 
 
-class Registry:
+class OpTable:
     """Torch function → candidate ops, and op name → generated dispatch per semiring."""
 
     def __init__(self, table: ModuleType, modules: dict[str, ModuleType], origin: str):
@@ -55,8 +55,8 @@ class Registry:
         return self.modules["generic"].FUNCTIONS[op.name], True
 
     @classmethod
-    def checked(cls, table: ModuleType, modules: dict[str, ModuleType], origin: str) -> "Registry":
-        """The registry of a generated op table and modules, which must hold a module for
+    def checked(cls, table: ModuleType, modules: dict[str, ModuleType], origin: str) -> "OpTable":
+        """The op table of generated ``table`` and ``modules``, which must hold a module for
         every semiring the registry of semirings names."""
         expected = {s.generated_module for s in SEMIRINGS}
         missing = sorted(expected - set(modules))
@@ -67,8 +67,8 @@ class Registry:
         return cls(table, modules, origin)
 
     @classmethod
-    def load(cls, directory: str | Path | None = None) -> "Registry":
-        """The registry of the installed generated package, or of a directory of generated
+    def load(cls, directory: str | Path | None = None) -> "OpTable":
+        """The op table of the installed generated package, or of a directory of generated
         files (as written by ``generate --out-dir``), imported as a package of its own."""
         if directory is None:
             return cls.checked(ops_table, MODULES, "generated/")
@@ -88,12 +88,12 @@ class Registry:
         return cls.checked(package.ops_table, package.MODULES, str(directory))
 
 
-_DEFAULT: Registry | None = None
+_DEFAULT: OpTable | None = None
 
 
-def default_registry() -> Registry:
-    """The registry of the installed generated package (loaded once)."""
+def default_op_table() -> OpTable:
+    """The op table of the installed generated package (loaded once)."""
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = Registry.load()
+        _DEFAULT = OpTable.load()
     return _DEFAULT

@@ -1,4 +1,4 @@
-"""``sa.grad``: run a semiring backward through PyTorch's engine, seeded by ``sa.seed_message``."""
+"""``sa.grad``: run a semiring backward through PyTorch's engine, seeded by ``seed_message``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from ..ops import demand
-from . import checkpointing, compiled
+from . import checkpointing
 from . import trace as tracing
+from .compiled import run_backward
 from ..errors import BackwardOutOfMemoryError, SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
 from ..ops.message import Message, wrap
@@ -117,7 +118,7 @@ def grad(
 
     ``compile=True`` runs the backward as a program captured on the first call for this
     graph's signature (structure, saved tensors' shapes, op arguments), without PyTorch's
-    engine or Python per op after that (``engine/compiled.py``): results bit-identical to
+    engine or Python per op after that (``engine/compiled/``): results bit-identical to
     the eager backward, which runs instead (with one warning) where capture cannot be exact.
     Hooks on graph nodes or tensors do not run in a replay; the graph is kept until its
     outputs are freed, whatever ``retain_graph`` says. Under ``sa.Real()`` (torch's own graph,
@@ -158,13 +159,9 @@ def grad(
                 outs, ins, grad_outputs, retain_graph=retain, allow_unused=True
             )
 
-    capture = compile and not records_torch_graph(semiring)
-    if capture and traced:
-        compiled.refuse("sa.trace reports each node as it runs")
-        capture = False
     try:
-        if capture:
-            results = compiled.run(outs, ins, grad_outputs, backward, retain_graph)
+        if compile and not records_torch_graph(semiring):
+            results = run_backward(outs, ins, grad_outputs, backward, retain_graph, traced)
         else:
             results = backward(retain_graph)
     except torch.OutOfMemoryError as exc:

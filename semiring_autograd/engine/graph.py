@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .replay import Replay
+    from .recorded_call import RecordedCall
     from ..semirings.base import Semiring
 
 #: the key of a node's ``metadata`` dict under which sa.patch stores its NodeInfo
@@ -19,8 +19,8 @@ class NodeInfo(NamedTuple):
     """What ``sa.patch`` recorded about the backward node of one op call.
 
     ``op``: the YAML entry; ``module``: the qualified name of the module whose forward ran
-    it; ``semiring``: the semiring the graph was recorded with; ``replay``: the call's
-    replay (``paths=True`` only). For torch's own graph of an op (``sa.Real()``), whose
+    it; ``semiring``: the semiring the graph was recorded with; ``recorded``: the call
+    as recorded (``paths=True`` only). For torch's own graph of an op (``sa.Real()``), whose
     named node is its output's and whose other nodes are internal: ``sequence_nrs``, the
     range of autograd sequence numbers the call recorded, and ``input_nodes``, the nodes of
     its tensor inputs, where the internal ones end. Neither is set (None, ()) for a
@@ -30,7 +30,7 @@ class NodeInfo(NamedTuple):
     op: str
     module: str
     semiring: "Semiring"
-    replay: "Replay | None" = None
+    recorded: "RecordedCall | None" = None
     sequence_nrs: range | None = None
     input_nodes: tuple = ()
 

@@ -42,8 +42,8 @@ from . import custom_functions, inplace
 from .checkpointing import checkpoint_frame, recompute_under
 from .graph import NodeInfo, set_node_info
 from ..ops.spec import OpSpec
-from .dispatch import Registry, default_registry
-from .replay import Replay
+from .dispatch import OpTable, default_op_table
+from .recorded_call import RecordedCall
 from ..semirings.base import Semiring
 from ..semirings.laws import check_semiring
 from ..semirings.registry import records_torch_graph
@@ -196,7 +196,7 @@ class _SemiringMode(TorchFunctionMode):
         handle = self.handle
         if "out" in kwargs and kwargs["out"] is None:  # the default, spelled out
             kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-        candidates = handle.registry.candidates(func)
+        candidates = handle.op_table.candidates(func)
         rejected = []
         for op in candidates:
             bound = op.bind(args, kwargs)
@@ -210,22 +210,22 @@ class _SemiringMode(TorchFunctionMode):
             frame = checkpoint_frame()
             if frame is not None:  # a checkpointed region: recompute it under the semiring
                 recompute_under(frame, handle.run_in_mode)
-            replay = (
-                Replay.record(func, args, kwargs, op, bound, handle.parameter_name)
+            recorded = (
+                RecordedCall.record(func, args, kwargs, op, bound, handle.parameter_name)
                 if handle.paths
                 else None
             )
-            fn, takes_semiring = handle.registry.dispatcher(handle.semiring, op)
+            fn, takes_semiring = handle.op_table.dispatcher(handle.semiring, op)
             call = UnpatchedCall(func, args, kwargs)
             if takes_semiring:
                 out = fn(handle.semiring, call, **bound)
             else:
                 out = fn(call, **bound)
-            handle.annotate(out, op, replay)
+            handle.annotate(out, op, recorded)
             return out
         if inplace.is_inplace(func, kwargs):
             counterpart = inplace.out_of_place(func, kwargs)
-            if counterpart is None or not handle.registry.candidates(counterpart):
+            if counterpart is None or not handle.op_table.candidates(counterpart):
                 raise handle.unsupported(func, "it writes into a tensor in place")
             route = functools.partial(_route, self.__torch_function__, types)
             try:
@@ -260,11 +260,11 @@ class PatchHandle:
     """Active patch of one model; a context manager, or call :meth:`remove`."""
 
     def __init__(
-        self, model: nn.Module, semiring: Semiring, registry: Registry, paths: bool = False
+        self, model: nn.Module, semiring: Semiring, op_table: OpTable, paths: bool = False
     ):
         self.model = model
         self.semiring = semiring
-        self.registry = registry
+        self.op_table = op_table
         self.paths = paths
         #: id of each parameter → (the parameter, its qualified name), for path steps to name
         #: the parameters they cross; holding the parameter keeps its id from being reused
@@ -449,17 +449,17 @@ class PatchHandle:
                     "only, or both with the same semiring."
                 )
 
-    def annotate(self, out: Any, op: OpSpec, replay: "Replay | None") -> None:
+    def annotate(self, out: Any, op: OpSpec, recorded: "RecordedCall | None") -> None:
         """Record a :class:`NodeInfo` on the backward node of ``out``."""
         node = _output_node(out)
         if node is not None:
-            set_node_info(node, NodeInfo(op.name, self.current_module, self.semiring, replay))
+            set_node_info(node, NodeInfo(op.name, self.current_module, self.semiring, recorded))
 
     def record_torch_graph(
         self, func: Any, args: tuple, kwargs: dict, op: OpSpec, bound: dict[str, Any]
     ) -> Any:
         """Run the call as it is, with grad on (``sa.Real()``): torch records its own nodes,
-        and the output's is named. No replay: top paths need (Signed)MaxProduct."""
+        and the output's is named. No recorded call: top paths need (Signed)MaxProduct."""
         inputs = _tensors(bound.values())
         # the nodes the op's edges lead to (only its differentiable inputs have edges), read
         # before the call: a view's node is (re)built on first read
@@ -549,7 +549,7 @@ def patch(
     semiring: Semiring,
     *,
     paths: bool = False,
-    registry: Registry | None = None,
+    op_table: OpTable | None = None,
     check: bool = True,
 ) -> PatchHandle:
     """Record ``model``'s forward for a ``semiring`` backward (this thread only): each
@@ -559,7 +559,7 @@ def patch(
     call ``handle.remove()``. The forward computes exactly what the unpatched model computes;
     the recorded graph propagates ``semiring`` messages in backward (see :func:`sa.grad`).
     Every op's backward node is named: :func:`sa.node_info` gives its op, module and
-    semiring. With ``paths=True`` each node also keeps a replay of its call (its inputs stay
+    semiring. With ``paths=True`` each node also keeps a record of its call (its inputs stay
     alive until the graph is freed), which :func:`sa.top_path` needs to name a path element
     by element.
 
@@ -589,7 +589,7 @@ def patch(
         )
     if check:
         _check_laws(semiring)
-    handle = PatchHandle(model, semiring, registry or default_registry(), paths)
+    handle = PatchHandle(model, semiring, op_table or default_op_table(), paths)
     try:  # the undo runs twice: an interrupt inside the first leaves the second
         try:
             handle._install()

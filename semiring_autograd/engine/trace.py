@@ -2,7 +2,7 @@
 
 Every op's backward node recorded under ``sa.patch`` carries a :class:`~.graph.NodeInfo`
 (``sa.node_info(grad_fn)``: the YAML entry, the qualified module name, the semiring); its
-hooks receive the messages (``sa.Message``, components in ``.value``). ``sa.trace`` uses
+hooks receive the messages (``ops.message.Message``, components in ``.value``). ``sa.trace`` uses
 exactly those hooks: each node reports, as it runs, its op, module, and a summary of the
 messages it received (one per output) and sent (one per input). Under ``sa.Real()`` torch
 records its own nodes, several per op for some (a linear layer's view, addmm, transpose):

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..engine import compiled
-from ..engine.compiled_step import compiled_step
+from ..engine.compiled import backward as compiled_backward
+from ..engine.compiled.step import compiled_step
 from ..engine.grad import grad, message_value
 from ..engine.patch import patch
 from . import report
@@ -311,15 +311,16 @@ def _compiled_scores(
     """``_read_logit``'s forward and the semiring backward to ``x`` as one compiled step
     (``sa.compiled_step``, captured per input shape): the raw message at ``x`` and the
     first sequence's logits, detached. The step is kept among the library's own (up to 16,
-    until ``sa.clear_compiled()``) for the next text with this model, semiring, target and
-    position; it holds the model, as its programs hold the parameters."""
-    steps = compiled.OWN_STEPS
+    until ``engine.compiled.backward.clear()``) for the next text with this model,
+    semiring, target and position; it holds the model, as its programs hold the
+    parameters."""
+    steps = compiled_backward.OWN_STEPS
     key = ("attribute", id(model), semiring, index, position)
     step = steps.get(key)
     if step is None:
         read = functools.partial(_read_logit, index=index, position=position)
         step = steps[key] = compiled_step(model, semiring, read, raw=True, has_aux=True)
-        while len(steps) > compiled.MAX_OWN_STEPS:
+        while len(steps) > compiled_backward.MAX_OWN_STEPS:
             steps.popitem(last=False)
     steps.move_to_end(key)
     return step(x) if mask is None else step(x, attention_mask=mask)

@@ -171,7 +171,7 @@ class KPathSearch:
         children: list[tuple[float, _State]] = []
         for node, position in finder.consumers.get(state.key, []):
             info = node_info(node)
-            if (info is None or info.replay is None) and node.name() in WRITE_BACK_NODES:
+            if (info is None or info.recorded is None) and node.name() in WRITE_BACK_NODES:
                 if WRITE_BACK_NODES[node.name()] == position:
                     children.append(self._through_write_back(state, node))
             elif info is not None and info.op in DECOMPOSITIONS:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from ..ops import demand
 from ..engine.grad import recorded_semiring, seed_message
 from ..engine.graph import NodeInfo, native_column, node_info, reachable_nodes
 from ..engine.patch import patch
+from ..engine.recorded_call import RecordedCall
 from ..ops.decompositions import DECOMPOSITIONS
 from ..errors import SemiringAutogradError
 from ..ops.message import wrap
@@ -166,12 +167,12 @@ def _is_residual(step: Step) -> bool:
 class _Sub(nn.Module):
     """A composite op's decomposition, as a module to patch."""
 
-    def __init__(self, replay, decomposition):
+    def __init__(self, recorded: RecordedCall, decomposition: Callable[..., Any]):
         super().__init__()
-        self.replay, self.decomposition = replay, decomposition
+        self.recorded, self.decomposition = recorded, decomposition
 
     def forward(self, *inputs: Tensor) -> Tensor:
-        return self.replay.call(dict(enumerate(inputs)), fn=self.decomposition)
+        return self.recorded.rerun(dict(enumerate(inputs)), fn=self.decomposition)
 
 
 #: native nodes an in-place op inside the patch leaves between its recorded op and the
@@ -226,9 +227,9 @@ def _as_int(i: Any, index: Any) -> int:
         ) from None
 
 
-def _replay_of(node: Any):
+def _recorded_of(node: Any):
     info = node_info(node)
-    return None if info is None else info.replay
+    return None if info is None else info.recorded
 
 
 def key_of(t: Tensor, nodes: Sequence[Any]) -> Key:
@@ -276,7 +277,7 @@ class PathFinder:
         self.signed = kind == "signed"
         self.witness = kind == "witness"
         nodes = reachable_nodes([output.grad_fn])
-        if not any(_replay_of(n) is not None for n in nodes):
+        if not any(_recorded_of(n) is not None for n in nodes):
             raise SemiringAutogradError(
                 "this graph was recorded without paths: run the forward under "
                 "`sa.patch(model, semiring, paths=True)` to recover top paths"
@@ -381,7 +382,7 @@ class PathFinder:
         steps: list[Step] = []
         while key != self.root:
             node, position = self._winning_consumer(key, element, which)
-            if _replay_of(node) is None and WRITE_BACK_NODES.get(node.name()) == position:
+            if _recorded_of(node) is None and WRITE_BACK_NODES.get(node.name()) == position:
                 key = (node, 0)
                 continue
             info = node_info(node)
@@ -417,12 +418,12 @@ class PathFinder:
         info = node_info(node)
         if info is None:
             return native_column(node, self.incoming.get(node, ()), position, element)
-        if info.replay is None:
+        if info.recorded is None:
             raise SemiringAutogradError(
                 f"{info.op} in {info.module or 'the model'} was recorded without paths: run "
                 "the whole forward under `sa.patch(model, semiring, paths=True)`"
             )
-        return info.replay.column(position, element)
+        return info.recorded.column(position, element)
 
     def edge_step(self, node, position: int, element: int, shape, out: int, w: float) -> Step:
         """The step over the edge from element ``element`` of ``node``'s input ``position``
@@ -431,7 +432,7 @@ class PathFinder:
         info = node_info(node)
         if info is None:
             return Step(OUTSIDE, node.name(), tuple(shape), index, w)
-        entry = self._unravel(element, info.replay.inputs()[position].shape)
+        entry = self._unravel(element, info.recorded.inputs()[position].shape)
         note = edge_note(info, position, entry, index)
         return Step(info.module, info.op, tuple(shape), index, w, note)
 
@@ -476,9 +477,9 @@ class PathFinder:
         info = node_info(node)
         inputs = [
             t.detach().requires_grad_(t.is_floating_point() and p == position)
-            for p, t in enumerate(info.replay.inputs())
+            for p, t in enumerate(info.recorded.inputs())
         ]
-        sub = _Sub(info.replay, DECOMPOSITIONS[info.op])
+        sub = _Sub(info.recorded, DECOMPOSITIONS[info.op])
         with patch(sub, self.semiring, paths=True):
             out = sub(*inputs)
         (seed,) = self.incoming[node][:1]
@@ -520,7 +521,7 @@ def edge_note(
     ``out_index`` multiplies by, in words, where that is a parameter's element, another
     op's output or a known constant (the attention scale), or what a sum adds (a rotary
     embedding, an attention mask) ('' else: a residual stream's merge, a bare op)."""
-    inputs = info.replay.inputs()
+    inputs = info.recorded.inputs()
     names = _parameter_names(info)
     if info.op == "linear" and position == 0 and len(names) > 1 and names[1] is not None:
         return f"{names[1]}[{out_index[-1]}, {in_index[-1]}]"
@@ -550,7 +551,7 @@ def _parameter_names(info: NodeInfo) -> list[str | None]:
     own = info.module + "."
     return [
         n[len(own) :] if n is not None and n.startswith(own) else n
-        for n in info.replay.parameter_names
+        for n in info.recorded.parameter_names
     ]
 
 
@@ -569,7 +570,7 @@ def _sum_note(info: NodeInfo, position: int, out_index: tuple[int, ...]) -> str:
     other = 1 - position
     sign = "−" if info.op == "sub.Tensor" and other == 1 else "+"
     name = _parameter_names(info)[other]
-    operand = info.replay.inputs()[other]
+    operand = info.recorded.inputs()[other]
     if name is not None:
         return f"{sign} {name}[{_broadcast_element(operand.shape, out_index)}]"
     if operand.requires_grad:
@@ -584,11 +585,11 @@ def _is_rotary_add(info: NodeInfo) -> bool:
     same everywhere, and r read from a negation (``rotate_half``: (−x₂, x₁)): each pair of
     x rotated by angles θ (c = ρ·cos θ, s = ρ·sin θ), a rotary position embedding."""
     factors, rotated = [], False
-    for term in info.replay.inputs():
+    for term in info.recorded.inputs():
         product = node_info(term.grad_fn)
-        if product is None or product.op != "mul.Tensor" or product.replay is None:
+        if product is None or product.op != "mul.Tensor" or product.recorded is None:
             return False
-        operands = product.replay.inputs()
+        operands = product.recorded.inputs()
         constants = [t for t in operands if not t.requires_grad]
         if len(operands) != 2 or len(constants) != 1:
             return False
@@ -608,11 +609,11 @@ def _is_rotary_add(info: NodeInfo) -> bool:
 def _reads_negation(t: Tensor, depth: int = 3) -> bool:
     """Whether ``t`` is computed from a ``neg`` within ``depth`` recorded ops."""
     info = node_info(t.grad_fn)
-    if info is None or info.replay is None:
+    if info is None or info.recorded is None:
         return False
     if info.op == "neg":
         return True
-    return depth > 1 and any(_reads_negation(u, depth - 1) for u in info.replay.inputs())
+    return depth > 1 and any(_reads_negation(u, depth - 1) for u in info.recorded.inputs())
 
 
 #: ops whose output is a batch of dot products over the last dim of their second-to-last
@@ -627,10 +628,10 @@ def _attention_scale_note(info: NodeInfo, position: int) -> str:
     factor = _scalar_factor(info, position)
     if factor is None:
         return ""
-    operand = info.replay.inputs()[position]
+    operand = info.recorded.inputs()[position]
     producer = node_info(operand.grad_fn)
-    if producer is not None and producer.op in _DOT_PRODUCTS and producer.replay is not None:
-        dims = producer.replay.inputs()[-2].shape[-1:]
+    if producer is not None and producer.op in _DOT_PRODUCTS and producer.recorded is not None:
+        dims = producer.recorded.inputs()[-2].shape[-1:]
     elif any(word in info.module.lower() for word in ("attn", "attention")):
         dims = operand.shape[-1:]
     else:
@@ -647,9 +648,9 @@ def _scalar_factor(info: NodeInfo, position: int) -> float | None:
     Python scalar, or a one-element tensor without gradient): ``x * s``, ``x / s`` (1/s)."""
     if not info.op.startswith(("mul.", "div.")) or info.op == "div.Scalar_mode":
         return None
-    inputs = info.replay.inputs()
+    inputs = info.recorded.inputs()
     if info.op.endswith(".Scalar"):
-        numbers = [v for v in info.replay.leaves if isinstance(v, (int, float))]
+        numbers = [v for v in info.recorded.leaves if isinstance(v, (int, float))]
         value = numbers[0] if len(inputs) == 1 and numbers else None
     elif len(inputs) == 2 and not inputs[1 - position].requires_grad:
         other = inputs[1 - position]

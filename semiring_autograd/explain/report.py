@@ -38,7 +38,7 @@ ScaleKind = Literal["sequential", "diverging", "from_best", "presence"]
 
 
 class Scores(Protocol):
-    """What a report reads of an attribution (:class:`sa.Attribution` is one)."""
+    """What a report reads of an attribution (:class:`~.attribution.Attribution` is one)."""
 
     tokens: list[str]
     semiring: Any

@@ -10,9 +10,9 @@ signature run the same operators on tensors of the same metadata: a model run on
 one shape gives one signature; another shape, another module path or a changed argument
 gives another.
 
-The key of a compiled step adds what its forward reads from Python (``compiled_step.py``):
+The key of a compiled step adds what its forward reads from Python (``step.py``):
 ``Identities`` keys immutable values by value and any other object by its ``id()``, holding
-the object with the key (``Key.held``) so that no other object takes the id while the key
+the object with the key (``ProgramKey.held``) so that no other object takes the id while the key
 lives; ``context`` is torch's thread state an operator reads besides its arguments.
 """
 
@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ..ops.message import Message
-from ..semirings.base import Semiring
+from ...ops.message import Message
+from ...semirings.base import Semiring
 
 
 class Uncapturable(Exception):
@@ -151,7 +151,7 @@ def _seed_meta(seed: Any, sig: Signature) -> tuple:
     return sig.describe(seed)
 
 
-class Key:
+class ProgramKey:
     """A signature with its hash computed once (a key is a deep tuple). ``held``: the
     objects whose ``id()`` the parts name, kept alive with the key, so that while the cache
     holds a key no other object can take one of its ids (equal ids mean the same objects)."""
@@ -167,7 +167,9 @@ class Key:
         return self.hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Key) and self.hash == other.hash and self.parts == other.parts
+        return (
+            isinstance(other, ProgramKey) and self.hash == other.hash and self.parts == other.parts
+        )
 
 
 # ----- Python state a program depends on -----------------------------------------------------
@@ -193,7 +195,7 @@ _MISSING = object()
 
 class Identities:
     """The objects a key names by ``id()``, collected to be held with the key
-    (``Key(parts, identities.held)``)."""
+    (``ProgramKey(parts, identities.held)``)."""
 
     def __init__(self) -> None:
         self.held: list[Any] = []

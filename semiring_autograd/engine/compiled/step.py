@@ -3,10 +3,10 @@
 ``sa.grad(..., compile=True)`` replays the backward, but the patched forward still runs one
 Python ``autograd.Function`` per op. A step captures both: its first call for a signature
 runs ``with sa.patch(model, semiring): out = read(model, *inputs)`` and ``sa.grad(out,
-inputs)`` under the recorder of ``compiled.py`` (``program.py``); later calls with the same
+inputs)`` under the recorder of ``backward.py`` (``program.py``); later calls with the same
 signature run the recorded operators, forward and backward, from the new inputs, with no
 patch, no graph and no engine. Guards, variants, the check of a program's first replay
-against eager and the refusals are ``compiled.py``'s.
+against eager and the refusals are ``backward.py``'s.
 
 **What keys a program** (the signature; anything else differing, the call is captured
 anew):
@@ -63,12 +63,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
-from ..errors import SemiringAutogradError
-from ..semirings.base import Semiring
-from . import compiled
-from .signature import IMMUTABLE, Identities, Key, Signature, Uncapturable, context
-from .grad import grad, readouts
-from .patch import patch
+from ...errors import SemiringAutogradError
+from ...semirings.base import Semiring
+from ..grad import grad, readouts
+from ..patch import patch
+from . import backward
+from .signature import IMMUTABLE, Identities, ProgramKey, Signature, Uncapturable, context
 
 _GENERATIONS = itertools.count()
 
@@ -137,7 +137,7 @@ class CompiledStep:
             extra = sig.describe(kwargs)
             model, held = _model_state(self.model, ids)
         except Uncapturable as exc:
-            compiled.refuse(str(exc))
+            backward.refuse(str(exc))
             return eager(False)
         parts = (
             "step",
@@ -151,7 +151,7 @@ class CompiledStep:
             _global_module_hooks(ids),
             context(),
         )
-        programs = compiled.programs_for(Key(parts, ids.held))
+        programs = backward.programs_for(ProgramKey(parts, ids.held))
         if programs is None:
             return eager(False)
         parameters = frozenset(id(t) for t in held)

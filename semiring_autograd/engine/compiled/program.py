@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..kernels.workspace import is_scratch
-from ..ops.message import Message
+from ...kernels.workspace import is_scratch
+from ...ops.message import Message
 from .signature import AUTOCAST_DEVICES, Uncapturable
 
 _aten = torch.ops.aten
@@ -455,7 +455,7 @@ class _ThreadOwn:
     thread, which uses it one call at a time; in any other thread, that thread's tensor of
     the same layout over storage of the same size (kept per thread, so replays in several
     threads and the capturing thread's eager runs never write into one storage at once).
-    The copies are the program's: they go with it (a program evicted, ``sa.clear_compiled()``)
+    The copies are the program's: they go with it (a program evicted, ``backward.clear()``)
     or with their thread, whichever goes first."""
 
     def __init__(self) -> None:

@@ -1,9 +1,10 @@
 """A recorded op call that can be re-run: local Jacobian columns for path recovery.
 
-Recorded by ``sa.patch(..., paths=True)`` on each backward node (``sa.node_info(grad_fn).replay``).
-Its inputs are numbered as the node's ``next_functions`` are (the op's tensor arguments in
-the order the generated Function receives them), so position ``p`` of the node is input
-``p`` here, even when one tensor is passed twice (``x * x`` has two inputs, two edges).
+Recorded by ``sa.patch(..., paths=True)`` on each backward node
+(``sa.node_info(grad_fn).recorded``). Its inputs are numbered as the node's
+``next_functions`` are (the op's tensor arguments in the order the generated Function
+receives them), so position ``p`` of the node is input ``p`` here, even when one tensor is
+passed twice (``x * x`` has two inputs, two edges).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 
 @dataclass
-class Replay:
+class RecordedCall:
+    """One op call as recorded: the function and its arguments, rerun on substituted inputs."""
+
     func: Callable[..., Any]
     leaves: list[Any]  # the call's flattened (args, kwargs)
     spec: TreeSpec
@@ -36,7 +39,7 @@ class Replay:
         bound: dict,
         name_of: Callable[[Tensor], str | None] | None = None,
     ):
-        """The replay of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as
+        """The record of ``func(*args, **kwargs)``, bound to the YAML entry ``op`` as
         ``bound``; ``name_of`` gives a parameter's qualified name in the model (or None)."""
         leaves, spec = tree_flatten((args, kwargs))
         ordered = [bound[p.name] for p in op.params if not p.is_tensor_list]
@@ -61,7 +64,7 @@ class Replay:
         """The op's tensor inputs, in node input order."""
         return [self.leaves[i] for i in self.input_leaf]
 
-    def call(self, substitute: dict[int, Any] | None = None, fn: Callable | None = None) -> Any:
+    def rerun(self, substitute: dict[int, Any] | None = None, fn: Callable | None = None) -> Any:
         """Re-run the call (or ``fn`` with the same arguments), replacing node inputs
         ``{position: value}``; noise-drawing ops draw the same noise again."""
         leaves = list(self.leaves)
@@ -81,7 +84,7 @@ class Replay:
         others = {p: t.detach() for p, t in enumerate(self.inputs()) if p != position}
 
         def f(x: Tensor):
-            out = self.call({**others, position: x})
+            out = self.rerun({**others, position: x})
             return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
         with torch.no_grad():

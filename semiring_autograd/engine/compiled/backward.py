@@ -14,7 +14,7 @@ it saved and of the seeds, and torch's state an operator reads besides its argum
 default dtype, deterministic algorithms, autocast, the active torch function and dispatch
 modes: ``signature.context``). A program replays the operators as recorded (after
 autocast's casts: autocast is off during a replay). The recorder and the program
-(``program.py``) are shared with ``sa.compiled_step`` (``compiled_step.py``), which records
+(``program.py``) are shared with ``sa.compiled_step`` (``step.py``), which records
 the patched forward too, and keys its programs by the step, its ``read`` and the model's
 state as well. This module holds the programs per signature: it captures, checks a
 program's first replay, replays, and runs eagerly where it must.
@@ -48,9 +48,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..ops.message import Message
+from ...ops.message import Message
 from .program import Constant, GuardFailure, Program, Recorder
-from .signature import Key, Uncapturable, context, signature
+from .signature import ProgramKey, Uncapturable, context, signature
 
 #: captured programs kept per signature (data-dependent branches taken differently)
 MAX_VARIANTS = 4
@@ -58,7 +58,7 @@ MAX_VARIANTS = 4
 MAX_SIGNATURES = 64
 
 
-_CACHE: OrderedDict[Key, "Captured"] = OrderedDict()
+_CACHE: OrderedDict[ProgramKey, "Captured"] = OrderedDict()
 #: guards the cache and the program lists (sa.grad may run in several threads)
 _LOCK = threading.Lock()
 _COUNTS = {"captures": 0, "replays": 0, "eager": 0}
@@ -194,7 +194,7 @@ class Captured:
         return results
 
 
-def programs_for(key: Key) -> Captured | None:
+def programs_for(key: ProgramKey) -> Captured | None:
     """The programs of ``key`` (new when unseen), or None when new signatures are no longer
     captured (``NEW_SIGNATURE_LIMIT`` new ones in a row)."""
     global _new_in_a_row
@@ -218,21 +218,26 @@ def programs_for(key: Key) -> Captured | None:
     return captured
 
 
-def run(
+def run_backward(
     outputs: Sequence[Tensor],
     inputs: Sequence[Tensor],
     grad_outputs: Sequence[Any],
     eager: Callable[[bool], Sequence[Any]],
     retain_graph: bool,
+    traced: bool = False,
 ) -> Sequence[Any]:
     """The results of ``eager(retain_graph)`` (a backward through PyTorch's engine), from
-    a captured program where one exists for this graph's signature."""
+    a captured program where one exists for this graph's signature; eager when ``traced``
+    (``sa.trace`` reports each node as it runs)."""
+    if traced:
+        refuse("sa.trace reports each node as it runs")
+        return eager(retain_graph)
     try:
         parts, slots = signature(outputs, inputs, grad_outputs)
     except Uncapturable as exc:
         refuse(str(exc))
         return eager(retain_graph)
-    programs = programs_for(Key(("backward", parts, context())))
+    programs = programs_for(ProgramKey(("backward", parts, context())))
     if programs is None:
         return eager(retain_graph)
     return programs.call(slots, eager, retain_graph)
