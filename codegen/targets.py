@@ -65,7 +65,7 @@ def _own_target(spec: SemiringSpec) -> Target:
         messages = "messages are ordinary gradients in the primal's dtype"
     else:
         kind, base = "single", "ComponentFunction"
-        messages = "messages are sa.Message wrappers of that tensor"
+        messages = "messages are Message wrappers of that tensor"
     forms = cls.inline
     name = cls.__name__
     return Target(

@@ -106,7 +106,7 @@ def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
         raise SemiringMismatchError(
             f"{op}: the backward received a plain tensor where a {semiring!r} message was "
             "expected. Seed the backward with `sa.grad(...)` (or a message from "
-            "`sa.seed_message(...)`), not with a real tensor."
+            "`semiring_autograd.engine.grad.seed_message(...)`), not with a real tensor."
         )
     if grad.semiring is not semiring and grad.semiring != semiring:
         raise SemiringMismatchError(
@@ -159,7 +159,7 @@ def _view(func, msg, size):
 
 #: the end of the error for arithmetic on a message outside a backward pass
 _NOT_A_GRADIENT = (
-    "a semiring message (sa.Message) outside a backward pass. A message holds semiring "
+    "a semiring message (a Message) outside a backward pass. A message holds semiring "
     "components (`.value`), not a gradient: optimizers and arithmetic cannot use it. Read "
     "it with `sa.grad(...)` (readouts) or `msg.semiring.readout(msg.value)`, and set "
     "`p.grad = None` on every parameter before an optimizer step or an ordinary backward."

@@ -33,7 +33,7 @@ class SemiringSpec:
     largest or smallest signed product; ``"witness"``: a path that exists, not a best one);
     None where paths are not defined.
     ``plain_messages``: messages are ordinary gradients, not
-    :class:`sa.Message` wrappers. ``torch_graph``: under ``sa.patch`` torch records its own
+    :class:`~semiring_autograd.ops.message.Message` wrappers. ``torch_graph``: under ``sa.patch`` torch records its own
     graph of each op unless the instance asks for the formulas (``Real(formulas=True)``).
     ``kernels``: the fused kernels (:mod:`semiring_autograd.kernels`) its primitives use.
     ``meaning`` and ``unit``: what a readout from an output to an input element is, and its
@@ -184,7 +184,7 @@ def records_torch_graph(semiring: Semiring) -> bool:
 
 
 def plain_messages(semiring: Semiring) -> bool:
-    """Whether the backward's messages are ordinary gradients (no :class:`sa.Message`)."""
+    """Whether the backward's messages are ordinary gradients (no :class:`~semiring_autograd.ops.message.Message`)."""
     spec = spec_of(semiring)
     return spec is not None and spec.plain_messages
 
