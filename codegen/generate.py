@@ -28,6 +28,7 @@ import ast
 import contextlib
 import hashlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -122,11 +123,16 @@ def _format_in_workers(sources: list[str], shares: list[list[int]]) -> dict[int,
             send.close()
             running.append((worker, receive, share))
         formatted: dict[int, str] = {}
-        for _, receive, share in running:
-            ok, result = receive.recv()
-            if not ok:
-                raise result
-            formatted.update(zip(share, result))
+        waiting = {receive: share for _, receive, share in running}
+        while waiting:
+            for receive in multiprocessing.connection.wait(list(waiting)):
+                ok, result = receive.recv()
+                if not ok:
+                    raise result
+                formatted.update(zip(waiting.pop(receive), result))
+                print(
+                    f"generate: formatted {len(formatted)}/{len(sources)} modules", file=sys.stderr
+                )
         return formatted
     finally:
         for worker, receive, _ in running:

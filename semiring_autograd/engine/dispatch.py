@@ -11,9 +11,15 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ..generated import MODULES, ops_table
+from ..ops.message import ENTRY_RULES
 from ..ops.spec import OpSpec
 from ..semirings.base import Semiring
 from ..semirings.registry import SEMIRINGS, spec_of
+
+#: softmax's and log_softmax's native backward on messages run their YAML rules
+ENTRY_RULES.update(
+    softmax=MODULES["generic"].softmax_vjp, log_softmax=MODULES["generic"].log_softmax_vjp
+)
 
 
 def _resolve(path: str) -> Any:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..errors import ForeignOpError, SemiringMismatchError
 from ..semirings.base import Semiring, Value, message_dtype
-from .primitives import as_message, loo
+from .primitives import as_message
 from .tensor_helpers import element_positions, gather_positions
 
 aten = torch.ops.aten
@@ -386,23 +386,24 @@ def _loss_backward(func, grad, input, *args, **kwargs):
     return Message(S, _in_precision(value, unit.dtype), unit.shape, unit.dtype, unit.device)
 
 
-def _softmax_backward(func, grad, output, dim, input_dtype):
-    """softmax's backward on messages: edges y_i(δ_ij − y_j), as its YAML formula."""
-    S, ref = grad.semiring, (grad.dtype, grad.device)
-    y = as_message(output, ref)
-    value = S.add(
-        S.mul_lift(grad.value, y * (1 - y)),
-        S.mul_lift(loo(S, S.mul_lift(grad.value, y), dim), -y),
-    )
-    return Message(S, _in_precision(value, input_dtype), grad.shape, input_dtype, grad.device)
+#: the YAML rules of the entries behind native backward ops a score read after the patch
+#: meets (entry name → its rule in the generic module, ``rule(S, grad, result=…, dim=…,
+#: _ref=…)``); ``engine/dispatch.py`` fills it when it loads the generated modules
+ENTRY_RULES: dict[str, Callable[..., Value]] = {}
 
 
-def _log_softmax_backward(func, grad, output, dim, input_dtype):
-    """log_softmax's backward on messages: edges δ_ij − p_j, as its YAML formula."""
-    S, ref = grad.semiring, (grad.dtype, grad.device)
-    p = as_message(output, ref).exp()
-    value = S.add(S.mul_lift(grad.value, 1 - p), S.mul_lift(loo(S, grad.value, dim), -p))
-    return Message(S, _in_precision(value, input_dtype), grad.shape, input_dtype, grad.device)
+def _by_entry_rule(entry: str) -> Callable[..., Message]:
+    """The handler of ``aten._softmax_backward_data``-shaped ops (grad, output, dim,
+    input_dtype): the YAML rule of ``entry`` on the message."""
+
+    def backward(func, grad, output, dim, input_dtype):
+        S, ref = grad.semiring, (grad.dtype, grad.device)
+        rule = ENTRY_RULES[entry]
+        value = rule(S, grad.value, result=as_message(output, ref), dim=dim, _ref=ref)
+        return Message(S, _in_precision(value, input_dtype), grad.shape, input_dtype, grad.device)
+
+    backward.__name__ = f"_{entry}_backward"
+    return backward
 
 
 _STRUCTURAL: dict[Any, Callable[..., Any]] = {
@@ -446,8 +447,8 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.mse_loss_backward.default: _loss_backward,
     aten.smooth_l1_loss_backward.default: _loss_backward,
     aten.huber_loss_backward.default: _loss_backward,
-    aten._softmax_backward_data.default: _softmax_backward,
-    aten._log_softmax_backward_data.default: _log_softmax_backward,
+    aten._softmax_backward_data.default: _by_entry_rule("softmax"),
+    aten._log_softmax_backward_data.default: _by_entry_rule("log_softmax"),
 }
 
 
