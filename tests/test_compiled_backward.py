@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import transformers as tf
+from model_zoo import llama_config
 from torch import Tensor, nn
 from user_semirings import Tropical
 
@@ -37,15 +38,7 @@ def _fresh():
 @pytest.fixture(scope="module")
 def llama() -> nn.Module:
     torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=24,
-    )
-    return tf.LlamaForCausalLM(config).eval()
+    return tf.LlamaForCausalLM(llama_config(vocab_size=50)).eval()
 
 
 def _embeddings(model: nn.Module, seed: int, length: int = 6, dtype=torch.float32) -> Tensor:

@@ -585,7 +585,7 @@ def test_patch_leaves_the_model_exactly_as_it_was(S):
 def test_hugging_face_activation_checkpointing_gives_the_same_readouts(S):
     """A tiny Llama in train mode with every decoder layer checkpointed (transformers'
     activation checkpointing, non-reentrant) against the same model without it."""
-    from hf_models import tiny_inputs, tiny_model
+    from model_zoo import tiny_inputs, tiny_model
 
     model = tiny_model("LlamaForCausalLM").train()
     emb, mask = tiny_inputs(model)

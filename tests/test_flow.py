@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hf_models import tiny_inputs, tiny_model
+from model_zoo import tiny_inputs, tiny_model
 from oracle import every_path
 from small_models import flat_index, setup_model
 

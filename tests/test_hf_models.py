@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import TINY, minilm, smollm2, tiny_inputs, tiny_model
+from model_zoo import TINY, minilm, smollm2, tiny_inputs, tiny_model
 from torch import Tensor, nn
 
 import semiring_autograd as sa

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import tiny_inputs, tiny_model
+from model_zoo import tiny_inputs, tiny_model
 from op_checks import Apply
 from oracle import every_path
 from small_models import MODELS, flat_index, record_with_paths

@@ -30,6 +30,7 @@ import accelerate  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
+from model_zoo import llama_config  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import semiring_autograd as sa  # noqa: E402
@@ -66,14 +67,7 @@ DEVICE_MAP = {
 
 def _llama() -> nn.Module:
     torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=100,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-    )
+    config = llama_config(vocab_size=100, hidden_size=HIDDEN, intermediate_size=64)
     return tf.LlamaForCausalLM(config).to(torch.float64).eval()
 
 

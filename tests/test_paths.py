@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hf_models import tiny_inputs, tiny_model
+from model_zoo import tiny_inputs, tiny_model
 from oracle import best_paths, every_path
 from small_models import MODELS, flat_index, record_with_paths, setup_model
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_models import tiny_model
+from model_zoo import tiny_model
 
 import semiring_autograd as sa
 from semiring_autograd.explain import report

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_models import tiny_model
+from model_zoo import tiny_model
 
 import semiring_autograd as sa
 from semiring_autograd.explain import report
