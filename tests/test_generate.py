@@ -159,3 +159,30 @@ def test_sigint_leaves_the_folder_whole_and_exits_within_two_seconds(tmp_path, a
     assert [p.name for p in tmp_path.iterdir()] == ["gen"], "a staging folder was left"
     if after_line is not None:
         assert "generate: interrupted" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "folder, name",
+    [
+        ("codegen", "semiring_autograd.codegen"),
+        ("generated", "semiring_autograd.generated"),
+        ("derivatives", "semiring_autograd.derivatives"),
+    ],
+)
+def test_each_top_level_folder_imports_under_one_name_only(folder, name):
+    """From the checkout's root, ``import codegen`` (say) would make a second module with
+    its own classes: it raises, naming the one import name."""
+    run = subprocess.run(
+        [sys.executable, "-c", f"import {folder}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode != 0 and "ImportError" in run.stderr, run.stderr
+    assert name in run.stderr.splitlines()[-1], run.stderr
+    subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, check=True)
+
+
+def test_the_loader_is_one_module_with_one_error_class():
+    import semiring_autograd.codegen.loader as loader
+
+    assert sys.modules["semiring_autograd.codegen.loader"] is loader
+    assert "codegen.loader" not in sys.modules
+    assert loader.DerivativesError.__module__ == "semiring_autograd.codegen.loader"
