@@ -141,6 +141,23 @@ def test_the_documents_have_python_blocks():
         assert call in api, f"docs/api.md has no example calling {call}"
 
 
+def test_the_documents_name_only_public_sa_names():
+    """The README and docs/ write ``sa.X`` only for the public API (``sa.__all__`` and the
+    lazy ``sa.captum``); every other name is written with its module path, which is where
+    it is imported from. CHANGELOG.md is history and names what existed then."""
+    import semiring_autograd as sa
+
+    public = set(sa.__all__) | {"captum", "__all__"}
+    wrong = []
+    for document in DOCUMENTS:
+        text = document.read_text(encoding="utf-8")
+        for number, line in enumerate(text.splitlines(), 1):
+            for name in re.findall(r"(?<![\w.])sa\.(\w+)", line):
+                if name not in public:
+                    wrong.append(f"{document.relative_to(ROOT)}:{number}: sa.{name}")
+    assert not wrong, "names that are not in sa.__all__:\n" + "\n".join(wrong)
+
+
 def test_code_blocks_reads_fences_as_markdown_does():
     text = "\n".join(
         [
