@@ -51,7 +51,7 @@ def load_entries(yaml_dir: Path) -> list[OpEntry]:
         raise DerivativesError(f"{yaml_dir}: no *.yaml files")
     entries: list[OpEntry] = []
     seen: dict[str, str] = {}
-    identifiers: dict[str, str] = {}  # generated class / function name -> op
+    identifiers: dict[str, str] = {}  # generated rule name -> op
     for path in files:
         with open(path, encoding="utf-8") as fh:
             try:
@@ -66,14 +66,13 @@ def load_entries(yaml_dir: Path) -> list[OpEntry]:
             if name in seen:
                 raise _fail(f"{path.name}", f"op {name!r} is defined twice (also in {seen[name]})")
             seen[name] = path.name
-            for ident in {entry.schema.class_name, entry.schema.func_name}:
-                other = identifiers.setdefault(ident, name)
-                if other != name:
-                    raise _fail(
-                        f"{path.name}",
-                        f"ops {other!r} and {name!r} both generate the Python name {ident!r}; "
-                        "rename one of them",
-                    )
+            other = identifiers.setdefault(entry.schema.func_name, name)
+            if other != name:
+                raise _fail(
+                    f"{path.name}",
+                    f"ops {other!r} and {name!r} both generate the Python name "
+                    f"{entry.schema.func_name!r}; rename one of them",
+                )
             entries.append(entry)
     return entries
 

@@ -49,7 +49,8 @@ def rule(entry: OpEntry, flavour: Flavour, lead: tuple[str, ...] = ()) -> Rule:
         body.append(f"return {next(iter(code.values()))}")
     else:
         body = _merge_guards(body)
-        body.append(f"return ({', '.join(f'{c} if need_{t} else None' for t, c in code.items())})")
+        results = [c if c == "None" else f"{c} if need_{t} else None" for t, c in code.items()]
+        body.append(f"return ({', '.join(results)})")
     names = {n.id for b in body for n in ast.walk(ast.parse(b)) if isinstance(n, ast.Name)}
     parameters = (
         *lead,

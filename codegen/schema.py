@@ -73,11 +73,6 @@ class Schema:
         return f"{self.name}.{self.overload}" if self.overload else self.name
 
     @property
-    def class_name(self) -> str:
-        parts = re.split(r"[._]", self.full_name)
-        return "".join(p[:1].upper() + p[1:] for p in parts if p)
-
-    @property
     def func_name(self) -> str:
         return self.full_name.replace(".", "_")
 

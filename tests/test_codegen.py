@@ -169,18 +169,19 @@ def test_duplicate_op_is_an_error(tmp_path):
 
 
 def test_ops_generating_the_same_python_name_are_an_error(tmp_path):
-    """``t`` and ``T`` differ as ops but would both generate the class ``T``."""
+    """``neg.out`` and ``neg_out`` differ as ops but would both generate the rule
+    ``neg_out_vjp``."""
     (tmp_path / "a.yaml").write_text("""
-- name: t(Tensor input) -> Tensor
-  torch: [torch.t]
+- name: neg.out(Tensor input) -> Tensor
+  torch: [torch.neg]
   granularity: op
   input: grad
-- name: T(Tensor input) -> Tensor
-  torch: [torch.Tensor.T.__get__]
+- name: neg_out(Tensor input) -> Tensor
+  torch: [torch.Tensor.neg]
   granularity: op
   input: grad
 """)
-    with pytest.raises(DerivativesError, match="both generate the Python name 'T'"):
+    with pytest.raises(DerivativesError, match="both generate the Python name 'neg_out'"):
         load_entries(tmp_path)
 
 

@@ -14,7 +14,10 @@ function entries and backward jumps). Those events are skipped: raising there wo
 lock held or grad mode off in torch's own code and this library's alike. So are the events
 of a context manager's ``__enter__`` and ``__exit__`` outside this library (torch's,
 contextlib's): an interrupt at their entry or return leaves their own state half-entered or
-half-exited (torch.utils.checkpoint's saved-tensor hooks on the thread), which is theirs.
+half-exited (torch.utils.checkpoint's saved-tensor hooks on the thread), which is theirs;
+and the events of generators outside this library, which such context managers run their
+entry and exit in (torch.utils.checkpoint's ``_checkpoint_without_reentrant_generator``
+pushes its hooks, yields to the forward and pops them).
 
 What no Python code can guard is the hand-over of the handle: an interrupt at the return of
 ``sa.patch``, in ``__enter__`` or at the entry of ``__exit__`` leaves the patch whole (every
@@ -27,6 +30,7 @@ import dis
 import functools
 import sys
 from dataclasses import dataclass
+from inspect import CO_GENERATOR
 from types import CodeType, FrameType
 from typing import Any, Callable
 
@@ -141,9 +145,8 @@ def _interrupt_point(frame: FrameType, event: str) -> bool:
     """Whether this trace event is one where the test interrupts (see the module
     docstring)."""
     code = frame.f_code
-    if code.co_name in ("__enter__", "__exit__") and "/semiring_autograd/" not in (
-        code.co_filename.replace("\\", "/")
-    ):
+    foreign = "/semiring_autograd/" not in code.co_filename.replace("\\", "/")
+    if foreign and (code.co_name in ("__enter__", "__exit__") or code.co_flags & CO_GENERATOR):
         return False
     return event in ("call", "return") or (event == "line" and not _at_with_exit(frame))
 
