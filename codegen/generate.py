@@ -241,7 +241,8 @@ _STRUCTURAL = "from .structural import STRUCTURAL"
 
 def _imports(rules: list[Rule], always: tuple[str, ...]) -> list[str]:
     """The import lines of a module of ``rules``: the modules their bodies name, then
-    ``always``."""
+    ``always``; a blank line between the standard library, torch, the package and the
+    generated package."""
     names = {
         node.id
         for r in rules
@@ -249,7 +250,14 @@ def _imports(rules: list[Rule], always: tuple[str, ...]) -> list[str]:
         for node in ast.walk(ast.parse(statement))
         if isinstance(node, ast.Name)
     }
-    return [line for name, line in _MODULES.items() if name in names] + list(always)
+    lines = [line for name, line in _MODULES.items() if name in names] + list(always)
+    groups: dict[str, list[str]] = {}
+    for line in lines:
+        origin = line.split()[1]
+        group = "4" if origin.startswith(".") else "3" if origin.startswith("semiring") else "2"
+        groups.setdefault("1" if origin == "math" else group, []).append(line)
+    blocks = [sorted(groups[g]) for g in sorted(groups)]
+    return [line for block in blocks for line in [*block, ""]][:-1]
 
 
 def is_generated(path: Path) -> bool:
