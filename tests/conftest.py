@@ -1,6 +1,7 @@
 """Session setup shared by every test module."""
 
 import os
+import signal
 
 import torch
 
@@ -8,3 +9,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per pytest-xdist worker: workers fill the cores, and OpenMP
     # threads of several workers spinning on the same cores slow every test down
     torch.set_num_threads(1)
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # a shell starts background jobs with SIGINT ignored, and processes inherit that: the
+    # tests that deliver Ctrl-C (to this process or to a command they start) need it on
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -549,7 +549,7 @@ def test_half_precision_readouts_follow_the_float32_model(S, dtype):
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
-# ----- the README's promises ---------------------------------------------------------------
+# ----- the documented promises (docs/semantics.md, docs/api.md) ----------------------------
 def _module_state(model: nn.Module) -> list[tuple[str, dict]]:
     return [(name, dict(vars(m))) for name, m in model.named_modules()]
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import gc
 import sys
 from dataclasses import dataclass
 from inspect import CO_GENERATOR
@@ -183,7 +184,10 @@ def _run_traced(events: _Events, fn: Callable[[], Any]) -> str | None:
     """``fn()`` under the trace function; how it ended when it raised ("KeyboardInterrupt"
     for the injected interrupt). The exception is dropped, and with its traceback the
     frames it held: a generator of torch's they suspended (torch.utils.checkpoint's
-    saved-tensor hooks) is closed now, as it is when a user's traceback goes."""
+    saved-tensor hooks) is closed now, as it is when a user's traceback goes. The cyclic
+    garbage collector is off meanwhile: its callbacks (a WeakKeyDictionary's, say) would add
+    trace events where a collection happens to fall, and every run must count the same."""
+    gc.disable()
     sys.settrace(events)
     try:
         fn()
@@ -193,6 +197,7 @@ def _run_traced(events: _Events, fn: Callable[[], Any]) -> str | None:
         return f"{type(exc).__name__}: {exc}"
     finally:
         sys.settrace(None)
+        gc.enable()
     return None
 
 
@@ -292,7 +297,9 @@ def _interrupt_points(
 ) -> list[int]:
     """The events ``run(prepare())`` is interrupted at (``finish`` its result afterwards,
     untraced): every one in the patch's own code, one in :data:`STRIDE` of the rest
-    (counted on a second run, the first warms caches)."""
+    (counted on a second run, the first warms caches). The runs interrupted afterwards
+    must call ``run`` as ``lambda: run(prepared)`` does, one Python frame deep, so they
+    count the same events."""
     for counting in (_Events(), _Events()):
         prepared = prepare()
         outcome = _run_traced(counting, lambda: run(prepared))
@@ -311,16 +318,15 @@ def test_an_interrupt_anywhere_leaves_model_thread_and_torch_as_they_were(semiri
     x = _input()
     expected = _patched_forward_backward(_model(), x, semiring)
     plain = _plain_forward_backward()
-    points = _interrupt_points(
-        lambda model: _patched_forward_backward(model, x, semiring), _model, lambda model: None
-    )
+    run = functools.partial(_patched_forward_backward, x=x, semiring=semiring)
+    points = _interrupt_points(run, _model, lambda model: None)
 
     problems: list[str] = []
     for i, n in enumerate(points):
         model = _model()
         before = _State.of(model)
         events = _Events(raise_at=n)
-        outcome = _run_traced(events, lambda: _patched_forward_backward(model, x, semiring))
+        outcome = _run_traced(events, lambda: run(model))
         problems += _check_after_interrupt(model, before, events, outcome)
         if problems:
             break

@@ -3,7 +3,7 @@ for inputs the backward cannot use.
 
 * ∞·0: an infinite weight feeding a saturated tanh (tanh' = 0 exactly). Each row's
   readout is the same alone and in any batch; NaN in Real, MaxProduct, Log and Entropy
-  exactly where torch's float64 gradient is NaN (the README's rule), no NaN elsewhere; the
+  exactly where torch's float64 gradient is NaN (docs/semantics.md's rule), no NaN elsewhere; the
   other values are the brute-force path enumeration's (tests/oracle.py).
 * ``nn.Linear`` with no output or no input features, or a batch of 0: every message is
   the oracle's (the semiring zero where no path reaches).
@@ -26,7 +26,7 @@ from oracle import Program
 from user_semirings import Tropical
 
 ALL = [cls() for cls in BUILTIN_SEMIRINGS] + [sa.Real(formulas=True), sa.KBest(2), Tropical()]
-#: where ∞·0 is NaN, as in torch's backward (README, "NaN, infinities and faults")
+#: where ∞·0 is NaN, as in torch's backward (docs/semantics.md, "NaN, infinities and faults")
 NAN_CARRYING = [sa.Real(), sa.Real(formulas=True), sa.MaxProduct(), sa.Log(), sa.Entropy()]
 #: a zero derivative is no edge: no path passes it, so no NaN
 EDGE_READING = [sa.SignedMaxProduct(), sa.Boolean(), sa.Counting(), sa.KBest(2)]

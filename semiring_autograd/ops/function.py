@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..semirings.base import Semiring
 from .demand import input_demand
-from .message import check_plain, unwrap, unwrap_one, wrap_meta, wrap_one
+from .message import check_plain, unwrap, wrap_meta, wrap_one
 
 #: plan sources that are not parameters: the op's output and a forward helper's extra output
 OUTPUT, AUX = -1, -2
@@ -104,6 +104,8 @@ class SemiringFunction(torch.autograd.Function):
     lead: ClassVar[int] = 1
     #: whether messages are Message wrappers (False: ordinary gradients, Real's module)
     messages: ClassVar[bool] = True
+    #: whether a rule reads a message's one component (``unwrap`` gives the value's tuple)
+    one_component: ClassVar[bool] = False
 
     @classmethod
     def call(cls, *leading: Any, **bound: Any) -> Any:
@@ -119,10 +121,18 @@ class SemiringFunction(torch.autograd.Function):
             return out[0]
         return out if plan.aux_type is None else plan.aux_type(out)
 
-    @classmethod
-    def record(cls, ctx: Any, S: Semiring, call: Callable, args: tuple) -> Any:
-        """The forward: the op's outputs, with what the plan says saved on ``ctx``."""
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> Any:
+        """The op's outputs, with what its plan says saved on ``ctx``. ``args``: the
+        semiring (generic modules only), the unpatched call, the op's arguments."""
+        cls = ctx._forward_cls
         plan = cls.plan
+        lead = cls.lead
+        if lead == 1:
+            S, call = cls.semiring, args[0]
+        else:
+            S, call = args[0], args[1]
+        args = args[lead:]
         values = args
         list_at = plan.list_at
         if list_at is not None:
@@ -137,7 +147,6 @@ class SemiringFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.semiring = S
         ctx.op_name = plan.name
-        lead = cls.lead
         tensor_args = [False] * lead
         for x in args:
             tensor_args.append(isinstance(x, Tensor))
@@ -195,12 +204,16 @@ class SemiringFunction(torch.autograd.Function):
         none = (None,) * len(ctx.needs_input_grad)
         if plan.multi_output:
             incoming = [cls.unwrap(S, g, plan.name) for g in grads]
+            if cls.one_component:
+                incoming = [None if g is None else g[0] for g in incoming]
             if all(g is None for g in incoming):
                 return none
         else:
             incoming = cls.unwrap(S, grads[0], plan.name)
             if incoming is None:
                 return none
+            if cls.one_component:
+                incoming = incoming[0]
         lead = cls.lead
         list_at = plan.list_at
         needs = input_demand(ctx, ctx._tensor_args)
@@ -281,16 +294,7 @@ def _class_name(op: str) -> str:
     return "".join(p[:1].upper() + p[1:] for p in op.replace(".", "_").split("_") if p)
 
 
-class SpecialisedFunction(SemiringFunction):
-    """A Function of a module specialised to one semiring (``semiring``)."""
-
-    @staticmethod
-    def forward(ctx: Any, call: Callable, *args: Any) -> Any:
-        cls = ctx._forward_cls
-        return cls.record(ctx, cls.semiring, call, args)
-
-
-class PlainFunction(SpecialisedFunction):
+class PlainFunction(SemiringFunction):
     """Real's Functions: messages are ordinary gradients in the primal's dtype."""
 
     messages = False
@@ -305,10 +309,11 @@ class PlainFunction(SpecialisedFunction):
         return value
 
 
-class ComponentFunction(SpecialisedFunction):
+class ComponentFunction(SemiringFunction):
     """A one-component semiring's Functions: a value is its component tensor."""
 
-    unwrap = staticmethod(unwrap_one)
+    one_component = True
+    unwrap = staticmethod(unwrap)
     wrap = staticmethod(wrap_one)
 
 
@@ -319,10 +324,6 @@ class GenericFunction(SemiringFunction):
     lead = 2
     unwrap = staticmethod(unwrap)
     wrap = staticmethod(wrap_meta)
-
-    @staticmethod
-    def forward(ctx: Any, S: Semiring, call: Callable, *args: Any) -> Any:
-        return ctx._forward_cls.record(ctx, S, call, args)
 
     @staticmethod
     def componentwise(rule: Callable) -> Callable:

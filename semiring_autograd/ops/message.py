@@ -128,12 +128,6 @@ def wrap_one(semiring: Semiring, component: Tensor | None, meta) -> Message | No
     return Message(semiring, (component,), shape, dtype, device)
 
 
-def unwrap_one(semiring: Semiring, grad: Tensor | None, op: str) -> Tensor | None:
-    """The component tensor inside an incoming message of a one-component semiring."""
-    value = unwrap(semiring, grad, op)
-    return None if value is None else value[0]
-
-
 # ----- structural aten ops on messages -------------------------------------------------
 def _msg_args(args) -> tuple[Message, Semiring]:
     for a in args:
