@@ -2,12 +2,13 @@
 
 ``--check`` fails when generated/ is stale.
 
-The loader builds the typed model of the YAML (:mod:`.model`); named Jinja templates
-render it: ``functions.py.j2`` once per target (:mod:`.targets`: a module specialised to
-each built-in semiring the registry gives its own module, and the generic module),
-``ops_table.py.j2`` (signatures, torch functions, granularity), ``package_init.py.j2`` and
-``supported_ops.md.j2`` (the docs page of every supported torch function). Formulas are
-translated per target by :func:`.formulas.rewrite`. Output is black-formatted,
+The loader builds the typed model of the YAML (:mod:`.model`); :mod:`.rules` decides every
+line: each op's rule per target (formulas translated by :func:`.formulas.rewrite`), its
+``OpSpec`` and its ``Plan``. Named Jinja templates print them: ``functions.py.j2`` once per
+target (:mod:`.targets`: a module specialised to each built-in semiring the registry gives
+its own module, and the generic module), ``structural.py.j2`` (the structural rules, once),
+``ops_table.py.j2`` (specs and plans), ``package_init.py.j2`` and ``supported_ops.md.j2``
+(the docs page of every supported torch function). Output is black-formatted,
 deterministic, and only changed files are rewritten.
 
 Writing is all or nothing: the changed files are written to a staging folder beside the
