@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..semirings.base import Semiring
 from .demand import input_demand
-from .message import check_plain, unwrap, wrap_meta, wrap_one
+from .message import unwrap, unwrap_plain, wrap_meta, wrap_one
 
 #: plan sources that are not parameters: the op's output and a forward helper's extra output
 OUTPUT, AUX = -1, -2
@@ -238,27 +238,27 @@ class SemiringFunction(torch.autograd.Function):
         if not several:
             results = (results,)
         out = list(none)
-        wrap = cls.wrap
-        metas = ctx.metas if cls.messages else (None,) * len(need)
+        messages = cls.messages
         for i, (t, p) in enumerate(zip(plan.targets, plan.positions)):
             if not need[i]:
                 continue
             if t != list_at:
-                out[lead + p] = wrap(S, results[i], metas[i])
+                out[lead + p] = cls.wrap(S, results[i], ctx.metas[i]) if messages else results[i]
                 continue
             start = lead + p
-            parts = results[i]
-            list_metas = metas[i] or [None] * len(parts)
-            for j, (v, m) in enumerate(zip(parts, list_metas)):
-                out[start + j] = wrap(S, v, m) if needs[start + j] else None
+            for j, v in enumerate(results[i]):
+                if needs[start + j]:
+                    out[start + j] = cls.wrap(S, v, ctx.metas[i][j]) if messages else v
         return tuple(out)
 
     @staticmethod
     def unwrap(S: Semiring, grad: Tensor | None, op: str) -> Any:
+        """The value inside an incoming message (None stays None), checked to be ``S``'s."""
         raise NotImplementedError
 
     @staticmethod
     def wrap(S: Semiring, value: Any, meta: Any) -> Any:
+        """The message of ``value`` with metadata ``meta`` (modules with messages)."""
         raise NotImplementedError
 
     @classmethod
@@ -298,15 +298,7 @@ class PlainFunction(SemiringFunction):
     """Real's Functions: messages are ordinary gradients in the primal's dtype."""
 
     messages = False
-
-    @staticmethod
-    def unwrap(S: Semiring, grad: Tensor | None, op: str) -> Tensor | None:
-        check_plain(grad, op)
-        return grad
-
-    @staticmethod
-    def wrap(S: Semiring, value: Tensor | None, meta: Any) -> Tensor | None:
-        return value
+    unwrap = staticmethod(unwrap_plain)
 
 
 class ComponentFunction(SemiringFunction):

@@ -446,10 +446,11 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
 }
 
 
-def check_plain(grad: Tensor | None, op: str) -> None:
-    """Real-semiring backward: the incoming gradient must be an ordinary tensor."""
+def unwrap_plain(semiring: Semiring, grad: Tensor | None, op: str) -> Tensor | None:
+    """Real-semiring backward: the incoming gradient, which must be an ordinary tensor."""
     if isinstance(grad, Message):
         raise SemiringMismatchError(
             f"{op}: a {grad.semiring!r} message reached a node recorded under Real(). "
             "One backward pass must use one semiring."
         )
+    return grad
