@@ -71,6 +71,14 @@ class Plan:
         )
 
     @functools.cached_property
+    def single(self) -> int | None:
+        """The position of the one input with a formula, when there is one and it is not a
+        tensor list (most ops: their backward takes the shortest path)."""
+        if len(self.targets) == 1 and self.targets[0] != self.list_at:
+            return self.positions[0]
+        return None
+
+    @functools.cached_property
     def saved_list_at(self) -> int | None:
         """The index in ``saved`` of the tensor list, if it is saved."""
         sources = [source for source, _ in self.saved]
@@ -197,6 +205,13 @@ class SemiringFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    def _listed(plan: Plan, saved: tuple) -> tuple:
+        """The saved tensors with the tensor list's gathered into one list."""
+        at = plan.saved_list_at
+        end = len(saved) - (len(plan.saved) - at - 1)
+        return (*saved[:at], list(saved[at:end]), *saved[end:])
+
+    @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple:
         cls = ctx._forward_cls
         plan = cls.plan
@@ -217,16 +232,30 @@ class SemiringFunction(torch.autograd.Function):
         lead = cls.lead
         list_at = plan.list_at
         needs = input_demand(ctx, ctx._tensor_args)
+        single = plan.single
+        if single is not None:  # one input with a formula, not a tensor list
+            slot = lead + single
+            if not needs[slot]:
+                return none
+            args = ctx.saved_tensors
+            if plan.saved_list_at is not None:
+                args = cls._listed(plan, args)
+            args = (*args, *ctx.kept, ctx._ref) if cls.takes_ref else (*args, *ctx.kept)
+            if cls.semiring is None:
+                result = cls.rule(S, incoming, *args)
+            else:
+                result = cls.rule(incoming, *args)
+            out = list(none)
+            out[slot] = cls.wrap(S, result, ctx.metas[0]) if cls.messages else result
+            return tuple(out)
         need = []
         for t, p in zip(plan.targets, plan.positions):
             need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
         if not any(need):
             return none
         saved = ctx.saved_tensors
-        at = plan.saved_list_at
-        if at is not None:
-            end = len(saved) - (len(plan.saved) - at - 1)
-            saved = (*saved[:at], list(saved[at:end]), *saved[end:])
+        if plan.saved_list_at is not None:
+            saved = cls._listed(plan, saved)
         args = (*saved, *ctx.kept, ctx._ref) if cls.takes_ref else (*saved, *ctx.kept)
         several = len(need) > 1
         if several:
