@@ -244,21 +244,21 @@ def _imports(rules: list[Rule], always: tuple[str, ...]) -> list[str]:
     """The import lines of a module of ``rules``: the modules their bodies name, then
     ``always``; a blank line between the standard library, torch, the package and the
     generated package."""
-    names = {
-        node.id
-        for r in rules
-        for statement in r.body
-        for node in ast.walk(ast.parse(statement))
-        if isinstance(node, ast.Name)
-    }
+    names = frozenset().union(*(r.names for r in rules))
     lines = [line for name, line in _MODULES.items() if name in names] + list(always)
-    groups: dict[str, list[str]] = {}
-    for line in lines:
-        origin = line.split()[1]
-        group = "4" if origin.startswith(".") else "3" if origin.startswith("semiring") else "2"
-        groups.setdefault("1" if origin == "math" else group, []).append(line)
-    blocks = [sorted(groups[g]) for g in sorted(groups)]
-    return [line for block in blocks for line in [*block, ""]][:-1]
+    groups: dict[int, list[str]] = {}
+    for line in sorted(lines):
+        groups.setdefault(_import_group(line.split()[1]), []).append(line)
+    return [line for g in sorted(groups) for line in [*groups[g], ""]][:-1]
+
+
+def _import_group(module: str) -> int:
+    """0 the standard library, 1 torch, 2 the package, 3 the generated package."""
+    if module.startswith("."):
+        return 3
+    if module.startswith("semiring_autograd"):
+        return 2
+    return 0 if module == "math" else 1
 
 
 def is_generated(path: Path) -> bool:

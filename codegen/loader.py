@@ -243,12 +243,10 @@ def _formulas(
         ]
     except FormulaError as exc:
         raise DerivativesError(str(exc)) from exc
-    needs: dict[str, frozenset[str]] = {}  # intermediate → the intermediates it needs
-    for f in parsed:
-        direct = f.names_read & needs.keys()
-        needs[f.target] = frozenset(direct.union(*(needs[n] for n in direct)))
-    for f in formulas:
-        direct = f.names_read & {i.target for i in parsed}
+    inter_names = {f.target for f in parsed}
+    needs: dict[str, frozenset[str]] = {}  # name → the intermediates it needs, transitively
+    for f in [*parsed, *formulas]:  # an intermediate reads only earlier ones
+        direct = f.names_read & inter_names
         needs[f.target] = frozenset(direct.union(*(needs[n] for n in direct)))
     intermediates = []
     for f in parsed:

@@ -22,6 +22,8 @@ class Rule:
     name: str
     parameters: tuple[str, ...]
     body: tuple[str, ...]
+    #: every name the body reads (its imports and whether it takes ``_ref`` follow)
+    names: frozenset[str]
 
 
 def rule_name(entry: OpEntry) -> str:
@@ -40,18 +42,16 @@ def rule(entry: OpEntry, flavour: Flavour, lead: tuple[str, ...] = ()) -> Rule:
         f.target: rewrite(f.tree, flavour, entry.tensor_params) for f in entry.formulas.values()
     }
     body = [
-        f"if {' or '.join(f'need_{u}' for u in i.users)}:\n"
-        f"    {i.target} = {rewrite(i.tree, flavour, entry.tensor_params)}"
-        for i in entry.intermediates
+        f"{i.target} = {rewrite(i.tree, flavour, entry.tensor_params)}" for i in entry.intermediates
     ]
-    if not several:
-        body = [b.split("\n    ", 1)[1] for b in body]
-        body.append(f"return {next(iter(code.values()))}")
-    else:
-        body = _merge_guards(body)
+    if several:
+        guards = [" or ".join(f"need_{u}" for u in i.users) for i in entry.intermediates]
+        body = _merge_guards([f"if {g}:\n    {b}" for g, b in zip(guards, body)])
         results = [c if c == "None" else f"{c} if need_{t} else None" for t, c in code.items()]
         body.append(f"return ({', '.join(results)})")
-    names = {n.id for b in body for n in ast.walk(ast.parse(b)) if isinstance(n, ast.Name)}
+    else:  # the rule runs only when its one input is needed
+        body.append(f"return {next(iter(code.values()))}")
+    names = frozenset(n.id for b in body for n in ast.walk(ast.parse(b)) if isinstance(n, ast.Name))
     parameters = (
         *lead,
         "grads" if entry.multi_output else "grad",
@@ -60,7 +60,7 @@ def rule(entry: OpEntry, flavour: Flavour, lead: tuple[str, ...] = ()) -> Rule:
         *(k.name for k in entry.kept),
         *(("_ref",) if "_ref" in names else ()),
     )
-    return Rule(entry.name, rule_name(entry), parameters, tuple(body))
+    return Rule(entry.name, rule_name(entry), parameters, tuple(body), names)
 
 
 def _merge_guards(statements: list[str]) -> list[str]:

@@ -166,11 +166,11 @@ class SemiringFunction(torch.autograd.Function):
             output, aux = outputs, None
         first = output[0] if plan.multi_output else output
         ctx._ref = (first.dtype, first.device)
-        needs = ctx.needs_input_grad
-        need = []
-        for t, p in zip(plan.targets, plan.positions):
-            need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
         if plan.saved:
+            needs = ctx.needs_input_grad
+            need = []
+            for t, p in zip(plan.targets, plan.positions):
+                need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
             tensors = []
             for source, readers in plan.saved:
                 value = output if source == OUTPUT else aux if source == AUX else values[source]
@@ -234,36 +234,29 @@ class SemiringFunction(torch.autograd.Function):
         needs = input_demand(ctx, ctx._tensor_args)
         single = plan.single
         if single is not None:  # one input with a formula, not a tensor list
-            slot = lead + single
-            if not needs[slot]:
+            if not needs[lead + single]:
                 return none
-            args = ctx.saved_tensors
-            if plan.saved_list_at is not None:
-                args = cls._listed(plan, args)
-            args = (*args, *ctx.kept, ctx._ref) if cls.takes_ref else (*args, *ctx.kept)
-            if cls.semiring is None:
-                result = cls.rule(S, incoming, *args)
-            else:
-                result = cls.rule(incoming, *args)
-            out = list(none)
-            out[slot] = cls.wrap(S, result, ctx.metas[0]) if cls.messages else result
-            return tuple(out)
-        need = []
-        for t, p in zip(plan.targets, plan.positions):
-            need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
-        if not any(need):
-            return none
-        saved = ctx.saved_tensors
+        else:
+            need = []
+            for t, p in zip(plan.targets, plan.positions):
+                need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
+            if not any(need):
+                return none
+        args = ctx.saved_tensors
         if plan.saved_list_at is not None:
-            saved = cls._listed(plan, saved)
-        args = (*saved, *ctx.kept, ctx._ref) if cls.takes_ref else (*saved, *ctx.kept)
-        several = len(need) > 1
+            args = cls._listed(plan, args)
+        args = (*args, *ctx.kept, ctx._ref) if cls.takes_ref else (*args, *ctx.kept)
+        several = len(plan.targets) > 1
         if several:
             args = (*need, *args)
         if cls.semiring is None:
             results = cls.rule(S, incoming, *args)
         else:
             results = cls.rule(incoming, *args)
+        if single is not None:
+            out = list(none)
+            out[lead + single] = cls.wrap(S, results, ctx.metas[0]) if cls.messages else results
+            return tuple(out)
         if not several:
             results = (results,)
         out = list(none)
