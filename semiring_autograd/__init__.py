@@ -17,6 +17,22 @@ generated Function computes with); ``generated`` (one Function per op, emitted b
 loading, the CLI, Captum).
 """
 
+import importlib.util as _importlib_util
+from pathlib import Path as _Path
+
+
+def _serve_checkout_subpackages() -> None:
+    """A checkout on ``PYTHONPATH`` with nothing installed (a bare GPU machine): the
+    subpackages that live at the top of the checkout (``generated``, ``codegen``,
+    ``derivatives``) are found there, as an install maps them."""
+    root = _Path(__file__).resolve().parent.parent
+    if _importlib_util.find_spec(__name__ + ".generated") is None:
+        if (root / "generated" / "__init__.py").is_file():
+            __path__.append(str(root))
+
+
+_serve_checkout_subpackages()
+
 from .engine.compiled.step import compiled_step
 from .engine.grad import grad
 from .engine.graph import node_info
