@@ -1,8 +1,8 @@
 """Semiring backward vs native backward: time and peak-memory ratios, as a markdown table.
 
-For every case (BERT-base, GPT-2-small, MLP 784-500-10, ResNet-18 and ViT-B/16 shapes, and
-a Llama-2-7B-shaped stack in bfloat16: 4 layers on CPU, all 32 on CUDA) and every built-in
-semiring (Real
+For every case (BERT-base, GPT-2-small, MLP 784-500-10, ResNet-18 and ViT-B/16 shapes, the
+dispatch-bound tiny Llama of ``dispatch_bound.py``, and a Llama-2-7B-shaped stack in
+bfloat16: 4 of its layers, or all 32 as ``llama7b-32``) and every built-in semiring (Real
 twice: ``sa.Real()``, torch's own graph, and ``Real-formulas``, the generated formulas),
 one run measures, on the same inputs (same seed):
 
@@ -21,6 +21,11 @@ ratios divide by the native subprocess's figure. "Backward alone" pairs ``sa.gra
 ``torch.autograd.grad`` after untimed forwards; "its GEMMs alone" is the time the semiring
 backward spends in GEMM operators (``torch.profiler`` self time) over that native backward:
 the floor of "backward alone" while the semiring's matmuls run as GEMMs.
+
+``--in-process`` measures each case's modes in one process instead (the model built once;
+peak memory from ``torch.cuda.max_memory_allocated`` after a reset on CUDA, from the reset
+peak resident set on CPU) and appends one JSON line per (case, mode) to ``--jsonl`` as it
+is measured: ``scripts/gpu-check`` runs it so, where a bare machine's minutes are counted.
 
 Usage: ``python benchmarks/semiring_backward.py [--device cuda] [--out FILE]``.
 """
@@ -46,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the model zoo
 
-CASES = ("bert", "gpt2", "mlp", "resnet18", "vit", "llama7b")
+CASES = ("bert", "gpt2", "mlp", "resnet18", "vit", "tinyllama", "llama7b", "llama7b-32")
 MODES = (
     "native",
     "Real",
@@ -64,7 +69,10 @@ CASE_TITLES = {
     "mlp": "MLP 784-500-10, batch 32",
     "resnet18": "ResNet-18 shape (random weights), 224×224 image, batch 1",
     "vit": "ViT-B/16 shape (random weights), 224×224 image, batch 1",
-    "llama7b": "Llama-2-7B shape (random weights, bfloat16; CPU: 4 of its 32 layers), "
+    "tinyllama": "tiny Llama (dispatch_bound.py: hidden 64, 4 layers), sequence 16, batch 1",
+    "llama7b": "Llama-2-7B shape (random weights, bfloat16), 4 of its 32 layers, "
+    "sequence 512, batch 1",
+    "llama7b-32": "Llama-2-7B shape (random weights, bfloat16), all 32 layers, "
     "sequence 512, batch 1",
 }
 
@@ -114,8 +122,19 @@ def build(case: str, device: str) -> Workload:
         model = model.to(device).eval()
         leaf = torch.randn(1, 3, 224, 224, device=device, requires_grad=True)
         return Workload(model, leaf, lambda: model(pixel_values=leaf).logits[0, 1])
-    if case == "llama7b":
-        return _llama7b(transformers, model_zoo, device)
+    if case in ("llama7b", "llama7b-32"):
+        return _llama7b(transformers, model_zoo, device, 32 if case == "llama7b-32" else 4)
+    if case == "tinyllama":
+        config = model_zoo.llama_config(
+            vocab_size=1000, hidden_size=64, num_hidden_layers=4, intermediate_size=172
+        )
+        model = transformers.LlamaForCausalLM(config).to(device).eval()
+        ids = torch.randint(0, config.vocab_size, (1, 16), device=device)
+        with torch.no_grad():
+            leaf = model.get_input_embeddings()(ids)
+        leaf.requires_grad_(True)
+        target = int(ids[0, -1])
+        return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
     if case == "bert":
         config = model_zoo.bert_config(vocab_size=30522, **ENCODER_BASE, attn_implementation="sdpa")
         model = transformers.BertForSequenceClassification(config)
@@ -137,16 +156,16 @@ def build(case: str, device: str) -> Workload:
     return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
 
 
-def _llama7b(transformers, model_zoo, device: str) -> Workload:
+def _llama7b(transformers, model_zoo, device: str, layers: int) -> Workload:
     """Llama-2-7B's dimensions (hidden 4096, 32 heads, intermediate 11008, vocabulary
-    32000), bfloat16, 4 layers on CPU and 32 on CUDA; sequence 512."""
+    32000), bfloat16, ``layers`` of its 32 layers; sequence 512."""
     config = model_zoo.llama_config(
         vocab_size=32000,
         hidden_size=4096,
         intermediate_size=11008,
         num_attention_heads=32,
         num_key_value_heads=32,
-        num_hidden_layers=32 if device == "cuda" else 4,
+        num_hidden_layers=layers,
         attn_implementation="sdpa",
     )
     with torch.device(device):
@@ -261,9 +280,12 @@ def _timed(work: Workload, mode: str, device: str) -> float:
 
 
 def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -> dict:
+    return time_on(build(case, device), mode, device, reps, budget_s)
+
+
+def time_on(work: Workload, mode: str, device: str, reps: int, budget_s: float) -> dict:
     """First call, then the median of timed calls after a warm-up; for a semiring also the
     median of native calls alternating with them (the pair's ratio cancels drift)."""
-    work = build(case, device)
     first = _timed(work, mode, device)
     paired = ["native"] if mode != "native" else []
     for m in (mode, *paired):
@@ -291,7 +313,11 @@ def worker_time(case: str, mode: str, device: str, reps: int, budget_s: float) -
 
 
 def worker_memory(case: str, mode: str, device: str) -> dict:
-    work = build(case, device)
+    return memory_on(build(case, device), mode, device)
+
+
+def memory_on(work: Workload, mode: str, device: str) -> dict:
+    """Peak memory of one call above what is held before it, after an unmeasured call."""
     step(work, mode)  # compile and allocate caches outside the measured call
     if device == "cuda":
         torch.cuda.synchronize()
@@ -308,6 +334,42 @@ def worker_memory(case: str, mode: str, device: str) -> dict:
     base = _rss_bytes("VmRSS")
     step(work, mode)
     return {"peak_bytes": _rss_bytes("VmHWM") - base}
+
+
+def measure_in_process(
+    case: str, device: str, modes: list[str], reps: int, budget_s: float, jsonl: str | None
+) -> dict:
+    """Every mode of ``case`` on one model in this process; each (case, mode) row is
+    appended to ``jsonl`` (one JSON object a line) as soon as it is measured. A mode that
+    raises gives a row with its ``error`` and the next mode runs."""
+    work = build(case, device)
+    results: dict = {}
+    for mode in ["native", *modes]:
+        try:
+            row = {**time_on(work, mode, device, reps, budget_s), **memory_on(work, mode, device)}
+        except Exception as error:  # noqa: BLE001 -- recorded in the row, the next mode runs
+            row = {"error": f"{type(error).__name__}: {str(error)[:2000]}"}
+        results[mode] = row
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps({"case": case, "mode": mode, "device": device, **row}) + "\n")
+        _progress(case, mode, row)
+    return results
+
+
+def _progress(case: str, mode: str, row: dict) -> None:
+    if "error" in row:
+        print(f"{case:>5} {mode:<17} FAILED {row['error'][:300]}", file=sys.stderr, flush=True)
+        return
+    native_s = row.get("native_median_s", row["median_s"])
+    print(
+        f"{case:>5} {mode:<17} median {row['median_s'] * 1e3:9.1f} ms  "
+        f"paired native {native_s * 1e3:7.1f} ms  "
+        f"first {row['first_s'] * 1e3:7.0f} ms  "
+        f"peak {row['peak_bytes'] / 2**20:8.1f} MiB",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_worker(args: list[str], env: dict) -> dict:
@@ -378,9 +440,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of timed calls")
     parser.add_argument("--out", help="also write the markdown table to this file")
     parser.add_argument("--compile", action="store_true", help="sa.grad(..., compile=True), warm")
+    parser.add_argument(
+        "--in-process", action="store_true", help="each case's modes in one process"
+    )
+    parser.add_argument("--jsonl", help="with --in-process: append each row to this file")
     args = parser.parse_args(argv)
     global COMPILE
     COMPILE = args.compile
+    if args.in_process:
+        results = {
+            case: measure_in_process(
+                case, args.device, args.semirings, args.reps, args.budget, args.jsonl
+            )
+            for case in args.cases
+        }
+        failed = [f"{c}/{m}" for c in results for m in results[c] if "error" in results[c][m]]
+        if not failed:
+            print(table(results, args.device, args.cases, ["native", *args.semirings]))
+        sys.exit(f"failed: {', '.join(failed)}" if failed else 0)
     if args.worker:
         kind, case, mode = args.worker
         if kind == "time":
@@ -402,15 +479,7 @@ def main(argv: list[str] | None = None) -> None:
                 timing = run_worker(["time", case, mode, *common], env)
                 memory = run_worker(["memory", case, mode, *common], env)
                 results[case][mode] = {**timing, **memory}
-                native_s = timing.get("native_median_s", timing["median_s"])
-                print(
-                    f"{case:>5} {mode:<17} median {timing['median_s'] * 1e3:9.1f} ms  "
-                    f"paired native {native_s * 1e3:7.1f} ms  "
-                    f"first {timing['first_s'] * 1e3:7.0f} ms  "
-                    f"peak {memory['peak_bytes'] / 2**20:8.1f} MiB",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _progress(case, mode, results[case][mode])
     text = table(results, args.device, args.cases, modes)
     print(text)
     if args.out:
