@@ -493,11 +493,15 @@ def test_compiled_step_refuses_inputs_without_grad(llama):
         sa.compiled_step(llama, sa.Log, lambda m, x: x)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("semiring", SEMIRINGS, ids=repr)
 def test_replay_on_cuda(llama, semiring):
     """On CUDA (float64): eager within rounding of the CPU's result, and compile=True and a
-    compiled step equal to eager bit for bit."""
+    compiled step equal to eager bit for bit. Llama's rotary tables are computed in float32
+    whatever the model's dtype (transformers casts to ``.float()``), and CUDA's sin and cos
+    differ from the CPU's in the last float32 bits: the devices agree to float32 rounding
+    (2.4e-7 apart on an NVIDIA H200), not float64's."""
     llama.to(torch.float64)
     embeddings = [_embeddings(llama, seed, dtype=torch.float64) for seed in range(3)]
     on_cpu = [sa.grad(_read(llama, semiring, emb), emb) for emb in embeddings]
@@ -509,7 +513,7 @@ def test_replay_on_cuda(llama, semiring):
             expected = sa.grad(_read(llama, semiring, x), x)
             _assert_identical(sa.grad(_read(llama, semiring, x), x, compile=True), expected)
             _assert_identical(step(x), expected)
-            torch.testing.assert_close(expected.cpu(), cpu, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(expected.cpu(), cpu, rtol=1e-5, atol=1e-6)
     finally:
         llama.to("cpu", torch.float32)
 

@@ -196,6 +196,7 @@ def test_block_width_matches_the_kernel(dtype):
     assert out.stride(1) == operators.block_width(dtype)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("name", ["max_times", "signed_times", "lift_times"])
 def test_opcheck_cuda(name):
