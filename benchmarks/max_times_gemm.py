@@ -6,9 +6,14 @@ time over repeated calls after a warm-up call:
 
 - ``triton``: the operators' CUDA kernel (``kernels/triton_matmul.py``), called directly;
 - ``torch-chunked``: the broadcast product over a chunk of k and its ``amax``, folded over
-  the chunks with ``torch.maximum`` (chunks of at most 256 MiB of products);
+  the chunks with ``torch.maximum`` (chunks of at most 256 MiB of products), sizes up to
+  4096;
 - ``torch-compiled``: ``torch.compile`` of the broadcast product and its ``amax`` over all
   of k (Inductor fuses them into one reduction kernel), sizes up to 2048 (not in a dry run).
+
+``--tiles`` times the Triton kernel again at the largest size under other tile shapes and
+unrolls (BLOCK_M, BLOCK_N, warps, unroll of k), each checked equal to the default's
+result, so the kernel's choice is measured on the device at hand.
 
 A term is one multiply and one max, counted as 2 operations as a GEMM counts its
 multiply-add: rate = 2·n³ / time. The float32 peak (no tensor cores) is multiprocessors ×
@@ -80,12 +85,47 @@ def timed(torch, fn, device: str, budget_s: float) -> float:
     return statistics.median(times)
 
 
+#: (BLOCK_M, BLOCK_N, warps, unroll of k) tried by --tiles; each a multiple of LANES_N
+TILES = [(64, 64, 4, 4), (64, 64, 4, 8), (128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 4),
+         (128, 128, 8, 4), (32, 64, 2, 4)]  # fmt: skip
+
+
+def tile_sweep(torch, triton_matmul, n: int, device: str, budget_s: float) -> list[dict]:
+    """The max_times kernel under each of TILES at size n, against the default tile's
+    result; the module's TILE and UNROLL are restored afterwards."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.rand(1, n, n, generator=gen).to(device)
+    b = torch.rand(1, n, n, generator=gen).to(device)
+    out = a.new_empty(1, n, n)
+    reference = triton_matmul.max_times(a, b, 0.0, False, out).clone()
+    default = (triton_matmul.TILE, dict(triton_matmul.UNROLL))
+    rows = []
+    try:
+        for block_m, block_n, warps, unroll in TILES[:2] if device == "cpu" else TILES:
+            triton_matmul.TILE = (block_m, block_n, warps)
+            triton_matmul.UNROLL["max_times"] = unroll
+            row = {"n": n, "tile": [block_m, block_n, warps, unroll]}
+            fn = lambda: triton_matmul.max_times(a, b, 0.0, False, out)  # noqa: E731
+            try:
+                row["equal_to_triton"] = bool(torch.equal(fn(), reference))
+                row["seconds"] = timed(torch, fn, device, budget_s)
+                row["terms_per_s"] = n**3 / row["seconds"]
+            except Exception as error:  # noqa: BLE001 -- recorded in the row
+                row["error"] = f"{type(error).__name__}: {str(error)[:1000]}"
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        triton_matmul.TILE, triton_matmul.UNROLL = default[0], default[1]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of calls per row")
     parser.add_argument("--json", help="write the rows to this file (rewritten after each)")
     parser.add_argument("--dry-run", action="store_true", help="Triton's interpreter on CPU")
+    parser.add_argument("--tiles", action="store_true", help="also other tiles, largest size")
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -108,10 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         b = torch.rand(1, n, n, generator=gen).to(device)
         out = a.new_empty(1, n, n)
         reference = triton_matmul.max_times(a, b, 0.0, False, out).clone()
-        variants = {
-            "triton": lambda: triton_matmul.max_times(a, b, 0.0, False, out),
-            "torch-chunked": lambda: chunked(torch, a, b),
-        }
+        variants = {"triton": lambda: triton_matmul.max_times(a, b, 0.0, False, out)}
+        if n <= 4096:
+            variants["torch-chunked"] = lambda: chunked(torch, a, b)
         if n <= 2048 and not args.dry_run:
             variants["torch-compiled"] = lambda: compiled(a, b)
         for name, fn in variants.items():
@@ -129,7 +168,14 @@ def main(argv: list[str] | None = None) -> None:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(result, f, indent=1)
+    if args.tiles:
+        result["tiles"] = tile_sweep(torch, triton_matmul, args.sizes[-1], device, args.budget)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     print(json.dumps(result))
+    if not all(r.get("equal_to_triton") for r in result.get("tiles", [])):
+        sys.exit("a tile shape failed or differs from the default's result")
     if not all(r.get("equal_to_triton") for r in result["rows"]):
         sys.exit("a variant failed or differs from the Triton kernel")
 

@@ -40,6 +40,7 @@ def test_dry_run_writes_every_stage(tmp_path):
     gemm = result["gemm"]["rows"]
     assert {r["variant"] for r in gemm} == {"triton", "torch-chunked"}
     assert all(r["equal_to_triton"] for r in gemm), gemm
+    assert all(r["equal_to_triton"] for r in result["gemm"]["tiles"]), result["gemm"]["tiles"]
     text = (out / "gpu-check.md").read_text()
     assert "| tests | ok |" in text and "**tinyllama** (cpu)" in text
     assert "| 32 | triton |" in text
