@@ -22,37 +22,60 @@ There is no BLAS for max-times. Two fused paths compute it exactly:
 The functions here check what the kernels take (device, dtype, shapes, non-empty) and call
 the operators; they return None (or False) where a kernel does not apply, and the callers
 then use blocked eager evaluation and torch formulas, which give the same values (those
-with a log or exp within 3 ulp). ``SEMIRING_AUTOGRAD_KERNELS=eager`` turns all of them off;
-so does a failed build (with one warning).
+with a log or exp within 3 ulp).
+
+``SEMIRING_AUTOGRAD_KERNELS`` (read on every call; an unknown value raises ValueError):
+
+- ``check`` (default): the first use of each kernel per (device, dtype) in a process runs
+  it on small deterministic operands against the torch formula it replaces
+  (``checks.py``; the matmuls to the value, the log/exp kernels within 8 ulp of the scale;
+  about 1 to 10 ms per kernel on the CPU) before the caller's data. A mismatch, or a kernel
+  that raises (a Triton kernel that does not compile), gives one RuntimeWarning naming the
+  kernel, the device (``cuda:0 (<GPU name>)``, ``cpu (<CPU model>)``) and the dtype; that
+  kernel then returns None for that device and dtype for the rest of the process.
+- ``trust``: no check; a kernel that raises is still dropped with one warning.
+- ``off`` (or ``eager``): no fused kernel runs.
+
+A failed or refused build (``build.py``) turns the CPU kernels off, with one warning.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from . import operators
-from .build import available, enabled
+from . import checks, operators
+from .build import available, built, enabled, mode
 from .operators import op
 
 _FLOATS = (torch.float32, torch.float64)
+CPU = torch.device("cpu")
 
 
-def _cpu_ready(*tensors: Tensor) -> bool:
-    """Whether the CPU kernels take these operands: float32/float64 of one dtype on the CPU,
-    with the kernels enabled and built."""
+def _ready(how: str, name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether kernel ``name`` may compute on ``device`` for ``dtype`` in mode ``how``: never
+    ``off``; in ``trust`` mode unless a call of it failed; in ``check`` mode once its
+    self-check passed."""
+    if how == "trust":
+        return not checks.failed((name, device, dtype))
+    return how == "check" and checks.verified(name, device, dtype, lambda *args: op(name)(*args))
+
+
+def _cpu_ready(name: str, *tensors: Tensor) -> bool:
+    """Whether CPU kernel ``name`` takes these operands: float32/float64 of one dtype on
+    the CPU, with the kernels enabled, built and (in ``check`` mode) checked."""
     dtype = tensors[0].dtype
     if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors) or dtype not in _FLOATS:
         return False
-    return available()
+    how = mode()
+    return how != "off" and built() and _ready(how, name, CPU, dtype)
 
 
-def _nonempty_ready(*tensors: Tensor) -> bool:
+def _nonempty_ready(name: str, *tensors: Tensor) -> bool:
     """``_cpu_ready``, and no operand empty (the matmul and elementwise kernels)."""
-    return all(t.numel() for t in tensors) and _cpu_ready(*tensors)
+    return all(t.numel() for t in tensors) and _cpu_ready(name, *tensors)
 
 
 def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> Tensor | None:
@@ -63,7 +86,7 @@ def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> T
     skipped (branch and bound; the result is the same to the bit)."""
     if a.device.type == "cuda" and enabled():
         return _cuda_call("max_times", a, b, init, abs_b)
-    if not _nonempty_ready(a, b):
+    if not _nonempty_ready("max_times", a, b):
         return None
     return op("max_times")(a, b, init, abs_b)
 
@@ -77,7 +100,7 @@ def signed_times(
     if a_hi.device.type == "cuda" and enabled():
         return _cuda_call("signed_times", a_hi, a_lo, b_hi, b_lo)
     parts = (a_hi, a_lo, b_hi) if b_lo is None else (a_hi, a_lo, b_hi, b_lo)
-    if not _nonempty_ready(*parts):
+    if not _nonempty_ready("signed_times", *parts):
         return None
     return op("signed_times")(a_hi, a_lo, b_hi, b_lo)
 
@@ -94,7 +117,7 @@ def pair_lift_matmul(
     pass either end's accumulators are skipped (branch and bound, exact)."""
     if w.device.type == "cuda" and enabled():
         return _cuda_call("lift_times", a_hi, a_lo, w, zero_empty)
-    if not _nonempty_ready(w, a_hi, a_lo):
+    if not _nonempty_ready("lift_times", w, a_hi, a_lo):
         return None
     return op("lift_times")(a_hi, a_lo, w, zero_empty)
 
@@ -105,7 +128,7 @@ def signed_mul_lift(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple[Tensor, Tens
     (-inf, +inf) but from a NaN end, and an empty a stays empty: the semiring's torch
     formula to the bit, NaN and infinities included. None off the CPU or without the
     kernels."""
-    if not _nonempty_ready(a_hi, a_lo, w):
+    if not _nonempty_ready("signed_mul_lift", a_hi, a_lo, w):
         return None
     return op("signed_mul_lift")(a_hi, a_lo, w)
 
@@ -117,7 +140,7 @@ def entropy_mul_lift(la: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor] 
     scalar, a row or a column broadcast over it) takes torch.log of w alone and two
     broadcasting additions instead (inside the operator): no w-sized copy of the value's
     size, no log per entry. None off the CPU or without the kernels."""
-    if not _nonempty_ready(la, r, w):
+    if not _nonempty_ready("entropy_mul_lift", la, r, w):
         return None
     return op("entropy_mul_lift")(la, r, w)
 
@@ -126,7 +149,7 @@ def entropy_add(la: Tensor, ra: Tensor, lb: Tensor, rb: Tensor) -> tuple[Tensor,
     """The Entropy ⊕ of (la, ra) and (lb, rb) elementwise (broadcasting), in one pass on the
     CPU: (logaddexp(la, lb), the Z-weighted mean of ra and rb), (-inf, 0) where both are
     -inf. None off the CPU or without the kernels."""
-    if not _nonempty_ready(la, ra, lb, rb):
+    if not _nonempty_ready("entropy_add", la, ra, lb, rb):
         return None
     return op("entropy_add")(la, ra, lb, rb)
 
@@ -137,7 +160,7 @@ def ratio_where_positive(num: Tensor, den: Tensor) -> bool:
     CPU, without the kernels, or unless both are contiguous and of one shape."""
     if num.shape != den.shape or not (num.is_contiguous() and den.is_contiguous()):
         return False
-    if not _cpu_ready(num, den):
+    if not _cpu_ready("ratio_where_positive_", num, den):
         return False
     op("ratio_where_positive_")(num, den)
     return True
@@ -151,7 +174,7 @@ def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     row holds NaN or +inf (the caller's torch formula then handles every row)."""
     if x.dim() == 0 or (r is not None and r.shape != x.shape):
         return None
-    if not _cpu_ready(*((x,) if r is None else (x, r))):
+    if not _cpu_ready("loo_log", *((x,) if r is None else (x, r))):
         return None
     if x.shape[-1] == 0:
         return torch.empty_like(x), None if r is None else torch.empty_like(r)
@@ -166,7 +189,9 @@ def entropy_reduce_rows(la: Tensor, r: Tensor) -> tuple[Tensor, Tensor] | None:
     log Σ e^la and the e^la-weighted mean of r (0 where no entry has weight), shifted by
     each row's maximum. None off the CPU, without the kernels, for rows of length 0, or when
     a row holds NaN or +inf (the caller's torch formula then handles every row)."""
-    if la.dim() == 0 or la.shape[-1] == 0 or r.shape != la.shape or not _cpu_ready(la, r):
+    if la.dim() == 0 or la.shape[-1] == 0 or r.shape != la.shape:
+        return None
+    if not _cpu_ready("entropy_reduce_rows", la, r):
         return None
     out_l, out_r, declined = op("entropy_reduce_rows")(la, r)
     return None if declined else (out_l, out_r)
@@ -186,7 +211,7 @@ def log_space_rows(a: Tensor, r: Tensor | None, out: Tensor) -> tuple[Tensor, Te
         raise ValueError(
             f"log_space_rows: out has shape {tuple(out.shape)} for a of shape {tuple(a.shape)}"
         )
-    if not _cpu_ready(*parts):
+    if not _cpu_ready("log_space_rows", *parts):
         return None
     return op("log_space_rows")(a, r, out)
 
@@ -202,7 +227,7 @@ def entropy_weights(w: Tensor, out: Tensor) -> bool:
             f"entropy_weights: out has shape {tuple(out.shape)}, expected "
             f"{(*w.shape[:-2], 2 * k, n)} for w of shape {tuple(w.shape)}"
         )
-    if not out.is_contiguous() or not _cpu_ready(w, out):
+    if not out.is_contiguous() or not _cpu_ready("entropy_weights", w, out):
         return False
     if w.numel():
         op("entropy_weights")(w, out)
@@ -227,7 +252,7 @@ def all_rows_live(x: Tensor, y: Tensor | None, empty: float) -> bool | None:
         return None
     if y is not None and (y.shape != x.shape or not y.is_contiguous()):
         return None
-    if not _cpu_ready(*((x,) if y is None else (x, y))):
+    if not _cpu_ready("all_rows_live", *((x,) if y is None else (x, y))):
         return None
     return bool(op("all_rows_live")(x, y, empty))
 
@@ -254,40 +279,42 @@ def log_gemm_finish(
         return None
     if num is not None and not num.is_contiguous():
         return None
-    if live.device.type != "cpu" or not _cpu_ready(*floats):
+    if live.device.type != "cpu" or not _cpu_ready("log_gemm_finish_", *floats):
         return None
     return bool(op("log_gemm_finish_")(z, num, shift, shift_b, live, tiny, may_overflow))
 
 
 def _tests_ready(tensors: tuple[Tensor, ...]) -> bool:
-    """The test operators take CPU tensors of any dtype."""
-    return all(t.device.type == "cpu" for t in tensors) and available()
-
-
-_CUDA_FAILED: set[str] = set()
+    """The test operators take CPU tensors of any dtype (checked per the first's dtype)."""
+    if not all(t.device.type == "cpu" for t in tensors):
+        return False
+    how = mode()
+    return how != "off" and built() and _ready(how, "any_nan_or_inf", CPU, tensors[0].dtype)
 
 
 def _cuda_call(name: str, *args):
-    """The CUDA kernel of operator ``name`` (a Triton kernel), or None for empty operands or
-    after it failed once to compile or launch (with one warning)."""
-    if any(isinstance(a, Tensor) and a.numel() == 0 for a in args) or name in _CUDA_FAILED:
+    """The CUDA kernel of operator ``name`` (a Triton kernel) on ``args``; None for empty
+    operands, before its self-check passed (``check`` mode), or after it failed its check
+    or a call (one warning: a kernel that does not compile or launch)."""
+    if any(isinstance(a, Tensor) and a.numel() == 0 for a in args):
+        return None
+    first = next(a for a in args if isinstance(a, Tensor))
+    if not _ready(mode(), name, first.device, first.dtype):
         return None
     try:
         return op(name)(*args)
-    except Exception as error:  # noqa: BLE001 -- any compile failure means: fall back
-        _CUDA_FAILED.add(name)
-        warnings.warn(
-            f"semiring_autograd: the CUDA kernel of {name} failed to compile "
-            f"({type(error).__name__}: {error}); using blocked eager evaluation.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- a kernel that does not compile: fall back
+        checks.fail((name, first.device, first.dtype), f"raised {type(error).__name__}: {error}")
     return None
 
 
 __all__ = [
     "available",
+    "checks",
     "enabled",
+    "mode",
     "operators",
     "max_times",
     "signed_times",

@@ -1,0 +1,533 @@
+"""Self-checks of the fused kernels against the torch formulas they replace.
+
+``verified(name, device, dtype, call)`` says whether the fused kernel ``name`` may compute
+for operands on ``device`` of ``dtype``. In ``check`` mode (``SEMIRING_AUTOGRAD_KERNELS``,
+the default) the first use per (name, device, dtype) in a process runs the kernel through
+``call`` (the operator the wrapper calls) on small deterministic operands (batches of 2,
+5×7×9, column and row tails, exact zeros, NaN and empty markers, declined rows) and
+compares its results with the torch formula it replaces (``_CHECKS`` maps each kernel to
+its check): the matmuls, max and min of identical products, and the exact kernels to the
+value; the kernels with a log or exp series of their own within 8 ulp of each entry's
+scale (their docstrings promise 2 to 4). A mismatch or an exception gives one
+RuntimeWarning naming the kernel, device and dtype, and the verdict False for the rest of
+the process: the wrappers then return None and the callers use their torch formulas.
+``trust`` mode takes every kernel without a check. The check runs under a lock, outside
+any dispatch mode (a compiled backward's recorder, fake tensors) and without autograd; its
+verdict is cached. Where it cannot run (while torch.compile traces, or a CUDA graph
+captures), the kernel is not used for that call and the check waits for a later one.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import zlib
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+NAN, INF = float("nan"), float("inf")
+
+#: (name, device, dtype) -> whether the kernel agreed with its formula
+_VERDICTS: dict[tuple, bool] = {}
+_LOCK = threading.Lock()
+
+
+def device_name(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H100 80GB HBM3)``, ``cpu (AMD EPYC 7B13)``; the device otherwise."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    if device.type == "cpu":
+        from .build import cpu_model
+
+        return f"cpu ({cpu_model()})"
+    return str(device)
+
+
+def verified(name: str, device: torch.device, dtype: torch.dtype, call: Callable) -> bool:
+    """Whether kernel ``name`` agrees with its formula on ``device`` for ``dtype`` (checked
+    on first use, then cached); False after a mismatch or an exception (one warning)."""
+    key = (name, device, dtype)
+    verdict = _VERDICTS.get(key)
+    if verdict is not None:
+        return verdict
+    if torch.compiler.is_compiling() or (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        return False
+    with _LOCK:
+        verdict = _VERDICTS.get(key)
+        if verdict is None:
+            try:
+                problem = mismatch(name, device, dtype, call)
+            except Exception as error:  # noqa: BLE001 -- a kernel that raises is not used
+                problem = f"raised {type(error).__name__}: {str(error)[:500]}"
+            verdict = problem is None
+            if problem is not None:
+                fail(key, f"failed its self-check ({problem})")
+            _VERDICTS[key] = verdict
+    return verdict
+
+
+def fail(key: tuple, what: str) -> None:
+    """Record kernel ``key`` = (name, device, dtype) as unusable, with one warning."""
+    _VERDICTS[key] = False
+    name, device, dtype = key
+    warnings.warn(
+        f"semiring_autograd: the fused kernel {name} on {device_name(device)}, {dtype}, "
+        f"{what}; the torch formulas are used for it from now on in this process.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def failed(key: tuple) -> bool:
+    """Whether kernel ``key`` = (name, device, dtype) failed its check or a call."""
+    return _VERDICTS.get(key) is False
+
+
+def reset() -> None:
+    """Forget every verdict: the next use of each kernel checks it again."""
+    with _LOCK:
+        _VERDICTS.clear()
+
+
+def mismatch(
+    name: str, device: torch.device, dtype: torch.dtype, call: Callable, seed: int | None = None
+) -> str | None:
+    """Run kernel ``name`` through ``call`` on the check's operands (drawn from ``seed``,
+    by default one per name) and compare with its formula: None when they agree, else
+    where they differ."""
+    with _disable_current_modes(), torch.no_grad():
+        gen = torch.Generator("cpu").manual_seed(
+            zlib.crc32(name.encode()) if seed is None else seed
+        )
+        return _CHECKS[name](_Case(gen, dtype, device, call))
+
+
+class _Case:
+    """The operands of one check: drawn on the CPU from ``gen``, run on ``device``."""
+
+    def __init__(self, gen: torch.Generator, dtype: torch.dtype, device, call: Callable):
+        self.gen, self.dtype, self.device, self.call = gen, dtype, device, call
+        self.eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+    def randn(self, *shape: int, zeros: float = 0.0) -> Tensor:
+        x = torch.randn(shape, generator=self.gen, dtype=torch.float64, device="cpu")
+        x = x.masked_fill(self.where(zeros, shape), 0.0)
+        return x.to(self.dtype)
+
+    def rand(self, *shape: int) -> Tensor:
+        return torch.rand(shape, generator=self.gen, dtype=torch.float64, device="cpu").to(
+            self.dtype
+        )
+
+    def where(self, p: float, shape) -> Tensor:
+        return torch.rand(tuple(shape), generator=self.gen, device="cpu") < p
+
+    def run(self, *args):
+        """The kernel on ``args`` moved to the device; tensors come back to the CPU, and
+        so do the arguments it wrote into (returned second)."""
+        moved = [_to(a, self.device) for a in args]
+        out = self.call(*moved)
+        back = [a.cpu() if isinstance(a, Tensor) else a for a in moved]
+        if isinstance(out, (tuple, list)):
+            return tuple(o.cpu() if isinstance(o, Tensor) else o for o in out), back
+        return (out.cpu() if isinstance(out, Tensor) else out), back
+
+
+def _to(x, device):
+    """``x`` on ``device``: a tensor, or each tensor of a list."""
+    if isinstance(x, Tensor):
+        return x.to(device, copy=True)
+    if isinstance(x, list):
+        return [_to(t, device) for t in x]
+    return x
+
+
+def _differs(what: str, got: Tensor, expected: Tensor, tol: Tensor | float = 0.0) -> str | None:
+    """Where ``got`` and ``expected`` differ by more than ``tol`` (NaN equals NaN,
+    infinities must match); None when they agree everywhere."""
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"{what} has shape {tuple(got.shape)}, the torch formula {tuple(expected.shape)}"
+    g, e = got.double(), expected.double()
+    both_nan = torch.isnan(g) & torch.isnan(e)
+    close = (g == e) | both_nan | ((g - e).abs() <= tol)
+    if bool(close.all()):
+        return None
+    index = tuple(int(i) for i in (~close).nonzero()[0])
+    got_value, expected_value = g[index].item(), e[index].item()
+    return f"{what}{list(index)} = {got_value!r} where the torch formula gives {expected_value!r}"
+
+
+def _first(*problems: str | None) -> str | None:
+    return next((p for p in problems if p is not None), None)
+
+
+def _ulps(case: _Case, n: float, scale: Tensor) -> Tensor:
+    """n ulp of ``scale`` (per entry), at least a subnormal step."""
+    tiny = torch.finfo(case.dtype).tiny * case.eps
+    return n * case.eps * scale.double().abs().nan_to_num(posinf=0.0) + tiny
+
+
+# ----- the formulas: the torch computations the kernels replace -----
+
+
+def max_times_formula(a: Tensor, b: Tensor, init: float, abs_b: bool) -> Tensor:
+    """max(init, max_k a[., i, k]·b'[., k, j]) with b' = |b| when ``abs_b``; a NaN product
+    never wins."""
+    p = a[:, :, :, None] * (b.abs() if abs_b else b)[:, None, :, :]
+    p = p.masked_fill(torch.isnan(p), init)
+    return p.amax(dim=2).clamp_min(init)
+
+
+def signed_formula(a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor) -> tuple:
+    """(max_k, min_k) of the four corner products of (a_hi, a_lo) and (b_hi, b_lo); a term
+    with a NaN corner is empty; an output without a term is (-inf, +inf)."""
+    ah, al = a_hi[:, :, :, None], a_lo[:, :, :, None]
+    bh, bl = b_hi[:, None, :, :], b_lo[:, None, :, :]
+    corners = torch.stack([ah * bh, ah * bl, al * bh, al * bl])
+    empty = torch.isnan(corners).any(0)
+    top = corners.amax(0).masked_fill(empty, -INF).amax(2)
+    bottom = corners.amin(0).masked_fill(empty, INF).amin(2)
+    return top, bottom
+
+
+def _check_max_times(c: _Case) -> str | None:
+    problems = []
+    for batch, m, k, n in ((2, 5, 7, 9), (1, 6, 19, 37)):
+        a = c.randn(batch, m, k, zeros=0.2).abs()
+        a.view(-1)[3] = NAN
+        b = c.randn(batch, k, n, zeros=0.2)
+        for init, abs_b in ((0.0, True), (0.0, False), (-INF, False)):
+            got, _ = c.run(a, b, init, abs_b)
+            expected = max_times_formula(a, b, init, abs_b)
+            problems.append(_differs(f"max_times(init={init}, abs_b={abs_b})", got, expected))
+    return _first(*problems)
+
+
+def _signed_pair(c: _Case, shape, empty: float) -> tuple[Tensor, Tensor]:
+    hi = c.randn(*shape, zeros=0.15)
+    lo = hi - c.rand(*shape).masked_fill(hi == 0, 0.0)
+    mask = c.where(empty, shape)
+    return hi.masked_fill(mask, NAN), lo.masked_fill(mask, NAN)
+
+
+def _check_signed_times(c: _Case) -> str | None:
+    problems = []
+    for batch, m, k, n in ((2, 5, 7, 9), (1, 6, 19, 37)):
+        a_hi, a_lo = _signed_pair(c, (batch, m, k), 0.3)
+        a_hi[0, 1], a_lo[0, 1] = NAN, NAN  # a row without terms
+        b_hi, b_lo = _signed_pair(c, (batch, k, n), 0.3)
+        for point in (True, False):
+            got, _ = c.run(a_hi, a_lo, b_hi, None if point else b_lo)
+            expected = signed_formula(a_hi, a_lo, b_hi, b_hi if point else b_lo)
+            for end, g, e in zip(("max", "min"), got, expected):
+                problems.append(_differs(f"signed_times {end}", g, e))
+    return _first(*problems)
+
+
+def _check_lift_times(c: _Case) -> str | None:
+    problems = []
+    for batch, m, k, n in ((2, 5, 7, 9), (1, 6, 19, 37)):
+        a_hi, a_lo = _signed_pair(c, (batch, m, k), 0.0)
+        empty = c.where(0.25, a_hi.shape)
+        empty[0, 2] = True  # a row without terms
+        given = a_hi.masked_fill(empty, -INF), a_lo.masked_fill(empty, INF)
+        nan_hi, nan_lo = a_hi.masked_fill(empty, NAN), a_lo.masked_fill(empty, NAN)
+        for w_batch, strided in ((batch, False), (1, True)):
+            w = c.randn(w_batch, n, k, zeros=0.2).mT
+            w = w if strided else w.contiguous()
+            for zero_empty in (True, False):
+                got, _ = c.run(*given, w, zero_empty)
+                point = w.masked_fill(w == 0, NAN) if zero_empty else w
+                point = point.expand(batch, k, n)
+                expected = signed_formula(nan_hi, nan_lo, point, point)
+                for end, g, e in zip(("max", "min"), got, expected):
+                    problems.append(_differs(f"lift_times {end}", g, e))
+    return _first(*problems)
+
+
+def signed_mul_lift_formula(a_hi: Tensor, a_lo: Tensor, w: Tensor) -> tuple:
+    """(hi, lo)·lift(w): w > 0 keeps the ends, w < 0 swaps them, each times w; w = 0 is the
+    empty (-inf, +inf) unless an end is NaN."""
+    pos = w > 0
+    hi = torch.where(pos, a_hi, a_lo) * w
+    lo = torch.where(pos, a_lo, a_hi) * w
+    zero = (w == 0) & ~(torch.isnan(a_hi) | torch.isnan(a_lo))
+    return hi.masked_fill(zero, -INF), lo.masked_fill(zero, INF)
+
+
+def _check_signed_mul_lift(c: _Case) -> str | None:
+    problems = []
+    for a_shape, w_shape in (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1))):
+        hi, lo = _signed_pair(c, a_shape, 0.0)
+        empty = c.where(0.2, a_shape)
+        hi, lo = hi.masked_fill(empty, -INF), lo.masked_fill(empty, INF)
+        hi.view(-1)[4], lo.view(-1)[6] = NAN, NAN
+        w = c.randn(*w_shape, zeros=0.25)
+        w.view(-1)[1] = -0.0
+        got, _ = c.run(hi, lo, w)
+        expected = signed_mul_lift_formula(hi, lo, w)
+        for end, g, e in zip(("hi", "lo"), got, expected):
+            problems.append(_differs(f"signed_mul_lift {end}", g, e))
+    return _first(*problems)
+
+
+def _check_entropy_mul_lift(c: _Case) -> str | None:
+    problems = []
+    for a_shape, w_shape in (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1))):
+        la = c.randn(*a_shape) * 5
+        la.view(-1)[:3] = -INF  # no path
+        r = c.rand(*a_shape).masked_fill(la == -INF, 0.0)
+        w = c.randn(*w_shape, zeros=0.2) * 10.0 ** c.randn(*w_shape).clamp(-3, 3)
+        w.view(-1)[-1] = NAN
+        got, _ = c.run(la, r, w)
+        log_w = torch.log(w.double().abs())
+        new_la = la.double() + log_w
+        new_r = torch.where(new_la == -INF, 0.0, r.double() - log_w)
+        scale = la.double().abs().nan_to_num(posinf=0.0) + log_w.abs().nan_to_num(posinf=0.0)
+        tol = _ulps(c, 8, scale + r.double())
+        problems.append(_differs("entropy_mul_lift log Z", got[0], new_la, tol))
+        problems.append(_differs("entropy_mul_lift r", got[1], new_r, tol))
+    return _first(*problems)
+
+
+def _check_entropy_add(c: _Case) -> str | None:
+    problems = []
+    for a_shape, b_shape in (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1))):
+        la, lb = c.randn(*a_shape) * 30, c.randn(*b_shape) * 30
+        la.view(-1)[:4] = -INF
+        lb.view(-1)[:2] = -INF
+        if la.shape == lb.shape:
+            lb.view(-1)[-3:] = la.view(-1)[-3:]  # ties
+        ra = c.rand(*a_shape).masked_fill(la == -INF, 0.0)
+        rb = c.rand(*b_shape).masked_fill(lb == -INF, 0.0)
+        got, _ = c.run(la, ra, lb, rb)
+        l64, m64, ra64, rb64 = la.double(), lb.double(), ra.double(), rb.double()
+        log_z = torch.logaddexp(l64, m64)
+        r = torch.sigmoid(l64 - m64) * ra64 + torch.sigmoid(m64 - l64) * rb64
+        r = r.nan_to_num(nan=0.0)  # both empty: r is 0
+        scale = torch.maximum(l64.abs(), m64.abs()) + log_z.abs()
+        problems.append(_differs("entropy_add log Z", got[0], log_z, _ulps(c, 8, scale)))
+        problems.append(_differs("entropy_add r", got[1], r, _ulps(c, 16, 1 + r)))
+    return _first(*problems)
+
+
+def _check_ratio_where_positive(c: _Case) -> str | None:
+    num, den = c.randn(2, 5, 9), c.randn(2, 5, 9, zeros=0.2)
+    num.view(-1)[:3] = NAN
+    den.view(-1)[1] = 0.0
+    _, (got, _) = c.run(num.clone(), den)
+    expected = torch.where(den > 0, num / den, 0.0)
+    return _differs("ratio_where_positive_", got, expected)
+
+
+def _loo_oracle(x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """Leave-one-out log Σ e^x and the e^x-weighted mean of the others' r, by enumeration
+    in float64."""
+    x, r = x.double(), r.double()
+    n = x.shape[-1]
+    others = x[..., None, :].expand(*x.shape, n).clone()
+    others.diagonal(dim1=-2, dim2=-1).fill_(-INF)
+    weights = torch.softmax(others, -1).nan_to_num(nan=0.0)
+    return torch.logsumexp(others, -1), (weights * r[..., None, :]).sum(-1)
+
+
+def _log_rows(c: _Case) -> Tensor:
+    """(2, 5, 9) rows in log space: -inf entries, a row of -inf, a row with one finite
+    entry, a tied row, a gap of 1000 nats."""
+    x = c.randn(2, 5, 9) * 20
+    x[0, 0] = -INF
+    x[0, 1, 1:] = -INF
+    x[0, 2] = 3.0
+    x[1, 4, 0] = 1000.0
+    x.view(-1)[5::7] = -INF
+    return x
+
+
+def _check_loo_log(c: _Case) -> str | None:
+    x = _log_rows(c)
+    r = c.rand(*x.shape).masked_fill(x == -INF, 0.0)
+    log_z, rest = _loo_oracle(x, r)
+    scale = 1 + x.double().nan_to_num(neginf=0.0).abs().amax(-1, keepdim=True)
+    problems = []
+    for given in (None, r):
+        (out_l, out_r, declined), _ = c.run(x, given)
+        if bool(declined):
+            return "loo_log declined rows without NaN or +inf"
+        problems.append(_differs("loo_log log Z", out_l, log_z, _ulps(c, 8, scale)))
+        if given is not None:
+            problems.append(_differs("loo_log r", out_r, rest, _ulps(c, 32, 1 + rest)))
+    bad = x.clone()
+    bad[1, 1, 2] = NAN
+    (_, _, declined), _ = c.run(bad, r)
+    if not bool(declined):
+        problems.append("loo_log did not decline a row holding NaN")
+    return _first(*problems)
+
+
+def _check_entropy_reduce_rows(c: _Case) -> str | None:
+    la = _log_rows(c)
+    r = c.rand(*la.shape).masked_fill(la == -INF, 0.0)
+    (out_l, out_r, declined), _ = c.run(la, r)
+    if bool(declined):
+        return "entropy_reduce_rows declined rows without NaN or +inf"
+    l64 = la.double()
+    log_z = torch.logsumexp(l64, -1, keepdim=True)
+    mean = (torch.softmax(l64, -1).nan_to_num(nan=0.0) * r.double()).sum(-1, keepdim=True)
+    scale = 1 + l64.nan_to_num(neginf=0.0).abs().amax(-1, keepdim=True)
+    problems = [
+        _differs("entropy_reduce_rows log Z", out_l, log_z, _ulps(c, 8, scale)),
+        _differs("entropy_reduce_rows r", out_r, mean, _ulps(c, 16, 1 + mean)),
+    ]
+    bad = la.clone()
+    bad[0, 3, 4] = INF
+    (_, _, declined), _ = c.run(bad, r)
+    if not bool(declined):
+        problems.append("entropy_reduce_rows did not decline a row holding +inf")
+    return _first(*problems)
+
+
+def _check_log_space_rows(c: _Case) -> str | None:
+    a = _log_rows(c)
+    depth = 110 if c.dtype == torch.float32 else 760  # e down through its subnormals
+    a[1, 3] = -torch.linspace(0, depth, 9, device="cpu")
+    k = a.shape[-1]
+    problems = []
+    for r in (None, c.rand(*a.shape)):
+        width = k if r is None else 2 * k
+        out = torch.full((*a.shape[:-1], width), 7.0, dtype=c.dtype, device="cpu")
+        (shift, live), (_, _, out) = c.run(a, r, out)
+        row_max = a.amax(-1, keepdim=True)
+        problems.append(_differs("log_space_rows live", live, torch.isfinite(row_max)))
+        expected_shift = row_max.masked_fill(~torch.isfinite(row_max), 0.0)
+        problems.append(_differs("log_space_rows shift", shift, expected_shift))
+        e = torch.exp(a - expected_shift)
+        problems.append(_differs("log_space_rows e", out[..., -k:], e, _ulps(c, 8, e)))
+        if r is not None:
+            er = e * r
+            problems.append(_differs("log_space_rows e·r", out[..., :k], er, _ulps(c, 8, er)))
+    return _first(*problems)
+
+
+def _check_entropy_weights(c: _Case) -> str | None:
+    w = c.randn(2, 5, 9, zeros=0.2) * 10.0 ** c.randn(2, 5, 9).clamp(-3, 3)
+    w.view(-1)[:3] = torch.tensor([NAN, INF, -INF], dtype=c.dtype, device="cpu")
+    w.view(-1)[3] = -0.0
+    out = torch.full((2, 10, 9), 7.0, dtype=c.dtype, device="cpu")
+    _, (_, out) = c.run(w, out)
+    magnitude = w.double().abs()
+    weighted = (-(magnitude * torch.log(magnitude))).nan_to_num(nan=0.0, posinf=INF, neginf=-INF)
+    expected = torch.cat([magnitude, weighted], dim=-2)
+    return _differs("entropy_weights", out, expected, _ulps(c, 8, expected))
+
+
+def _check_any_nan_or_inf(c: _Case) -> str | None:
+    first = torch.zeros(2, 5, 9, dtype=c.dtype, device="cpu")
+    floats = (
+        c.randn(2, 5, 9)
+        if c.dtype.is_floating_point
+        else torch.randn(5, 9, generator=c.gen, device="cpu")
+    )
+    variants = [floats, floats.clone(), floats.clone(), floats.clone()]
+    variants[1].view(-1)[7] = NAN
+    variants[2].view(-1)[8] = INF
+    variants[3].view(-1)[9] = -INF
+    for second in variants:
+        for tensors in ([first, second], [second.mT, first]):
+            for signs in ((0, 0), (1, -1), (-1, 1)):
+                expected = any(
+                    t.dtype.is_floating_point
+                    and (
+                        bool(t.isnan().any())
+                        or (s >= 0 and bool(t.isposinf().any()))
+                        or (s <= 0 and bool(t.isneginf().any()))
+                    )
+                    for t, s in zip(tensors, signs)
+                )
+                got, _ = c.run(tensors, list(signs))
+                if bool(got) != expected:
+                    return (
+                        f"any_nan_or_inf gave {bool(got)} where the torch formula gives {expected}"
+                    )
+    return None
+
+
+def _check_all_rows_live(c: _Case) -> str | None:
+    x = c.randn(2, 5, 9)
+    y = x - c.rand(2, 5, 9)
+    cases = []
+    for row, value in ((None, None), ((1, 2), None), ((1, 2), NAN), ((0, 4), INF)):
+        bent = x.clone()
+        if row is not None:
+            bent[row] = -INF
+            if value is not None:
+                bent[row][3] = value
+        cases.append((bent, None, -INF, bool((bent.amax(-1) != -INF).all())))
+        cases.append((bent, y, 0.0, not bool(((bent - y).amax(-1) < 0).any())))
+    for x_, y_, empty, expected in cases:
+        got, _ = c.run(x_, y_, empty)
+        if bool(got) != expected:
+            return f"all_rows_live gave {bool(got)} where the torch formula gives {expected}"
+    return None
+
+
+def _check_log_gemm_finish(c: _Case) -> str | None:
+    z = c.rand(2, 5, 9) + 0.25
+    z.view(-1)[::6] = 0.0
+    z[1, 3] = 0.0  # a dead row: its sums are rightly 0
+    live = torch.ones(2, 5, 1, dtype=torch.bool, device="cpu")
+    live[1, 3] = False
+    num, shift, shift_b = c.randn(2, 5, 9), c.randn(2, 5, 1), c.randn(2, 1, 9)
+    tiny = torch.finfo(c.dtype).tiny / c.eps
+    # zeros in live rows are below tiny: not exact, nothing written
+    (done,), (z_out, num_out, *_) = _tuple(c.run(z, num, shift, shift_b, live, tiny, True))
+    if bool(done) or not (torch.equal(z_out, z) and torch.equal(num_out, num)):
+        return "log_gemm_finish_ wrote sums below tiny (not exact)"
+    z = z.masked_fill((z == 0) & live, 0.5)
+    for sb in (shift_b, None):
+        (done,), (z_out, num_out, *_) = _tuple(c.run(z, num, shift, sb, live, tiny, False))
+        if not bool(done):
+            return "log_gemm_finish_ declined exact sums"
+        want = z.log() + shift + (0.0 if sb is None else sb)
+        scale = z.log().abs() + shift.abs() + (0.0 if sb is None else sb.abs())
+        ratio = torch.where(z > 0, num / z, 0.0)
+        problem = _first(
+            _differs("log_gemm_finish_ log z", z_out, want, _ulps(c, 8, scale)),
+            _differs("log_gemm_finish_ num / z", num_out, ratio),
+        )
+        if problem:
+            return problem
+    return None
+
+
+def _tuple(result):
+    out, written = result
+    return (out if isinstance(out, tuple) else (out,)), written
+
+
+_CHECKS: dict[str, Callable[[_Case], str | None]] = {
+    "max_times": _check_max_times,
+    "signed_times": _check_signed_times,
+    "lift_times": _check_lift_times,
+    "signed_mul_lift": _check_signed_mul_lift,
+    "entropy_mul_lift": _check_entropy_mul_lift,
+    "entropy_add": _check_entropy_add,
+    "ratio_where_positive_": _check_ratio_where_positive,
+    "loo_log": _check_loo_log,
+    "entropy_reduce_rows": _check_entropy_reduce_rows,
+    "log_space_rows": _check_log_space_rows,
+    "entropy_weights": _check_entropy_weights,
+    "any_nan_or_inf": _check_any_nan_or_inf,
+    "all_rows_live": _check_all_rows_live,
+    "log_gemm_finish_": _check_log_gemm_finish,
+}
+
+#: the kernels that check themselves
+NAMES = tuple(_CHECKS)
