@@ -356,6 +356,9 @@ def test_ctrl_c_ends_the_command_at_once_without_a_traceback(short_context_model
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     first = proc.stdout.readline()
+    if not first:  # the command ended before its first line: say why
+        proc.wait(timeout=30)
+        pytest.fail(f"exit status {proc.returncode}: {proc.stderr.read()}")
     assert first.startswith("reading the tokenizer"), first
     proc.send_signal(signal.SIGINT)
     sent = time.monotonic()
