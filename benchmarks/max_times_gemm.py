@@ -92,17 +92,17 @@ TILES = [(64, 64, 4, 4), (64, 64, 4, 8), (128, 64, 4, 4), (64, 128, 4, 4), (128,
 
 def tile_sweep(torch, triton_matmul, n: int, device: str, budget_s: float) -> list[dict]:
     """The max_times kernel under each of TILES at size n, against the default tile's
-    result; the module's TILE and UNROLL are restored afterwards."""
+    result; the module's TILES and UNROLL are restored afterwards."""
     gen = torch.Generator().manual_seed(0)
     a = torch.rand(1, n, n, generator=gen).to(device)
     b = torch.rand(1, n, n, generator=gen).to(device)
     out = a.new_empty(1, n, n)
     reference = triton_matmul.max_times(a, b, 0.0, False, out).clone()
-    default = (triton_matmul.TILE, dict(triton_matmul.UNROLL))
+    default = (dict(triton_matmul.TILES), dict(triton_matmul.UNROLL))
     rows = []
     try:
         for block_m, block_n, warps, unroll in TILES[:2] if device == "cpu" else TILES:
-            triton_matmul.TILE = (block_m, block_n, warps)
+            triton_matmul.TILES[("max_times", torch.float32)] = (block_m, block_n, warps)
             triton_matmul.UNROLL["max_times"] = unroll
             row = {"n": n, "tile": [block_m, block_n, warps, unroll]}
             fn = lambda: triton_matmul.max_times(a, b, 0.0, False, out)  # noqa: E731
@@ -115,7 +115,7 @@ def tile_sweep(torch, triton_matmul, n: int, device: str, budget_s: float) -> li
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
-        triton_matmul.TILE, triton_matmul.UNROLL = default[0], default[1]
+        triton_matmul.TILES, triton_matmul.UNROLL = default[0], default[1]
     return rows
 
 

@@ -59,6 +59,12 @@ from torch import Tensor
 #: in the interpreter, which runs each program as numpy operations on its tile, 16 × 16 of 1
 TILE = (16, 16, 1) if triton.knobs.runtime.interpret else (64, 64, 4)
 
+#: TILE's exceptions on a GPU, by (kernel, dtype): max_times in float32 takes 64 × 128 tiles of
+#: 4 warps, the fastest of the seven tiles ``benchmarks/max_times_gemm.py --tiles`` times (an
+#: NVIDIA H200, n = 8192, triton 3.6: 6.4 G terms/s, 5.1 with 64 × 64; the same result to the
+#: bit). Float64 and the pair kernels keep TILE: their tiles are not measured on a GPU.
+TILES = {} if triton.knobs.runtime.interpret else {("max_times", torch.float32): (64, 128, 4)}
+
 #: BLOCK_K, the unroll of the k loop: 4 for max_times (3.9 instructions per term instead of
 #: 4.6 unrolled once; 128 registers instead of 72, from ptxas for sm_90), 1 for the pairs
 #: (their two accumulator tiles leave little room for unrolled registers; the unroll of the
@@ -251,13 +257,14 @@ def _strides(x: Tensor) -> tuple[int, int, int]:
     return (0 if x.shape[0] == 1 else x.stride(0), x.stride(1), x.stride(2))
 
 
-def _launch(kernel, operands: tuple[Tensor, ...], k: int, *extra, block_k: int, **flags):
+def _launch(kernel, operands: tuple[Tensor, ...], k: int, *extra, block_k: int, tile=None, **flags):
     """Run ``kernel`` with the operands, (m, n, k), the operands' strides and ``extra``, on one
-    program per output tile; the last operand is an output (B, m, n)."""
+    program per output tile (``tile``, default TILE); the last operand is an output (B, m, n)."""
+    tile = tile or TILE
     batch, m, n = operands[-1].shape
     if operands[-1].numel() == 0:
         return
-    block_m, block_n, warps = TILE
+    block_m, block_n, warps = tile
     kernel[(batch * triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)](
         *operands,
         m,
@@ -281,7 +288,13 @@ def max_times(a: Tensor, b: Tensor, init: float, abs_b: bool, out: Tensor) -> Te
     _check((a,), (b,), (out,))
     start = torch.full((1,), init, dtype=out.dtype, device=out.device)  # exact in float64
     _launch(
-        _max_times_kernel, (a, b, out), a.shape[2], start, block_k=UNROLL["max_times"], ABS_B=abs_b
+        _max_times_kernel,
+        (a, b, out),
+        a.shape[2],
+        start,
+        block_k=UNROLL["max_times"],
+        tile=TILES.get(("max_times", a.dtype)),
+        ABS_B=abs_b,
     )
     return out
 
