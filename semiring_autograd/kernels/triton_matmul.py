@@ -61,7 +61,7 @@ TILE = (16, 16, 1) if triton.knobs.runtime.interpret else (64, 64, 4)
 
 #: TILE's exceptions on a GPU, by (kernel, dtype): max_times in float32 takes 64 × 128 tiles of
 #: 4 warps, the fastest of the seven tiles ``benchmarks/max_times_gemm.py --tiles`` times (an
-#: NVIDIA H200, n = 8192, triton 3.6: 6.4 G terms/s, 5.1 with 64 × 64; the same result to the
+#: NVIDIA H200, n = 8192, triton 3.6: 6.4 T terms/s, 5.1 with 64 × 64; the same result to the
 #: bit). Float64 and the pair kernels keep TILE: their tiles are not measured on a GPU.
 TILES = {} if triton.knobs.runtime.interpret else {("max_times", torch.float32): (64, 128, 4)}
 
