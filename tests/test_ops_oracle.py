@@ -821,6 +821,23 @@ OPS: list[OpRow] = [
         _dropout_train_oracle,
     ),
     OpRow(
+        "F.dropout1d_eval_or_p0",
+        lambda x, **kw: F.dropout1d(x, **kw),
+        lambda: [
+            S_("eval_2x3x4", (randn(2, 3, 4),), dict(p=0.3, training=False)),
+            S_("p0_train_3x4", (randn(3, 4),), dict(p=0.0, training=True)),
+        ],
+    ),
+    OpRow(
+        "F.dropout1d_train",
+        lambda x, **kw: F.dropout1d(x, p=kw["p"], training=True),
+        lambda: [
+            S_("p0.5_3x4x2", (randn(3, 4, 2),), dict(p=0.5)),
+            S_("p0.4_unbatched_4x3", (randn(4, 3),), dict(p=0.4)),
+        ],
+        _dropout_train_oracle,
+    ),
+    OpRow(
         "F.layer_norm",
         _layer_norm,
         lambda: [

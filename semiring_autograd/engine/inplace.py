@@ -3,8 +3,12 @@ on a copy of the target, and the result is written into the target as torch writ
 
 ``x.add_(y)``, ``x += y`` … run as ``x.add(y)``; ``x[index] = v`` runs as
 ``x.index_put(indices, v)`` with ``indices`` the per-dim coordinates of the elements
-``x[index]`` reads (any basic, advanced or boolean index). The copy and the write-back are
-identity edges (torch's ``CloneBackward0`` and ``CopyBackwards`` nodes).
+``x[index]`` reads (any basic, advanced or boolean index); a functional op's
+``inplace=True`` flag (``F.relu(x, inplace=True)``, ``nn.Dropout(inplace=True)``) runs the
+op with ``inplace=False``; an in-place functional form (``F.relu_(x)``, ``F.elu_(x)``,
+``torch.dropout_(x, p, train)``) runs as its functional op with ``inplace=False``. The copy
+and the write-back are identity edges (torch's ``CloneBackward0`` and ``CopyBackwards``
+nodes); what the call returns is the target, as torch returns it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.tensor_helpers import element_positions
@@ -19,15 +24,48 @@ from ..ops.tensor_helpers import element_positions
 #: augmented assignments and the tensor methods they run out of place
 _AUGMENTED = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div"}
 
+#: in-place functional forms → the functional op each runs as (with ``inplace=False``); their
+#: positional arguments are the functional op's, up to its ``inplace`` parameter
+_FUNCTIONAL_FORMS: dict[Any, Any] = {
+    torch.relu_: F.relu,
+    torch.selu_: F.selu,
+    torch.celu_: F.celu,
+    torch.rrelu_: F.rrelu,
+    torch.threshold_: F.threshold,
+    torch.dropout_: F.dropout,
+    torch.alpha_dropout_: F.alpha_dropout,
+    torch.feature_alpha_dropout_: F.feature_alpha_dropout,
+    torch._C._nn.elu_: F.elu,
+    torch._C._nn.hardtanh_: F.hardtanh,
+    torch._C._nn.leaky_relu_: F.leaky_relu,
+    torch._C._nn.relu6_: F.relu6,
+    torch._C._nn.hardswish_: F.hardswish,
+    torch._C._nn.hardsigmoid_: F.hardsigmoid,
+    torch._C._nn.silu_: F.silu,
+    torch._C._nn.mish_: F.mish,
+}
+#: keyword names of the in-place forms that their functional ops spell otherwise
+_RENAMED = {"self": "input", "train": "training"}
+#: functional ops whose YAML entries take ``inplace=True`` themselves and compute out of
+#: place (dropout: its training mask is drawn as torch's in-place dropout draws it); the
+#: flag stays on when they run on the copy
+_FLAG_KEPT = frozenset({F.dropout})
+
 Route = Callable[..., Any]
 """Calls a torch function as the patched model's code would (under its YAML entry)."""
 
 
+def flagged(kwargs: dict) -> bool:
+    """Whether the call carries a functional op's ``inplace=True`` flag (torch's functional
+    ops pass it to ``__torch_function__`` as a keyword)."""
+    return bool(kwargs.get("inplace", False))
+
+
 def is_inplace(func: Any, kwargs: dict) -> bool:
-    """Whether ``func`` writes into a tensor: an ``out=`` call, ``x[i] = v``, an augmented
-    assignment or a trailing-underscore method."""
+    """Whether ``func`` writes into a tensor: an ``out=`` call, an ``inplace=True`` flag,
+    ``x[i] = v``, an augmented assignment or a trailing-underscore method or function."""
     name = getattr(func, "__name__", "")
-    if kwargs.get("out") is not None:
+    if kwargs.get("out") is not None or flagged(kwargs):
         return True
     if name in ("__setitem__",) or (name.startswith("__i") and name.endswith("__")):
         return name not in ("__init__", "__iter__", "__index__", "__int__")
@@ -36,10 +74,13 @@ def is_inplace(func: Any, kwargs: dict) -> bool:
 
 def out_of_place(func: Any, kwargs: dict) -> Any:
     """The out-of-place torch function an in-place call runs as (``x.add_`` → ``x.add``,
-    ``x += y`` → ``x.add``, ``x[i] = v`` → ``x.index_put``), or None."""
+    ``x += y`` → ``x.add``, ``x[i] = v`` → ``x.index_put``, ``F.relu(x, inplace=True)`` →
+    ``F.relu``), or None (an in-place functional form: :func:`out_of_place_call`)."""
     name = getattr(func, "__name__", "")
     if kwargs.get("out") is not None:
         return None
+    if flagged(kwargs):
+        return func
     if func is torch.Tensor.__setitem__:
         return torch.Tensor.index_put
     base = _AUGMENTED.get(name) or (
@@ -50,9 +91,34 @@ def out_of_place(func: Any, kwargs: dict) -> Any:
     return getattr(torch.Tensor, base, None)
 
 
+def out_of_place_call(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict] | None:
+    """The out-of-place call ``(function, args, kwargs)`` an ``inplace=True`` call or an
+    in-place functional form runs as, its target first (``args[0]``); None for other calls
+    and for a form called with arguments its functional op does not take."""
+    if flagged(kwargs):
+        counterpart = func
+    else:
+        counterpart = functional_form(func)
+        if counterpart is None:
+            return None
+        kwargs = {_RENAMED.get(k, k): v for k, v in kwargs.items()}
+        if "input" in kwargs and not args:
+            args = (kwargs.pop("input"),)
+        if len(args) > _positional_limit(counterpart) or "inplace" in kwargs:
+            return None
+    if not args or not isinstance(args[0], Tensor):
+        return None
+    return counterpart, args, {**kwargs, "inplace": counterpart in _FLAG_KEPT}
+
+
 def write(func: Any, args: tuple, kwargs: dict, route: Route) -> Any:
     """Run the in-place call ``func(*args, **kwargs)`` out of place through ``route`` on a
     copy of its target, write the result into the target and return what ``func`` returns."""
+    call = out_of_place_call(func, args, kwargs)
+    if call is not None:
+        counterpart, args, kwargs = call
+        target = args[0]
+        return target.copy_(route(counterpart, target.clone(), *args[1:], **kwargs))
     target = args[0]
     if func is torch.Tensor.__setitem__:
         _, index, value = args
@@ -60,6 +126,20 @@ def write(func: Any, args: tuple, kwargs: dict, route: Route) -> Any:
         target.copy_(route(torch.Tensor.index_put, target.clone(), indices, value))
         return None
     return target.copy_(route(out_of_place(func, kwargs), target.clone(), *args[1:], **kwargs))
+
+
+def functional_form(func: Any) -> Any:
+    """The functional op the in-place functional form ``func`` runs as, or None."""
+    try:
+        return _FUNCTIONAL_FORMS.get(func)
+    except TypeError:  # an unhashable callable
+        return None
+
+
+def _positional_limit(functional: Any) -> int:
+    """How many positional arguments ``functional`` takes before its ``inplace``."""
+    names = functional.__code__.co_varnames[: functional.__code__.co_argcount]
+    return names.index("inplace") if "inplace" in names else len(names)
 
 
 def is_view_write_refusal(exc: RuntimeError) -> bool:

@@ -196,6 +196,14 @@ class _SemiringMode(TorchFunctionMode):
         handle = self.handle
         if "out" in kwargs and kwargs["out"] is None:  # the default, spelled out
             kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        if inplace.flagged(kwargs):  # F.relu(x, inplace=True): before any entry binds it
+            return self._write(func, types, args, kwargs)
+        return self._record(func, types, args, kwargs)
+
+    def _record(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+        """The call under its entry's generated Function (torch's graph under sa.Real()),
+        an in-place one written back; refused where no entry takes it."""
+        handle = self.handle
         candidates = handle.op_table.candidates(func)
         rejected = []
         for op in candidates:
@@ -224,36 +232,88 @@ class _SemiringMode(TorchFunctionMode):
             handle.annotate(out, op, recorded)
             return out
         if inplace.is_inplace(func, kwargs):
-            counterpart = inplace.out_of_place(func, kwargs)
-            if counterpart is None or not handle.op_table.candidates(counterpart):
-                raise handle.unsupported(func, "it writes into a tensor in place")
-            route = functools.partial(_route, self.__torch_function__, types)
-            try:
-                return inplace.write(func, args, kwargs, route)
-            except RuntimeError as exc:  # torch refuses the write before making it
-                if not inplace.is_view_write_refusal(exc):
-                    raise
-                raise UnsupportedOpError(
-                    f"{_name_of(func)} (in module '{handle.current_module}') writes in place "
-                    f"into a view that a patched op returned (a slice such as y[:, :2], a "
-                    f"transpose, a split part …) under sa.patch(..., {handle.semiring!r}): "
-                    "its generated Function cannot be rewritten around the write. Write out of "
-                    "place (torch.cat, index_put, where) or write into a copy of the view "
-                    "(.clone()) and use that copy."
-                ) from exc
+            return self._write(func, types, args, kwargs)
         out = func(*args, **kwargs)
         if not _differentiable_output(out):
             return out  # e.g. x.type() returning a string: nothing enters the gradient graph
-        if not candidates:
-            raise handle.unsupported(func, "it has no semiring formula")
-        if rejected:
-            why = "its arguments are not supported: " + "; ".join(
-                f"{op.name} requires `{op.accepts_text}`" for op in rejected
+        raise handle.unsupported(func, _refusal(candidates, rejected))
+
+    def _write(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+        """The in-place call ``func(*args, **kwargs)`` run out of place on a copy of its
+        target and written back (engine/inplace.py); refused, with nothing written, where
+        the out-of-place call has no entry that takes it."""
+        handle = self.handle
+        call = inplace.out_of_place_call(func, args, kwargs)
+        flag = inplace.flagged(kwargs) or call is not None
+        if call is not None:
+            counterpart, call_args, call_kwargs = call
+            why = _out_of_place_refusal(handle.op_table, counterpart, call_args, call_kwargs)
+            if why is not None:
+                raise handle.unsupported(
+                    func,
+                    f"it writes in place: it runs as {_name_of(counterpart)}(…, inplace="
+                    f"{call_kwargs['inplace']}) on a copy of its input, written back, and {why}",
+                )
+        elif (form := inplace.functional_form(func)) is not None:
+            raise handle.unsupported(
+                func,
+                f"it writes in place, and only with the arguments {_name_of(form)} takes "
+                f"(no inplace) does it run as {_name_of(form)} on a copy of its input",
             )
         else:
-            signatures = ", ".join(op.signature for op in candidates)
-            why = f"no entry's signature matches these arguments ({signatures})"
-        raise handle.unsupported(func, why)
+            counterpart = None if flag else inplace.out_of_place(func, kwargs)
+            if counterpart is None or not handle.op_table.candidates(counterpart):
+                raise handle.unsupported(func, "it writes into a tensor in place")
+        # the out-of-place call of a flag straight to its entry: one that keeps the flag
+        # (dropout) takes it itself
+        route = functools.partial(
+            _route, self._record if call is not None else self.__torch_function__, types
+        )
+        try:
+            return inplace.write(func, args, kwargs, route)
+        except RuntimeError as exc:  # torch refuses the write before making it
+            if not inplace.is_view_write_refusal(exc):
+                raise
+            fix = (
+                "Call it out of place (inplace=False: nn.ReLU() for nn.ReLU(inplace=True), "
+                "F.relu(x) for F.relu_(x)) or on a copy of the view (.clone())."
+                if flag
+                else "Write out of place (torch.cat, index_put, where) or write into a copy of "
+                "the view (.clone()) and use that copy."
+            )
+            raise UnsupportedOpError(
+                f"{_name_of(func)} (in module '{handle.current_module}') writes in place "
+                f"into a view that a patched op returned (a slice such as y[:, :2], a "
+                f"transpose, a split part …) under sa.patch(..., {handle.semiring!r}): "
+                f"its generated Function cannot be rewritten around the write. {fix}"
+            ) from exc
+
+
+def _refusal(candidates: list[OpSpec], rejected: list[OpSpec]) -> str:
+    """Why no entry among ``candidates`` takes a call (``rejected``: those that bound it and
+    refused its arguments)."""
+    if not candidates:
+        return "it has no semiring formula"
+    if rejected:
+        return "its arguments are not supported: " + "; ".join(
+            f"{op.name} requires `{op.accepts_text}`" for op in rejected
+        )
+    signatures = ", ".join(op.signature for op in candidates)
+    return f"no entry's signature matches these arguments ({signatures})"
+
+
+def _out_of_place_refusal(op_table: OpTable, func: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why no entry takes the call ``func(*args, **kwargs)``, or None when one does."""
+    candidates = op_table.candidates(func)
+    rejected = []
+    for op in candidates:
+        bound = op.bind(args, kwargs)
+        if bound is None:
+            continue
+        if op.accepted(bound):
+            return None
+        rejected.append(op)
+    return _refusal(candidates, rejected)
 
 
 class PatchHandle:

@@ -15,8 +15,11 @@ def dropout_with_noise(
 ) -> tuple[Tensor, Tensor]:
     """Training-mode dropout drawing its mask exactly as ``torch.nn.functional.dropout`` does
     (so the same seed gives the same output): noise ~ Bernoulli(1-p) / (1-p),
-    output = input · noise. Returns (output, noise)."""
-    if input.is_cuda and 0 < p < 1 and input.numel() > 0:
+    output = input · noise, always out of place. Returns (output, noise). With ``inplace``
+    the mask is drawn as the in-place call draws it (on CUDA torch's out-of-place dropout
+    runs a fused kernel with its own draw, the in-place one does not); the patch runs an
+    ``inplace=True`` call on a copy of the input and writes the output back."""
+    if input.is_cuda and not inplace and 0 < p < 1 and input.numel() > 0:
         out, mask = torch.native_dropout(input, p, True)
         return out, mask.to(input.dtype) / (1 - p)
     if p == 1:
@@ -25,6 +28,29 @@ def dropout_with_noise(
     noise = torch.empty_like(input).bernoulli_(1 - p)
     noise.div_(1 - p)
     return input * noise, noise
+
+
+def _feature_dropout_with_noise(dropout):
+    """A forward helper for a training-mode channel dropout (``F.dropout1d``/``2d``/``3d``):
+    the function itself run on ones draws the mask as it draws it on the input (the noise
+    shape comes from the input's shape), and gives the noise, one value per channel,
+    broadcast; output = input · noise is the product torch computes, element by element."""
+
+    def forward(input: Tensor, p: float, training: bool, inplace: bool) -> tuple[Tensor, Tensor]:
+        noise = dropout(torch.ones_like(input), p, training)
+        return input * noise, noise
+
+    forward.__name__ = f"{dropout.__name__}_with_noise"
+    forward.__doc__ = (
+        f"Training-mode ``F.{dropout.__name__}`` and its noise (mask/(1-p) per channel, "
+        "broadcast to the input's shape), drawn as torch draws it. Returns (output, noise)."
+    )
+    return forward
+
+
+dropout1d_with_noise = _feature_dropout_with_noise(F.dropout1d)
+dropout2d_with_noise = _feature_dropout_with_noise(F.dropout2d)
+dropout3d_with_noise = _feature_dropout_with_noise(F.dropout3d)
 
 
 def _pool_with_indices(pool):

@@ -86,10 +86,20 @@ class Plan:
 
 
 def _fresh(out: Any, inputs: tuple) -> Any:
-    """A custom Function may not hand back one of its inputs unchanged: return a view."""
+    """A custom Function may not hand back one of its inputs unchanged: return a view. A
+    view of a tensor the call made inside (``F.linear`` of a batch is a view of its 2-D
+    product) is returned detached from that tensor: torch refuses in-place writes into a
+    custom Function's view outputs, and torch's own output of the call takes them
+    (``nn.ReLU(inplace=True)`` after a linear layer). A view of an input stays a view."""
     for t in inputs:
         if out is t:
             return out.view_as(out)
+    base = getattr(out, "_base", None)
+    if base is not None:
+        for t in inputs:
+            if isinstance(t, Tensor) and (base is t or base is t._base):
+                return out
+        return out.detach()
     return out
 
 
