@@ -249,27 +249,6 @@ def test_the_report_names_the_embedded_model_by_its_name():
     assert model_label(Model()) == "SmolLM2-135M"
 
 
-def test_a_kernel_build_says_so_only_when_it_compiles(tmp_path, monkeypatch, capsys):
-    from torch.utils import cpp_extension
-
-    from semiring_autograd.kernels import build
-
-    compiled = []
-
-    def fake_load(name, build_directory, **kwargs):
-        compiled.append(name)
-        (Path(build_directory) / f"{name}.so").write_bytes(b"")
-
-    monkeypatch.setenv("SEMIRING_AUTOGRAD_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", fake_load)
-    build._load(build.FLAGS)
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "building the fused CPU kernels" in err
-    assert "20 s to 2 min" in err and str(tmp_path) in err
-    build._load(build.FLAGS)  # the cached build: loaded without a word
-    assert capsys.readouterr().err == "" and len(compiled) == 2
-
-
 def _fake_checkout(tmp_path: Path) -> Path:
     """A copy of scripts/setup-venv and pyproject.toml with a .venv whose python records
     each call instead of running pip."""
