@@ -5,7 +5,10 @@ pass) and holds the semiring value (a tuple of component tensors) inside. The en
 two paths with ``aten.add``, which becomes the semiring's merge (⊕). Ops whose backward only moves, copies or
 sums gradients (views, ``select_backward``, ``expand``, ``sum`` …) are structural: their
 meaning is the same in every semiring, so they run per component (sums become ⊕).
-A score read from a patched model's output after the ``with`` block adds native backward
+torch's backward of a view or shape op taken of the input before the patched model
+(``unbind``, ``split``, ``as_strided``, ``unfold``, ``index_select``, ``pad`` …) runs its
+cat, stack, copy, ``index_add`` or zero fill on messages: the zeros it makes for unused
+pieces and empty slots are the semiring's zero, its sums ⊕. A score read from a patched model's output after the ``with`` block adds native backward
 nodes: a loss's backward op, softmax's and log_softmax's, and elementwise scalings inside
 the nodes of ``ELEMENTWISE_NODES`` run on messages with their semiring meaning.
 Any other aten op reaching a message raises :class:`ForeignOpError`.
@@ -234,9 +237,7 @@ def _copy_inplace(func, dst, src, non_blocking=False):
         raise SemiringMismatchError(
             f"cannot copy a {src.semiring!r} message into a {dst.semiring!r} message"
         )
-    value = tuple(c.expand(dst.shape).clone() for c in src.value)
-    dst.value = _in_precision(value, dst.dtype)
-    return dst
+    return _assign(dst, src.value)
 
 
 def _zeros_like(func, msg, **kwargs):
@@ -289,6 +290,149 @@ def _scatter_add(func, base, dim, index, src):
         src = Message(src.semiring, value, index.shape, src.dtype, src.device)
     positions = gather_positions(base.shape, dim, index).view(index.shape)
     return _scatter_into(func, base, positions, src)
+
+
+# ----- torch's backward of view and shape ops run before the patch --------------------
+# A view, slice, split, stack … of the input taken before the patched model (``x.unbind(0)``,
+# ``torch.stack``, ``x.as_strided``) leaves torch's own backward nodes between the model
+# and the input; their formulas only move, copy or ⊕-sum messages, and fill the elements
+# no message reaches with zero, which must be the semiring's zero.
+def _value_of(func, t, semiring: Semiring, like: Message) -> Value:
+    """The semiring value of one operand of a structural op: a message's, or the semiring's
+    zero for a plain tensor of zeros (what torch's backward formulas create for an output
+    whose gradient is undefined: ``unbind``'s and ``split``'s unused pieces)."""
+    if isinstance(t, Message):
+        if t.semiring is not semiring and t.semiring != semiring:
+            raise SemiringMismatchError(
+                f"aten op '{func}' combined a {t.semiring!r} message with a {semiring!r} one"
+            )
+        return t.value
+    if not isinstance(t, Tensor) or bool(t.ne(0).any()):
+        raise ForeignOpError(
+            f"aten op '{func}' combined a semiring message with a plain tensor that is not "
+            "zero: only torch's zeros for an unused output stand in for the semiring zero. "
+            "Record the computation inside `sa.patch(model, semiring)`."
+        )
+    zero = semiring.zero(t.shape, like.value[0])
+    return tuple(z.to(c.dtype) for z, c in zip(zero, like.value))
+
+
+def _joined(join):
+    """``cat``/``stack`` of messages (and torch's zeros for unused pieces), per component."""
+
+    def handler(func, tensors, dim=0):
+        like = next(t for t in tensors if isinstance(t, Message))
+        values = [_value_of(func, t, like.semiring, like) for t in tensors]
+        out = tuple(join([v[i] for v in values], dim) for i in range(len(like.value)))
+        return Message(like.semiring, out, out[0].shape, like.dtype, like.device)
+
+    return handler
+
+
+def _assign(dst: Message, value: Value) -> Message:
+    """Write ``value`` into ``dst``: in place into its components where they alias another
+    message's (a view made by ``as_strided``), else by replacing them."""
+    value = _in_precision(tuple(v.expand(dst.shape) for v in value), dst.dtype)
+    if getattr(dst, "_aliases", False):
+        for d, v in zip(dst.value, value):
+            d.copy_(v)
+    else:
+        dst.value = tuple(v.clone() for v in value)
+    return dst
+
+
+def _as_strided(func, msg, size, stride, storage_offset=None):
+    """A strided view of a message's elements in their contiguous order (the layout the
+    message reports): each component viewed the same way, aliasing it, so a write into the
+    view (``as_strided_backward``'s ``copy_``) reaches the message."""
+    bases = tuple(c if c.is_contiguous() else c.contiguous() for c in msg.value)
+    msg.value = bases
+    out = tuple(
+        c.as_strided(size, stride, c.storage_offset() + (storage_offset or 0)) for c in bases
+    )
+    view = Message(msg.semiring, out, size, msg.dtype, msg.device)
+    view._aliases = True
+    return view
+
+
+def _index_add(func, base, dim, index, source, alpha=1):
+    """``index_select``'s and an overlapping ``as_strided``'s backward: ``source`` ⊕-added
+    into ``base`` at ``index`` along ``dim``."""
+    if not isinstance(source, Message):
+        _refuse_overlapping_as_strided(func)
+    if alpha != 1:
+        raise ForeignOpError(f"aten op '{func}' with alpha={alpha} reached a semiring message")
+    positions = element_positions(base.shape, base.device)
+    if base.dim():
+        positions = positions.index_select(dim, index.to(torch.int64))
+    else:
+        positions = positions.reshape(1)[index.to(torch.int64)].reshape(source.shape)
+    return _scatter_into(func, base, positions, source)
+
+
+def _index_add_inplace(func, base, dim, index, source, alpha=1):
+    return _assign(base, _index_add(func, base, dim, index, source, alpha).value)
+
+
+def _unfold_backward(func, msg, input_sizes, dim, size, step):
+    """Each input element ⊕ over the windows that read it."""
+    positions = element_positions(input_sizes, msg.device).unfold(dim, size, step)
+    return _scatter_into(func, _new_zeros(func, msg, input_sizes), positions, msg)
+
+
+def _relocated(op: Callable[..., Tensor]):
+    """An op that moves each element of its input to at most one place and fills the rest
+    with zero (``diagonal_backward``, ``constant_pad_nd``, ``tril``, ``triu``): run on the
+    elements' positions, it says where each message element goes; the rest is the
+    semiring's zero."""
+
+    def handler(func, msg, *args, **kwargs):
+        source = op(element_positions(msg.shape, msg.device) + 1, *args, **kwargs)
+        read, present = (source - 1).clamp(min=0).reshape(-1), source > 0
+        zero = msg.semiring.zero(source.shape, msg.value[0])
+        out = tuple(
+            torch.where(present, c.reshape(-1)[read].reshape(source.shape), z.to(c.dtype))
+            for c, z in zip(msg.value, zero)
+        )
+        return Message(msg.semiring, out, source.shape, msg.dtype, msg.device)
+
+    return handler
+
+
+def _scatter_like(scatter):
+    """``select_scatter``/``slice_scatter``/``diagonal_scatter``/``as_strided_scatter`` of a
+    message into a message (the functional form of a view backward: ``new_zeros`` then the
+    scatter), per component."""
+
+    def handler(func, base, src, *args, **kwargs):
+        like = base if isinstance(base, Message) else src
+        b = _value_of(func, base, like.semiring, like)
+        s = _value_of(func, src, like.semiring, like)
+        out = tuple(
+            scatter(bc.contiguous(), sc.to(bc.dtype), *args, **kwargs) for bc, sc in zip(b, s)
+        )
+        return Message(like.semiring, out, out[0].shape, like.dtype, like.device)
+
+    return handler
+
+
+def _refuse_overlapping_as_strided(func) -> None:
+    """The error for ``as_strided`` of a tensor whose elements share memory, where torch's
+    backward counts the sharing elements (``index_add_`` of ones) and divides by the count."""
+    node = torch._C._current_autograd_node()
+    if node is not None and node.name() == "AsStridedBackward0":
+        raise ForeignOpError(
+            f"aten op '{func}': as_strided was taken of a tensor whose elements overlap in "
+            "memory (an expanded tensor, or a view with a zero stride): torch's backward "
+            "divides the gradient among the elements sharing a memory location, which has "
+            "no semiring meaning. Take `.contiguous()` (or `.clone()`) of the tensor before "
+            "`as_strided`, or record the computation inside `sa.patch(model, semiring)`."
+        )
+
+
+def _div_tensor_inplace(func, a, b):
+    _refuse_overlapping_as_strided(func)
+    return _div_inplace(func, a, b)
 
 
 # ----- native backward ops of a score read from a patched model's output ---------------
@@ -429,6 +573,27 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.copy_.default: _copy_inplace,
     aten._to_copy.default: _to_copy,
     aten.index_put.default: _index_put,
+    aten.cat.default: _joined(torch.cat),
+    aten.stack.default: _joined(torch.stack),
+    aten.as_strided.default: _as_strided,
+    aten.index_add.default: _index_add,
+    aten.index_add_.default: _index_add_inplace,
+    aten.unfold_backward.default: _unfold_backward,
+    aten.diagonal_backward.default: _relocated(aten.diagonal_backward.default),
+    aten.constant_pad_nd.default: _relocated(aten.constant_pad_nd.default),
+    aten.tril.default: _relocated(aten.tril.default),
+    aten.triu.default: _relocated(aten.triu.default),
+    aten.select_scatter.default: _scatter_like(torch.select_scatter),
+    aten.slice_scatter.default: _scatter_like(torch.slice_scatter),
+    aten.diagonal_scatter.default: _scatter_like(torch.diagonal_scatter),
+    aten.as_strided_scatter.default: _scatter_like(torch.as_strided_scatter),
+    aten.flip.default: _map,
+    aten.roll.default: _map,
+    aten.rot90.default: _map,
+    aten.diagonal.default: _map,
+    aten.unfold.default: _map,
+    aten.movedim.int: _map,
+    aten.div_.Tensor: _div_tensor_inplace,
     aten.scatter_add.default: _scatter_add,
     aten.mul.Tensor: _mul,
     aten.mul.Scalar: _mul,
