@@ -289,6 +289,18 @@ def test_compiled_modules_are_refused():
     assert "forward" not in model.__dict__
 
 
+@pytest.mark.parametrize("where", ["model", "submodule"])
+def test_modules_compiled_in_place_are_refused(where):
+    """``module.compile()`` keeps the module's class (no OptimizedModule) and routes its
+    calls through a compiled ``_call_impl``: refused like a torch.compile'd wrapper."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    (model if where == "model" else model[0]).compile()
+    name = "the model" if where == "model" else "submodule '0'"
+    with pytest.raises(sa.PatchError, match=rf"{name} is a torch.compile'd module.*\.compile\(\)"):
+        sa.patch(model, sa.MaxProduct())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
 def test_a_model_with_its_own_forward_attribute_gets_it_back():
     model = nn.Linear(4, 3)
     own = model.forward

@@ -82,9 +82,10 @@ def _leave_mode(mode: TorchFunctionMode) -> None:
 
 def _is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` is torch.compile's wrapper of another (checked without importing
-    torch._dynamo)."""
+    torch._dynamo) or was compiled in place (``module.compile()``)."""
     cls = type(module)
-    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
+    wrapper = cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
+    return wrapper or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _name_of(func: Any) -> str:
@@ -639,9 +640,17 @@ def patch(
         raise PatchError(
             f"sa.patch expects a semiring instance (e.g. sa.MaxProduct()), got {semiring!r}"
         )
-    compiled = [name for name, m in model.named_modules() if _is_compiled(m)]
+    compiled = [(name, m) for name, m in model.named_modules() if _is_compiled(m)]
     if compiled:
-        where = "the model" if compiled[0] == "" else f"submodule '{compiled[0]}'"
+        name, module = compiled[0]
+        where = "the model" if name == "" else f"submodule '{name}'"
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            raise PatchError(
+                f"{where} is a torch.compile'd module (compiled in place by `.compile()`): "
+                "its compiled call bypasses the per-op routing sa.patch needs. Patch a "
+                "module that was not compiled: call `.compile()` after the semiring work, "
+                "or patch a copy made before it (`copy.deepcopy(model)`)."
+            )
         raise PatchError(
             f"{where} is a torch.compile'd module (OptimizedModule): its compiled graph "
             "bypasses the per-op routing sa.patch needs. Patch the eager module instead "
