@@ -42,6 +42,15 @@ READS = {
     "huber_loss": lambda o: F.huber_loss(o, _spread(o), delta=0.5, reduction="none"),
     "bce_with_logits": lambda o: F.binary_cross_entropy_with_logits(o, _spread(o).sigmoid()),
     "kl_div": lambda o: F.kl_div(o.log_softmax(-1), _spread(o).softmax(-1), reduction="batchmean"),
+    # views and shape ops whose backward stacks, concatenates or pads with torch's zeros
+    "unbind": lambda o: o.unbind(0)[1],
+    "split": lambda o: o.split(1, 1)[2],
+    "chunk": lambda o: o.chunk(2, 1)[0],
+    "stack_of_rows": lambda o: torch.stack(o.unbind(0)[::-1]),
+    "flip": lambda o: o.flip(-1),
+    "unfold": lambda o: o.unfold(1, 2, 1),
+    "pad": lambda o: F.pad(o, (1, 1)),
+    "diagonal": lambda o: o.diagonal(),
 }
 
 
