@@ -2,7 +2,9 @@
 indexing, ``gather``, softmax and the losses taken outside the patch (torch's own backward
 ops on messages: index_put / scatter_add, the losses' backward ops, elementwise scalings)
 give the same readouts as the same reads recorded inside the patch (the YAML entries,
-checked against oracles in the op table)."""
+checked against oracles in the op table). Views and shape ops of the input taken before
+the patched model (``m(x.unbind(0)[0][None])``, ``torch.stack``, ``as_strided`` …: torch's
+own backward of each on messages) equal path enumeration under every semiring."""
 
 from __future__ import annotations
 
