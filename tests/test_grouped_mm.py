@@ -8,13 +8,16 @@ the rows here are float32 (the op table's rows are float64). Per (row, semiring)
 * the raw value and the readout at each input equal :func:`oracle.op_oracle` on the
   Jacobian of :func:`_reference`, a float64 per-group matmul written with ``torch.mm``
   alone (float32 tolerances);
-* under Real, the result also equals ``torch.autograd.grad`` of the float32 op, and inputs
-  that no group reads get exact zeros (torch's own backward leaves them uninitialised).
+* under Real, the result also equals ``torch.autograd.grad`` of the float32 op where some
+  group reads the input; where none does, ``Real(formulas=True)`` gives exact zeros (torch's
+  own backward, which ``sa.Real()`` records, leaves them uninitialised).
 
-Then the refusals (overlapping groups, offsets past the end, a bias), and the two MoE
+Then the compiled backward (it guards on the offsets), the refusals (overlapping groups,
+offsets past the end, a bias, another out_dtype), and the two MoE
 families whose experts run ``torch._grouped_mm`` (Mixtral, Qwen2-MoE): their
 ``experts_implementation="grouped_mm"`` readouts equal the ``"eager"`` experts' (a loop of
-per-expert ``F.linear``), the same paths through other ops, under every semiring.
+per-expert ``F.linear``), the same paths through other ops, under Real, MaxProduct, Log,
+Counting and Entropy.
 """
 
 from __future__ import annotations
@@ -168,6 +171,23 @@ def _read_by_groups(k: int, row: Row) -> Tensor:
         else:
             read[end:] = False
     return read
+
+
+def test_compiled_backward_guards_on_the_offsets():
+    """``sa.grad(compile=True)`` replays a program only for the offsets it was captured
+    with: other group sizes (same shapes) capture another program, equal to eager."""
+    a0, b0 = randn(8, 4), randn(3, 4, 4)
+    for ends in [(2, 5, 8), (2, 5, 8), (3, 3, 8), (1, 4, 8), (3, 3, 8), (2, 5, 8)]:
+        offs = _offs(*ends)
+        module = Apply(lambda a, b: torch._grouped_mm(a, b, offs=offs))
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        with sa.patch(module, sa.MaxProduct()):
+            y = module(a, b)
+        seed = torch.ones_like(y)
+        eager = sa.grad(y, [a, b], seed=seed, retain_graph=True)
+        compiled = sa.grad(y, [a, b], seed=seed, compile=True)
+        for e, c in zip(eager, compiled):
+            assert torch.equal(e, c), ends
 
 
 # ----------------------------------------------------------------------------- refusals
