@@ -193,13 +193,18 @@ def test_compiled_backward_guards_on_the_offsets():
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(
     "why, offs",
-    [("overlapping groups", _offs(4, 2, 7)), ("offsets past the end", _offs(2, 4, 9))],
+    [
+        ("overlapping groups", _offs(4, 2, 7)),
+        ("offsets past the end", _offs(2, 4, 9)),
+        ("no group", _offs()),
+    ],
 )
 def test_grouped_mm_refuses_offsets_it_cannot_read(why: str, offs: Tensor):
     """torch's CPU kernel runs these (later groups overwrite earlier ones, the last group
-    is cut at the end); the entry refuses them at forward, naming what it requires."""
+    is cut at the end; with no group, torch's own backward fails); the entry refuses them
+    at forward, naming what it requires."""
     module = Apply(lambda a, b: torch._grouped_mm(a, b, offs=offs))
-    a, b = randn(7, 4).requires_grad_(), randn(3, 4, 4)
+    a, b = randn(7, 4).requires_grad_(), randn(len(offs), 4, 4)
     with sa.patch(module, sa.MaxProduct()):
         with pytest.raises(UnsupportedOpError, match=r"torch\._grouped_mm.*_grouped_mm requires"):
             module(a, b)
