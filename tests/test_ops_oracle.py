@@ -354,6 +354,13 @@ OPS: list[OpRow] = [
         lambda: [S_("3x4", (randn(3, 4),)), S_("noncontig", (randn(5, 4)[::2].t(),))],
     ),
     OpRow("torch.log", torch.log, lambda: [S_("3x4_pos", (positive(3, 4),))]),
+    OpRow("torch.expm1", torch.expm1, lambda: [S_("3x4", (randn(3, 4),))]),
+    OpRow(
+        "torch.square",
+        torch.square,
+        lambda: [S_("3x4_zeros", (with_zeros(3, 4),)), S_("noncontig", (randn(4, 3).t(),))],
+    ),
+    OpRow("x.square()", lambda x: x.square(), lambda: [S_("2x3", (randn(2, 3),))]),
     OpRow("x.pow(3)", lambda x: x.pow(3), lambda: [S_("3x4", (randn(3, 4),))]),
     OpRow("x**2", lambda x: x**2, lambda: [S_("3x4", (randn(3, 4),))]),
     OpRow("x.pow(0.5)", lambda x: x.pow(0.5), lambda: [S_("3x4_pos", (positive(3, 4),))]),
@@ -705,6 +712,16 @@ OPS: list[OpRow] = [
     ),
     OpRow(
         "torch.reshape", lambda x: torch.reshape(x, (2, -1)), lambda: [S_("3x4", (randn(3, 4),))]
+    ),
+    OpRow(
+        "x.view_as",
+        lambda x, y: x.view_as(y),
+        lambda: [S_("4x5_as_2x10", (randn(4, 5), randn(2, 10)))],
+    ),
+    OpRow(
+        "x.reshape_as",
+        lambda x, y: x.reshape_as(y),
+        lambda: [S_("noncontig_as_20", (randn(5, 4).t(), randn(20)))],
     ),
     OpRow("x.flatten(1)", lambda x: x.flatten(1), lambda: [S_("2x3x2", (randn(2, 3, 2),))]),
     OpRow("torch.flatten", torch.flatten, lambda: [S_("2x3x2", (randn(2, 3, 2),))]),
