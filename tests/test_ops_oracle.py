@@ -347,6 +347,8 @@ OPS: list[OpRow] = [
     OpRow("x*x", lambda x: x * x, lambda: [S_("3x4", (randn(3, 4),))], _square_oracle),
     OpRow("-x", lambda x: -x, lambda: [S_("3x4", (randn(3, 4),))]),
     OpRow("torch.neg", torch.neg, lambda: [S_("2x3x2", (randn(2, 3, 2),))]),
+    OpRow("torch.abs", torch.abs, lambda: [S_("3x4_zeros", (with_zeros(3, 4),))]),
+    OpRow("abs(x)", lambda x: abs(x), lambda: [S_("2x3", (randn(2, 3),))]),
     # ------------------------------------------------------------------ pointwise
     OpRow(
         "torch.exp",
