@@ -128,13 +128,8 @@ def build(case: str, device: str) -> Workload:
         config = model_zoo.llama_config(
             vocab_size=1000, hidden_size=64, num_hidden_layers=4, intermediate_size=172
         )
-        model = transformers.LlamaForCausalLM(config).to(device).eval()
-        ids = torch.randint(0, config.vocab_size, (1, 16), device=device)
-        with torch.no_grad():
-            leaf = model.get_input_embeddings()(ids)
-        leaf.requires_grad_(True)
-        target = int(ids[0, -1])
-        return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
+        model = transformers.LlamaForCausalLM(config)
+        return _text_workload(model.to(device).eval(), config.vocab_size, 16, device)
     if case == "bert":
         config = model_zoo.bert_config(vocab_size=30522, **ENCODER_BASE, attn_implementation="sdpa")
         model = transformers.BertForSequenceClassification(config)
@@ -145,12 +140,17 @@ def build(case: str, device: str) -> Workload:
         model = transformers.GPT2LMHeadModel(config)
     else:
         raise ValueError(f"unknown case {case!r}; choose from {CASES}")
-    model = model.to(device).eval()
-    ids = torch.randint(0, config.vocab_size, (1, 128), device=device)
+    return _text_workload(model.to(device).eval(), config.vocab_size, 128, device)
+
+
+def _text_workload(model, vocab_size: int, length: int, device: str) -> Workload:
+    """Random token ids' embeddings as the leaf; the output read is the last position's
+    logit of the last token (a classifier: class 1)."""
+    ids = torch.randint(0, vocab_size, (1, length), device=device)
     with torch.no_grad():
         leaf = model.get_input_embeddings()(ids)
     leaf.requires_grad_(True)
-    if case == "bert":
+    if not hasattr(model, "lm_head"):
         return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, 1])
     target = int(ids[0, -1])
     return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
@@ -170,12 +170,7 @@ def _llama7b(transformers, model_zoo, device: str, layers: int) -> Workload:
     )
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    ids = torch.randint(0, config.vocab_size, (1, 512), device=device)
-    with torch.no_grad():
-        leaf = model.get_input_embeddings()(ids)
-    leaf.requires_grad_(True)
-    target = int(ids[0, -1])
-    return Workload(model, leaf, lambda: model(inputs_embeds=leaf).logits[0, -1, target])
+    return _text_workload(model, config.vocab_size, 512, device)
 
 
 #: sa.grad(..., compile=True) for the semiring modes (set by --compile)
