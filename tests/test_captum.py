@@ -138,3 +138,192 @@ def test_function_forward_tuple_inputs_and_the_model_left_as_it_was():
 def test_bad_input_is_refused_clearly(call, error, message):
     with pytest.raises(error, match=message):
         call(_mlp(), _inputs())
+
+
+# --- NoiseTunnel and the layer adapter ------------------------------------------------------
+
+NT_TYPES = ["smoothgrad", "smoothgrad_sq", "vargrad"]
+
+
+@pytest.mark.parametrize("nt_type", NT_TYPES)
+def test_noise_tunnel_under_real_is_noise_tunnel_over_saliency(nt_type):
+    model, x = _mlp(), _inputs()
+    target = torch.tensor([2, 0, 1])
+    results = []
+    for method in (
+        sa.captum.SemiringAttribution(model, sa.Real()),
+        captum_attr.Saliency(model),
+    ):
+        kwargs = {} if isinstance(method, sa.captum.SemiringAttribution) else {"abs": False}
+        torch.manual_seed(7)
+        tunnel = captum_attr.NoiseTunnel(method)
+        results.append(
+            tunnel.attribute(x, nt_type=nt_type, nt_samples=4, stdevs=0.1, target=target, **kwargs)
+        )
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-14)
+    assert results[0].shape == x.shape
+
+
+def test_noise_tunnel_under_max_product_is_the_mean_of_the_readouts_of_the_noisy_inputs():
+    """SmoothGrad of the strongest-path readout: the mean over the noisy copies of each
+    example (drawn as NoiseTunnel draws them, same seed) of sa.grad taken one copy at a time."""
+    model, x = _mlp(), _inputs()
+    targets, samples, stdev = [1, 2, 0], 4, 0.1
+    torch.manual_seed(7)
+    tunnel = captum_attr.NoiseTunnel(sa.captum.SemiringAttribution(model, sa.MaxProduct()))
+    got = tunnel.attribute(x, nt_samples=samples, stdevs=stdev, target=targets)
+
+    torch.manual_seed(7)
+    noise = torch.normal(0, torch.full((3 * samples, 5), stdev))  # NoiseTunnel's draw
+    noisy = x.repeat_interleave(samples, dim=0) + noise
+    want = torch.zeros_like(x)
+    for row in range(3 * samples):
+        example = row // samples
+        copy = noisy[row : row + 1].clone().requires_grad_()
+        with sa.patch(model, sa.MaxProduct()):
+            out = model(copy)
+        seed = torch.zeros_like(out)
+        seed[0, targets[example]] = 1.0
+        want[example] += sa.grad(out, copy, seed)[0] / samples
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+class _Residual(nn.Module):
+    """x → h = first(x) → out = last(tanh(h) + h): two paths from out through each h."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.first, self.act, self.last = nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)
+        self.double().eval()
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.last(self.act(h) + h)
+
+
+def _enumerated_from_h(model: _Residual, h: torch.Tensor, semiring, seed: torch.Tensor):
+    """The readout at h = model.first(x) by enumerating every path of the scalar graph."""
+    last = model.last
+    p = Program(h=h)
+    p.op("a", torch.tanh, "h")
+    p.op("s", torch.add, "a", "h")
+    p.op("out", lambda s: s @ last.weight.detach().T + last.bias.detach(), "s")
+    (value,) = p.path_sum(semiring, "out", seed, ["h"])
+    return semiring.readout(value)
+
+
+def _seed(targets) -> torch.Tensor:
+    seed = torch.zeros(len(targets), 3, dtype=torch.float64)
+    seed[torch.arange(len(targets)), targets] = 1.0
+    return seed
+
+
+@pytest.mark.parametrize("to_input", [False, True], ids=["layer-output", "layer-input"])
+def test_layer_under_real_is_captums_layer_gradient(to_input):
+    model, x = _Residual(), _inputs()
+    target = torch.tensor([2, 0, 1])
+    layer = model.act  # its input is h, its output tanh(h)
+    ours = sa.captum.LayerSemiringAttribution(model, layer, sa.Real()).attribute(
+        x, target=target, attribute_to_layer_input=to_input
+    )
+    theirs = captum_attr.LayerGradientXActivation(model, layer, multiply_by_inputs=False).attribute(
+        x, target=target, attribute_to_layer_input=to_input
+    )
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+    assert ours.shape == (3, 4)
+
+
+def test_layer_under_real_on_token_ids_is_captums_layer_gradient():
+    """The common case: an embedding layer of a model that takes integer ids."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Embedding(7, 4), nn.Flatten(), nn.Linear(12, 3)).double()
+    ids = torch.tensor([[1, 4, 6], [0, 0, 2]])
+    ours = sa.captum.LayerSemiringAttribution(model, model[0], "real").attribute(ids, target=1)
+    theirs = captum_attr.LayerGradientXActivation(
+        model, model[0], multiply_by_inputs=False
+    ).attribute(ids, target=1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+    assert ours.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log()], ids=["MaxProduct", "Log"])
+def test_layer_readout_is_sa_grad_at_the_hooked_tensor(S):
+    model, x = _Residual(), _inputs()
+    targets = [1, 2, 0]
+    got = sa.captum.LayerSemiringAttribution(model, model.first, S).attribute(x, target=targets)
+    got_input = sa.captum.LayerSemiringAttribution(model, model.act, S).attribute(
+        x, target=targets, attribute_to_layer_input=True
+    )
+    seen = []
+    hook = model.first.register_forward_hook(lambda m, args, out: seen.append(out))
+    try:
+        with sa.patch(model, S):
+            out = model(x.clone().requires_grad_())
+    finally:
+        hook.remove()
+    want = sa.grad(out, seen[0], _seed(targets))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got_input, want, rtol=1e-12, atol=1e-14)  # act's input is h
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=[type(s).__name__ for s in SEMIRINGS])
+def test_layer_readout_is_path_enumeration(S):
+    model, x = _Residual(), _inputs()
+    targets = [1, 2, 0]
+    want = _enumerated_from_h(model, model.first(x), S, _seed(targets))
+    explainer = sa.captum.LayerSemiringAttribution(model, model.first, S)
+    got = explainer.attribute(x, target=targets)
+    if isinstance(S, sa.SignedMaxProduct):
+        torch.testing.assert_close(got, want[0], rtol=1e-12, atol=1e-14)
+        low = explainer.attribute(x, target=targets, which="min")
+        torch.testing.assert_close(low, want[1], rtol=1e-12, atol=1e-14)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_layer_with_a_function_forward_and_a_tuple_layer_output():
+    model = _Residual()
+    x = _inputs()
+
+    class Split(nn.Module):  # a layer returning two tensors
+        def forward(self, h):
+            return h[:, :2], h[:, 2:]
+
+    split = Split()
+
+    def forward(x):
+        first, second = split(model.first(x))
+        return model.last(torch.cat([first, second], dim=1))
+
+    explainer = sa.captum.LayerSemiringAttribution(forward, split, sa.MaxProduct(), model=model)
+    left, right = explainer.attribute(x, target=0)
+    assert left.shape == (3, 2) and right.shape == (3, 2)
+    torch.testing.assert_close(torch.cat([left, right], 1), model.last.weight[0].abs().expand(3, 4))
+    assert all("forward" not in m.__dict__ for m in model.modules())  # unpatched
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda m, x: sa.captum.LayerSemiringAttribution(m, "first", "log"),
+            TypeError,
+            "not an nn.Module",
+        ),
+        (
+            lambda m, x: sa.captum.LayerSemiringAttribution(lambda x: m(x), m.first, "log"),
+            TypeError,
+            "model=",
+        ),
+        (
+            lambda m, x: sa.captum.LayerSemiringAttribution(m, nn.Tanh(), "log").attribute(x, 0),
+            ValueError,
+            "ran 0 times",
+        ),
+    ],
+    ids=["layer-not-a-module", "function-without-model", "layer-not-run"],
+)
+def test_layer_bad_input_is_refused_clearly(call, error, message):
+    with pytest.raises(error, match=message):
+        call(_Residual(), _inputs())

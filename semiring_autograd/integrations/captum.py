@@ -3,9 +3,14 @@
 ``SemiringAttribution(model, sa.MaxProduct()).attribute(x, target=3)`` runs one patched
 forward and one semiring backward seeded at the target output of every example (Captum's
 target convention), and returns the readout per input element, in the inputs' shape — so
-Captum's visualisation (``captum.attr.visualization``) and metrics (``infidelity``,
-``sensitivity_max``) take it as they take ``Saliency``. Under ``sa.Real()`` it is the
-gradient, ``Saliency(model).attribute(x, target, abs=False)``.
+Captum's visualisation (``captum.attr.visualization``), metrics (``infidelity``,
+``sensitivity_max``) and ``NoiseTunnel`` take it as they take ``Saliency``. Under
+``sa.Real()`` it is the gradient, ``Saliency(model).attribute(x, target, abs=False)``.
+
+``LayerSemiringAttribution(model, layer, semiring)`` is the Captum ``LayerAttribution``: the
+readout at a module's output (or, with ``attribute_to_layer_input=True``, its inputs), from
+one patched forward with a hook on the module; under ``sa.Real()`` it is
+``LayerGradientXActivation(model, layer, multiply_by_inputs=False)``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 try:
-    from captum.attr import Attribution
+    from captum.attr import Attribution, LayerAttribution
+    from captum.log import log_usage
 except ImportError as exc:  # the optional extra
     raise ImportError("sa.captum needs captum: pip install 'semiring-autograd[captum]'") from exc
 
@@ -42,16 +48,10 @@ class SemiringAttribution(Attribution):
         model: nn.Module | None = None,
     ) -> None:
         super().__init__(forward_func)
-        if model is None:
-            if not isinstance(forward_func, nn.Module):
-                raise TypeError(
-                    "SemiringAttribution patches a module: forward_func is not an nn.Module, "
-                    "so pass the model it runs as model="
-                )
-            model = forward_func
-        self.model = model
+        self.model = _model_of(forward_func, model, "SemiringAttribution")
         self.semiring = semiring_named(semiring)
 
+    @log_usage()  # Captum's convention; NoiseTunnel calls the undecorated ``__wrapped__``
     def attribute(
         self,
         inputs: Tensor | tuple[Tensor, ...],
@@ -67,23 +67,8 @@ class SemiringAttribution(Attribution):
         readout at an example's input is from its own target. SignedMaxProduct: ``which``
         = "max" (largest signed product) or "min"."""
         single = isinstance(inputs, Tensor)
-        given = (inputs,) if single else tuple(inputs)
-        if which not in ("max", "min"):
-            raise ValueError(f"which is 'max' or 'min', got {which!r}")
-        signed = _signed(self.semiring)
-        if which == "min" and not signed:
-            raise ValueError("which='min' is for SignedMaxProduct readouts")
-        xs = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in given)
-        extra = _as_tuple(additional_forward_args)
-        runner = self.model if self.forward_func is self.model else _Forward(self)
-        with torch.enable_grad():  # Captum's metrics call attribute under no_grad
-            with patch(runner, self.semiring):
-                out = runner(*xs, *extra)
-        if not isinstance(out, Tensor):
-            raise TypeError(
-                f"SemiringAttribution: forward_func returned {type(out).__name__}; it must "
-                "return a tensor whose first dimension is the batch (e.g. model(x).logits)"
-            )
+        signed = _check_which(self.semiring, which)
+        xs, out = _patched_forward(self, inputs, additional_forward_args)
         seed = _target_mask(out, target, xs[0].shape[0])
         with torch.enable_grad():
             readouts = grad(out, list(xs), seed)
@@ -95,17 +80,153 @@ class SemiringAttribution(Attribution):
         return False
 
 
+class LayerSemiringAttribution(LayerAttribution):
+    """The semiring readout from the target output to every element of a layer's output
+    (or inputs): Captum's ``LayerAttribution`` with a semiring.
+
+    ``forward_func``, ``semiring`` and ``model=`` as for :class:`SemiringAttribution`;
+    ``layer``: a module that ``forward_func`` runs once per call (an embedding, a block, a
+    head)."""
+
+    def __init__(
+        self,
+        forward_func: Callable[..., Tensor],
+        layer: nn.Module,
+        semiring: Semiring | str,
+        *,
+        model: nn.Module | None = None,
+    ) -> None:
+        if not isinstance(layer, nn.Module):
+            raise TypeError(
+                f"LayerSemiringAttribution: layer is a {type(layer).__name__}, not an nn.Module"
+            )
+        super().__init__(forward_func, layer)
+        self.model = _model_of(forward_func, model, "LayerSemiringAttribution")
+        self.semiring = semiring_named(semiring)
+
+    @log_usage()  # Captum's convention; NoiseTunnel calls the undecorated ``__wrapped__``
+    def attribute(
+        self,
+        inputs: Tensor | tuple[Tensor, ...],
+        target: Any = None,
+        additional_forward_args: Any = None,
+        attribute_to_layer_input: bool = False,
+        *,
+        which: str = "max",
+    ) -> Tensor | tuple[Tensor, ...]:
+        """Per tensor of the layer's output (its positional inputs with
+        ``attribute_to_layer_input=True``), a tensor of its shape: the readout from the
+        target output of each example, as :meth:`SemiringAttribution.attribute`; one tensor
+        where the layer has one, else a tuple (Captum's convention). Every path from the
+        target through the layer's tensor counts, and only those: a tensor the model also
+        uses outside the layer (a residual stream) has the paths through both uses."""
+        signed = _check_which(self.semiring, which)
+        seen: list[tuple[Tensor, ...]] = []
+        if attribute_to_layer_input:
+            hook = self.layer.register_forward_pre_hook(
+                lambda module, args: seen.append(_layer_tensors(args, "inputs"))
+            )
+        else:
+            hook = self.layer.register_forward_hook(
+                lambda module, args, output: seen.append(_layer_tensors(output, "output"))
+            )
+        try:
+            xs, out = _patched_forward(self, inputs, additional_forward_args)
+        finally:
+            hook.remove()
+        where = "inputs" if attribute_to_layer_input else "output"
+        if len(seen) != 1:
+            raise ValueError(
+                f"LayerSemiringAttribution: the layer ran {len(seen)} times in one forward; "
+                "it reads a layer that runs once (hook a module called once, or wrap each "
+                "call in its own module)"
+            )
+        (tensors,) = seen
+        if not all(t.requires_grad for t in tensors):
+            raise ValueError(
+                f"LayerSemiringAttribution: the layer's {where} does not depend on a tensor "
+                "requiring grad (a floating input or a parameter), so no path reaches it"
+            )
+        seed = _target_mask(out, target, xs[0].shape[0] if xs else out.shape[0])
+        with torch.enable_grad():
+            readouts = grad(out, list(tensors), seed)
+        if signed:
+            readouts = tuple(r[0 if which == "max" else 1] for r in readouts)
+        return readouts[0] if len(readouts) == 1 else tuple(readouts)
+
+    def has_convergence_delta(self) -> bool:
+        return False
+
+
 class _Forward(nn.Module):
     """``forward_func`` as the forward of a module holding the model, so the patch records
     every op it runs, the model's and its own (a scaling, a readout)."""
 
-    def __init__(self, attribution: SemiringAttribution):
+    def __init__(self, attribution: SemiringAttribution | LayerSemiringAttribution):
         super().__init__()
         self.model = attribution.model
         self.fn = attribution.forward_func
 
     def forward(self, *args: Any) -> Any:
         return self.fn(*args)
+
+
+def _model_of(forward_func: Callable[..., Tensor], model: nn.Module | None, who: str) -> nn.Module:
+    if model is not None:
+        return model
+    if not isinstance(forward_func, nn.Module):
+        raise TypeError(
+            f"{who} patches a module: forward_func is not an nn.Module, so pass the model it "
+            "runs as model="
+        )
+    return forward_func
+
+
+def _check_which(semiring: Semiring, which: str) -> bool:
+    """Whether ``semiring`` is signed (readouts of a (max, min) pair); refuses a bad ``which``."""
+    if which not in ("max", "min"):
+        raise ValueError(f"which is 'max' or 'min', got {which!r}")
+    signed = _signed(semiring)
+    if which == "min" and not signed:
+        raise ValueError("which='min' is for SignedMaxProduct readouts")
+    return signed
+
+
+def _patched_forward(
+    attribution: SemiringAttribution | LayerSemiringAttribution,
+    inputs: Tensor | tuple[Tensor, ...],
+    additional_forward_args: Any,
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """The inputs (detached; floating ones requiring grad) and the output of one forward of
+    ``attribution.forward_func`` under the patch."""
+    given = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    xs = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in given)
+    extra = _as_tuple(additional_forward_args)
+    model = attribution.model
+    runner = model if attribution.forward_func is model else _Forward(attribution)
+    with torch.enable_grad():  # Captum's metrics and NoiseTunnel call attribute under no_grad
+        with patch(runner, attribution.semiring):
+            out = runner(*xs, *extra)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"{type(attribution).__name__}: forward_func returned {type(out).__name__}; it "
+            "must return a tensor whose first dimension is the batch (e.g. model(x).logits)"
+        )
+    return xs, out
+
+
+def _layer_tensors(value: Any, where: str) -> tuple[Tensor, ...]:
+    tensors = (value,) if isinstance(value, Tensor) else value
+    if (
+        not isinstance(tensors, tuple)
+        or not tensors
+        or not all(isinstance(t, Tensor) for t in tensors)
+    ):
+        raise TypeError(
+            f"LayerSemiringAttribution: the layer's {where} is {type(value).__name__}, not a "
+            "tensor or a tuple of tensors; hook the submodule that returns the tensor"
+        )
+    return tensors
 
 
 def _signed(semiring: Semiring) -> bool:
