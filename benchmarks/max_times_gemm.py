@@ -85,6 +85,18 @@ def timed(torch, fn, device: str, budget_s: float) -> float:
     return statistics.median(times)
 
 
+def measure(torch, row: dict, fn, reference, device: str, budget_s: float) -> dict:
+    """``row`` with whether ``fn()`` equals ``reference`` and its median seconds and terms
+    per second (n³ terms, n = ``row["n"]``), or the error it raised."""
+    try:
+        row["equal_to_triton"] = bool(torch.equal(fn(), reference))
+        row["seconds"] = timed(torch, fn, device, budget_s)
+        row["terms_per_s"] = row["n"] ** 3 / row["seconds"]
+    except Exception as error:  # noqa: BLE001 -- recorded in the row
+        row["error"] = f"{type(error).__name__}: {str(error)[:1000]}"
+    return row
+
+
 #: (BLOCK_M, BLOCK_N, warps, unroll of k) tried by --tiles; each a multiple of LANES_N
 TILES = [(64, 64, 4, 4), (64, 64, 4, 8), (128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 4),
          (128, 128, 8, 4), (32, 64, 2, 4)]  # fmt: skip
@@ -106,13 +118,7 @@ def tile_sweep(torch, triton_matmul, n: int, device: str, budget_s: float) -> li
             triton_matmul.UNROLL["max_times"] = unroll
             row = {"n": n, "tile": [block_m, block_n, warps, unroll]}
             fn = lambda: triton_matmul.max_times(a, b, 0.0, False, out)  # noqa: E731
-            try:
-                row["equal_to_triton"] = bool(torch.equal(fn(), reference))
-                row["seconds"] = timed(torch, fn, device, budget_s)
-                row["terms_per_s"] = n**3 / row["seconds"]
-            except Exception as error:  # noqa: BLE001 -- recorded in the row
-                row["error"] = f"{type(error).__name__}: {str(error)[:1000]}"
-            rows.append(row)
+            rows.append(measure(torch, row, fn, reference, device, budget_s))
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         triton_matmul.TILES, triton_matmul.UNROLL = default[0], default[1]
@@ -154,15 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         if n <= 2048 and not args.dry_run:
             variants["torch-compiled"] = lambda: compiled(a, b)
         for name, fn in variants.items():
-            row = {"n": n, "variant": name}
-            try:
-                row["equal_to_triton"] = bool(torch.equal(fn(), reference))
-                row["seconds"] = timed(torch, fn, device, args.budget)
-                row["terms_per_s"] = n**3 / row["seconds"]
-                if peak:
-                    row["share_of_fp32_peak"] = 2 * n**3 / row["seconds"] / peak
-            except Exception as error:  # noqa: BLE001 -- recorded in the row
-                row["error"] = f"{type(error).__name__}: {str(error)[:1000]}"
+            row = measure(torch, {"n": n, "variant": name}, fn, reference, device, args.budget)
+            if peak and "seconds" in row:
+                row["share_of_fp32_peak"] = 2 * n**3 / row["seconds"] / peak
             result["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             if args.json:

@@ -206,14 +206,8 @@ class _SemiringMode(TorchFunctionMode):
         an in-place one written back; refused where no entry takes it."""
         handle = self.handle
         candidates = handle.op_table.candidates(func)
-        rejected = []
-        for op in candidates:
-            bound = op.bind(args, kwargs)
-            if bound is None:
-                continue
-            if not op.accepted(bound):
-                rejected.append(op)
-                continue
+        op, bound, rejected = _entry(candidates, args, kwargs)
+        if op is not None:
             if handle.torch_graph:
                 return handle.record_torch_graph(func, args, kwargs, op, bound)
             frame = checkpoint_frame()
@@ -303,18 +297,28 @@ def _refusal(candidates: list[OpSpec], rejected: list[OpSpec]) -> str:
     return f"no entry's signature matches these arguments ({signatures})"
 
 
-def _out_of_place_refusal(op_table: OpTable, func: Any, args: tuple, kwargs: dict) -> str | None:
-    """Why no entry takes the call ``func(*args, **kwargs)``, or None when one does."""
-    candidates = op_table.candidates(func)
+def _entry(
+    candidates: list[OpSpec], args: tuple, kwargs: dict
+) -> tuple[OpSpec | None, dict | None, list[OpSpec]]:
+    """The first of ``candidates`` that binds the call and accepts its arguments, with the
+    bound arguments (None, None when none does), and the ones before it that bound the call
+    and refused its arguments."""
     rejected = []
     for op in candidates:
         bound = op.bind(args, kwargs)
         if bound is None:
             continue
         if op.accepted(bound):
-            return None
+            return op, bound, rejected
         rejected.append(op)
-    return _refusal(candidates, rejected)
+    return None, None, rejected
+
+
+def _out_of_place_refusal(op_table: OpTable, func: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why no entry takes the call ``func(*args, **kwargs)``, or None when one does."""
+    candidates = op_table.candidates(func)
+    op, _, rejected = _entry(candidates, args, kwargs)
+    return None if op is not None else _refusal(candidates, rejected)
 
 
 class PatchHandle:

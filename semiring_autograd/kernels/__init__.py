@@ -69,6 +69,11 @@ def _cpu_ready(name: str, *tensors: Tensor) -> bool:
     dtype = tensors[0].dtype
     if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors) or dtype not in _FLOATS:
         return False
+    return _cpu_kernel(name, dtype)
+
+
+def _cpu_kernel(name: str, dtype: torch.dtype) -> bool:
+    """Whether CPU kernel ``name`` may compute for ``dtype``: enabled, built and ready."""
     how = mode()
     return how != "off" and built() and _ready(how, name, CPU, dtype)
 
@@ -288,8 +293,7 @@ def _tests_ready(tensors: tuple[Tensor, ...]) -> bool:
     """The test operators take CPU tensors of any dtype (checked per the first's dtype)."""
     if not all(t.device.type == "cpu" for t in tensors):
         return False
-    how = mode()
-    return how != "off" and built() and _ready(how, "any_nan_or_inf", CPU, tensors[0].dtype)
+    return _cpu_kernel("any_nan_or_inf", tensors[0].dtype)
 
 
 def _cuda_call(name: str, *args):
