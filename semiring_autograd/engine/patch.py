@@ -44,6 +44,7 @@ from .graph import NodeInfo, set_node_info
 from ..ops.spec import OpSpec
 from .dispatch import OpTable, default_op_table
 from .recorded_call import RecordedCall
+from .wrapped_models import module_of
 from ..semirings.base import Semiring
 from ..semirings.laws import check_semiring
 from ..semirings.registry import records_torch_graph
@@ -634,6 +635,7 @@ def patch(
     untouched. ``check=False`` skips the check (a semiring that is exact only up to a
     tolerance the check does not allow, say).
     """
+    model = module_of(model)
     if not isinstance(model, nn.Module):
         raise PatchError(f"sa.patch expects an nn.Module, got {type(model).__name__}")
     if isinstance(semiring, type) and issubclass(semiring, Semiring):
