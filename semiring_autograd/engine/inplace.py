@@ -21,6 +21,9 @@ from torch import Tensor
 
 from ..ops.tensor_helpers import element_positions
 
+_autograd = torch._C._autograd
+_CreationMeta = _autograd.CreationMeta
+
 #: augmented assignments and the tensor methods they run out of place
 _AUGMENTED = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div"}
 
@@ -44,6 +47,11 @@ _FUNCTIONAL_FORMS: dict[Any, Any] = {
     torch._C._nn.silu_: F.silu,
     torch._C._nn.mish_: F.mish,
 }
+#: in-place methods whose own backward only moves messages or fills them with zero (torch's
+#: ``CopyBackwards``: zero for the overwritten target, the message for the source, summed over
+#: a broadcast; ``fill_``/``zero_``: zero for the target, a tensor value the ⊕ of the
+#: messages): torch runs them and records its own nodes, whose aten ops messages take
+NATIVE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_})
 #: keyword names of the in-place forms that their functional ops spell otherwise
 _RENAMED = {"self": "input", "train": "training"}
 #: functional ops whose YAML entries take ``inplace=True`` themselves and compute out of
@@ -140,6 +148,45 @@ def _positional_limit(functional: Any) -> int:
     """How many positional arguments ``functional`` takes before its ``inplace``."""
     names = functional.__code__.co_varnames[: functional.__code__.co_argcount]
     return names.index("inplace") if "inplace" in names else len(names)
+
+
+def release_views(out: Any, inputs: list[Tensor], multi_output: bool) -> None:
+    """Give each output of a generated Function that is a view of one of its ``inputs`` (a
+    slice, a reshape, a transpose, a split part …) the view+inplace handling torch gives the
+    output of its own op.
+
+    torch marks a custom Function's view outputs so that an in-place write into one (or
+    into its base) is refused: its rewrite of the view's history would replace the
+    Function's backward. A patched op whose output aliases its input has identity edges
+    (each output element is the input element at its memory location), so the rewrite
+    keeps the view's edges: written into, torch records ``CopySlices`` on the base (the
+    written elements read the new value, the others keep their edges) and the view's
+    backward becomes ``AsStridedBackward0`` of the base, both run on messages
+    (ops/message.py). The views of a ``multi_output`` op (``split``, ``unbind``, ``chunk``)
+    take no write, as torch's own do not."""
+    if isinstance(out, Tensor):
+        outputs: Any = (out,)
+    elif type(out) in (tuple, list):
+        outputs = out
+    else:
+        return
+    meta = _CreationMeta.MULTI_OUTPUT_NODE if multi_output else _CreationMeta.DEFAULT
+    for t in outputs:
+        if not isinstance(t, Tensor) or not t.requires_grad or not t._is_view():
+            continue
+        base = t._base
+        if not any(base is i or base is i._base for i in inputs):
+            continue
+        if _autograd._get_creation_meta(t) == _CreationMeta.IN_CUSTOM_FUNCTION:
+            _autograd._set_creation_meta(t, meta)
+
+
+def is_native_write(func: Any) -> bool:
+    """Whether ``func`` is one of :data:`NATIVE_WRITES`."""
+    try:
+        return func in NATIVE_WRITES
+    except TypeError:  # an unhashable callable
+        return False
 
 
 def is_view_write_refusal(exc: RuntimeError) -> bool:

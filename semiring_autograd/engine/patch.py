@@ -225,6 +225,7 @@ class _SemiringMode(TorchFunctionMode):
                 out = fn(handle.semiring, call, **bound)
             else:
                 out = fn(call, **bound)
+            inplace.release_views(out, _tensors(bound.values()), op.multi_output)
             handle.annotate(out, op, recorded)
             return out
         if inplace.is_inplace(func, kwargs):
@@ -239,6 +240,8 @@ class _SemiringMode(TorchFunctionMode):
         target and written back (engine/inplace.py); refused, with nothing written, where
         the out-of-place call has no entry that takes it."""
         handle = self.handle
+        if inplace.is_native_write(func) and not inplace.flagged(kwargs):
+            return self._written(func, False, lambda: func(*args, **kwargs))
         call = inplace.out_of_place_call(func, args, kwargs)
         flag = inplace.flagged(kwargs) or call is not None
         if call is not None:
@@ -265,8 +268,15 @@ class _SemiringMode(TorchFunctionMode):
         route = functools.partial(
             _route, self._record if call is not None else self.__torch_function__, types
         )
+        return self._written(func, flag, lambda: inplace.write(func, args, kwargs, route))
+
+    def _written(self, func: Any, flag: bool, write: Callable[[], Any]) -> Any:
+        """``write()``, the in-place call ``func``'s write; where torch refuses it because
+        its target is a view whose history it cannot rewrite, refused naming the fix
+        (``flag``: the call is an ``inplace=True`` flag or an in-place functional form)."""
+        handle = self.handle
         try:
-            return inplace.write(func, args, kwargs, route)
+            return write()
         except RuntimeError as exc:  # torch refuses the write before making it
             if not inplace.is_view_write_refusal(exc):
                 raise
@@ -279,9 +289,9 @@ class _SemiringMode(TorchFunctionMode):
             )
             raise UnsupportedOpError(
                 f"{_name_of(func)} (in module '{handle.current_module}') writes in place "
-                f"into a view that a patched op returned (a slice such as y[:, :2], a "
-                f"transpose, a split part …) under sa.patch(..., {handle.semiring!r}): "
-                f"its generated Function cannot be rewritten around the write. {fix}"
+                f"into a view that a custom autograd.Function returned under "
+                f"sa.patch(..., {handle.semiring!r}): torch cannot rewrite the view's "
+                f"history around the write without dropping the Function's backward. {fix}"
             ) from exc
 
 
