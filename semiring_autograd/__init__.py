@@ -5,7 +5,8 @@
 ...     y = model(x)
 >>> score = sa.grad(y[0, 3], x)   # weight of the strongest path to every element of x
 
-This namespace holds what a user calls: ``patch``, ``grad`` and ``compiled_step``; the
+This namespace holds what a user calls: ``patch``, ``grad``, ``compiled_step`` and
+``seeding`` (other libraries' plain ``.backward()`` seeded with the semiring's one); the
 readouts built on them (``trace``, ``top_path``, ``top_paths``, ``attribute``,
 ``module_flow``, ``consumer_flow``, ``node_info``); the semirings and ``check_semiring``;
 the exceptions; and ``sa.captum`` (imported on first use, it needs ``captum``). The types
@@ -37,6 +38,7 @@ from .engine.compiled.step import compiled_step
 from .engine.grad import grad
 from .engine.graph import node_info
 from .engine.patch import patch
+from .engine.plain_backward import seeding
 from .engine.trace import trace
 from .errors import (
     BackwardOutOfMemoryError,
@@ -69,6 +71,7 @@ __all__ = [
     "patch",
     "grad",
     "compiled_step",
+    "seeding",
     "trace",
     "top_path",
     "top_paths",

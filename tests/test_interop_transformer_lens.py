@@ -1,0 +1,160 @@
+"""TransformerLens' ``TransformerBridge`` (built offline around a tiny random GPT-2) under
+``sa.patch``: its readouts, with ``run_with_hooks`` edits, equal the unwrapped Hugging Face
+model's with the same edit made by a plain PyTorch hook (Real also torch.autograd's), and
+``run_with_cache(incl_bwd=True)`` inside ``sa.seeding()`` caches the semiring messages that
+``sa.grad`` gives at the same activations."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+import semiring_autograd as sa
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
+
+bridge_module = pytest.importorskip("transformer_lens.model_bridge")
+
+SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS]
+IDS = [type(s).__name__ for s in SEMIRINGS]
+HEAD, D_HEAD = 2, 4
+#: activations whose incl_bwd gradients are compared (hook_z is cached after a reshape of
+#: the bridge's own tensor, so a forward hook does not see the tensor on the graph)
+CACHED = ["blocks.0.hook_out", "blocks.1.attn.hook_pattern", "blocks.1.ln2.hook_out"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(the Hugging Face GPT-2, the TransformerBridge around it), float64, no download."""
+    config = transformers.GPT2Config(
+        vocab_size=50,
+        n_embd=16,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(config).double().eval()
+    folder = tmp_path_factory.mktemp("gpt2")
+    config.save_pretrained(folder)  # the bridge reads the config; the weights are hf's
+    bridge = bridge_module.TransformerBridge.boot_transformers(
+        str(folder), hf_model=hf, tokenizer=None, dtype=torch.float64
+    )
+    return hf, bridge
+
+
+def _ids() -> torch.Tensor:
+    return torch.tensor([[1, 7, 3, 9, 4]])
+
+
+def _ablate_in_place(z: torch.Tensor, hook) -> torch.Tensor:
+    z[:, :, HEAD] = 0.0
+    return z
+
+
+def _ablate_out_of_place(z: torch.Tensor, hook) -> torch.Tensor:
+    keep = torch.ones(z.shape[-2:], dtype=z.dtype)
+    keep[HEAD] = 0.0
+    return z * keep
+
+
+def _hf_ablation(module, args):
+    """The same ablation on the unwrapped model: head HEAD's columns of c_proj's input."""
+    keep = torch.ones(args[0].shape[-1], dtype=args[0].dtype)
+    keep[HEAD * D_HEAD : (HEAD + 1) * D_HEAD] = 0.0
+    return (args[0] * keep,)
+
+
+def _bridge_readout(bridge, semiring, emb, hooks):
+    """Logits and the readout of logit 3 at the last position w.r.t. the embeddings."""
+    leaf = emb.clone().requires_grad_()
+    put = [("embed.hook_out", lambda e, hook: leaf)]
+    with sa.patch(bridge, semiring):
+        logits = bridge.run_with_hooks(_ids(), fwd_hooks=put + hooks)
+    return logits.detach(), sa.grad(logits[0, -1, 3], leaf)
+
+
+def _hf_readout(hf, semiring, emb, ablate):
+    leaf = emb.clone().requires_grad_()
+    handle = hf.transformer.h[0].attn.c_proj.register_forward_pre_hook(_hf_ablation)
+    if not ablate:
+        handle.remove()
+    try:
+        if semiring is None:  # torch.autograd, unpatched
+            logits = hf(inputs_embeds=leaf).logits
+            return logits.detach(), torch.autograd.grad(logits[0, -1, 3], leaf)[0]
+        with sa.patch(hf, semiring):
+            logits = hf(inputs_embeds=leaf).logits
+    finally:
+        handle.remove()
+    return logits.detach(), sa.grad(logits[0, -1, 3], leaf)
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=IDS)
+@pytest.mark.parametrize("edit", [None, "in place", "out of place"])
+def test_run_with_hooks_edits_equal_the_unwrapped_model(models, S, edit):
+    hf, bridge = models
+    emb = hf.transformer.wte(_ids()).detach()
+    hooks = {
+        None: [],
+        "in place": [("blocks.0.attn.hook_z", _ablate_in_place)],
+        "out of place": [("blocks.0.attn.hook_z", _ablate_out_of_place)],
+    }[edit]
+    logits, got = _bridge_readout(bridge, S, emb, hooks)
+    want_logits, want = _hf_readout(hf, S, emb, ablate=edit is not None)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    if isinstance(S, sa.Real):
+        _, autograd = _hf_readout(hf, None, emb, ablate=edit is not None)
+        torch.testing.assert_close(got, autograd, rtol=1e-10, atol=1e-12)
+    assert "forward" not in vars(bridge) and "forward" not in vars(hf)  # the patch is gone
+
+
+def _readout(message: torch.Tensor) -> torch.Tensor:
+    """A message's readout (a Real gradient is a plain tensor)."""
+    semiring = getattr(message, "semiring", None)
+    return message if semiring is None else semiring.readout(message.value)
+
+
+def _keep(cache: dict, tensor: torch.Tensor, hook, name: str) -> None:
+    cache[name] = tensor
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=IDS)
+def test_incl_bwd_caches_the_semiring_messages(models, S):
+    """TransformerLens calls ``loss.backward()`` itself; inside ``sa.seeding()`` that
+    backward starts from the semiring's one, and each ``<name>_grad`` of the cache is the
+    message sa.grad computes at that activation (Real: TransformerLens' own gradients)."""
+    _, bridge = models
+    with sa.patch(bridge, S), sa.seeding():
+        loss, cache = bridge.run_with_cache(
+            _ids(), return_type="loss", incl_bwd=True, names_filter=CACHED
+        )
+    acts: dict = {}
+    hooks = [(name, functools.partial(_keep, acts, name=name)) for name in CACHED]
+    with sa.patch(bridge, S):
+        again = bridge.run_with_hooks(_ids(), return_type="loss", fwd_hooks=hooks)
+    want = sa.grad(again, [acts[name] for name in CACHED])
+    torch.testing.assert_close(loss.detach(), again.detach(), rtol=0, atol=0)
+    for name, expected in zip(CACHED, want):
+        torch.testing.assert_close(_readout(cache[name + "_grad"]), expected)
+    if isinstance(S, sa.Real):
+        _, theirs = bridge.run_with_cache(
+            _ids(), return_type="loss", incl_bwd=True, names_filter=CACHED
+        )
+        for name in CACHED:
+            torch.testing.assert_close(cache[name + "_grad"], theirs[name + "_grad"])
+    bridge.zero_grad(set_to_none=True)  # the parameters' .grad hold messages
+
+
+def test_incl_bwd_without_seeding_is_refused(models):
+    _, bridge = models
+    with sa.patch(bridge, sa.MaxProduct()):
+        with pytest.raises(sa.SemiringMismatchError, match="plain tensor"):
+            bridge.run_with_cache(_ids(), return_type="loss", incl_bwd=True, names_filter=CACHED)
+    bridge.zero_grad(set_to_none=True)
