@@ -106,6 +106,24 @@ def test_k_best_counts_tied_paths_separately():
     torch.testing.assert_close(readout, want[:, None, None].expand(6, 2, 3), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("shape", [(1, 3, 40, 7), (2, 5, 37, 4), (1, 16, 76, 64), (3, 4, 3, 9)])
+def test_k_best_matmul_by_a_weight_is_the_k_best_of_every_term(k: int, shape):
+    """matmul_lift(a, w)[i, j] against every term a[i, l, r] · |w[l, j]| sorted: values on a
+    grid of quarters (many ties), a third of the indices l without a path, batched."""
+    count, m, l, n = shape
+    g = torch.Generator().manual_seed(k * 100 + l)
+    a = (torch.rand(count, m, l, k, generator=g, dtype=torch.float64) * 4).round() / 4
+    a[:, :, ::3] = 0
+    a = a.sort(-1, descending=True).values
+    w = (torch.randn(count, l, n, generator=g, dtype=torch.float64) * 4).round() / 4
+    got = torch.stack(sa.KBest(k).matmul_lift(tuple(a.unbind(-1)), w), -1)
+    terms = a[:, :, :, None, :] * w.abs()[:, None, :, :, None]  # (count, m, l, n, k)
+    every = terms.permute(0, 1, 3, 2, 4).reshape(count, m, n, l * k)
+    want = every.sort(-1, descending=True).values[..., :k]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("k", [0, -1, 2.0, True])
 def test_k_best_needs_a_positive_int(k):
     with pytest.raises(ValueError, match="positive int"):
