@@ -15,6 +15,7 @@ from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 captum_attr = pytest.importorskip("captum.attr")
 captum_metrics = pytest.importorskip("captum.metrics")
+captum_visualization = captum_attr.visualization
 
 SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS if cls is not sa.Real] + [Tropical()]
 
@@ -327,3 +328,72 @@ def test_layer_with_a_function_forward_and_a_tuple_layer_output():
 def test_layer_bad_input_is_refused_clearly(call, error, message):
     with pytest.raises(error, match=message):
         call(_Residual(), _inputs())
+
+
+# ----- visualize_text: sa.attribute's token scores as Captum's VisualizationDataRecord
+def _tiny_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+def _per_element(model, ids, semiring) -> torch.Tensor:
+    """The readout of logit 5 at the last position at every embedding element, through
+    Captum: Saliency for Real, SemiringAttribution otherwise."""
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+
+    def last_logits(e):
+        return model(inputs_embeds=e).logits[:, -1]
+
+    if isinstance(semiring, sa.Real):
+        return captum_attr.Saliency(last_logits).attribute(emb, target=5, abs=False)[0]
+    explainer = sa.captum.SemiringAttribution(last_logits, semiring, model=model)
+    return explainer.attribute(emb, target=5)[0]
+
+
+@pytest.mark.parametrize(
+    "S, per_token, kind",
+    [
+        (sa.Real(), lambda r: r.sum(-1), "zero"),
+        (sa.MaxProduct(), lambda r: r.amax(-1), "zero"),
+        (sa.Log(), lambda r: r.logsumexp(-1), "from best"),
+        (sa.Boolean(), lambda r: r.amax(-1), "presence"),
+    ],
+    ids=["Real", "MaxProduct", "Log", "Boolean"],
+)
+def test_visualization_record_places_token_scores_on_captums_range(S, per_token, kind):
+    """Token scores are the ⊕ over a token's embedding elements of the per-element
+    readouts (Real: Captum's Saliency summed), placed on [-1, 1] as the reports' scales
+    place them."""
+    model = _tiny_llama()
+    ids = torch.tensor([[3, 7, 1, 12, 9]])
+    result = sa.attribute(model, {"input_ids": ids}, 5, S, paths=False)
+    record = sa.captum.visualization_record(result)
+    token = per_token(_per_element(model, ids, S)).double()
+    if kind == "zero":
+        want = token / token.abs().max()
+    elif kind == "from best":
+        want = (token - token.min()) / (token.max() - token.min())
+    else:
+        want = (token > 0).double()
+    torch.testing.assert_close(record.word_attributions, want, rtol=1e-9, atol=1e-12)
+    assert record.raw_input_ids == result.tokens and record.attr_class == result.target
+    assert record.pred_class == result.prediction.top[0][0]
+    html = captum_visualization.format_word_importances(
+        record.raw_input_ids, record.word_attributions
+    )
+    assert all(token in html for token in result.tokens)
+
+
+def test_visualize_text_takes_the_record():
+    pytest.importorskip("IPython")  # captum's visualize_text renders through IPython
+    result = sa.attribute(
+        _tiny_llama(), {"input_ids": torch.tensor([[3, 7, 1]])}, 5, "max-product", paths=False
+    )
+    html = captum_visualization.visualize_text([sa.captum.visualization_record(result)])
+    assert all(token in html.data for token in result.tokens)

@@ -11,6 +11,10 @@ Captum's visualisation (``captum.attr.visualization``), metrics (``infidelity``,
 readout at a module's output (or, with ``attribute_to_layer_input=True``, its inputs), from
 one patched forward with a hook on the module; under ``sa.Real()`` it is
 ``LayerGradientXActivation(model, layer, multiply_by_inputs=False)``.
+
+``visualization_record(result)`` turns an ``sa.attribute`` result (per-token scores) into
+Captum's ``VisualizationDataRecord``, the scores placed on Captum's colour range [-1, 1] as
+the library's reports place them on their semiring's scale, for ``visualize_text``.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import torch
 from torch import Tensor, nn
 
 try:
-    from captum.attr import Attribution, LayerAttribution
+    from captum.attr import Attribution, LayerAttribution, visualization
     from captum.log import log_usage
 except ImportError as exc:  # the optional extra
     raise ImportError("sa.captum needs captum: pip install 'semiring-autograd[captum]'") from exc
 
 from ..engine.grad import grad
+from ..explain.attribution import Attribution as TokenScores
+from ..explain.report import Scale
 from ..engine.patch import patch
 from ..semirings.base import Semiring
 from ..semirings.registry import inherited_spec, semiring_named
@@ -156,6 +162,51 @@ class LayerSemiringAttribution(LayerAttribution):
 
     def has_convergence_delta(self) -> bool:
         return False
+
+
+def visualization_record(
+    result: TokenScores, *, true_class: Any = None
+) -> "visualization.VisualizationDataRecord":
+    """Captum's record of one ``sa.attribute`` result, for ``visualize_text``: per token, its
+    score's place on the semiring's report scale (:class:`~..explain.report.Scale`) as a
+    weight in Captum's colour range — score / bound where the scale is anchored at zero
+    (Real, SignedMaxProduct's largest products: −1 … 1; MaxProduct: 0 … 1), (score − smallest)
+    / (largest − smallest) for the log-domain readouts (Log, Entropy, Counting: 0 … 1),
+    1 for a path and 0 for none (Boolean); 0 (neutral) for a score that is not finite.
+    ``pred_class`` and ``pred_prob`` are the model's most probable next token and its
+    probability, ``attr_class`` the target, ``attr_score`` the largest finite score,
+    ``raw_input_ids`` the tokens; ``true_class`` is the caller's label (default the
+    target)."""
+    if not isinstance(result, TokenScores):
+        raise TypeError(
+            f"visualization_record takes one sa.attribute result, got {type(result).__name__}"
+            " (a list of texts gives one result per text: make one record of each)"
+        )
+    scale = Scale.of(result)
+    scores = result.display_scores()
+    if result.reached is not None:  # a token no path reaches is neutral, whatever it reads
+        scores = scores.masked_fill(~result.reached.reshape(scores.shape), float("nan"))
+    finite = torch.isfinite(scores)
+    if scale.kind == "presence":
+        weights = (scores > 0).double()
+    elif scale.kind == "diverging":
+        weights = (scores / scale.upper).clamp(-1.0, 1.0)
+    else:
+        weights = ((scores - scale.lower) / (scale.upper - scale.lower)).clamp(0.0, 1.0)
+    weights = torch.where(finite, weights, torch.zeros_like(weights))
+    prediction = result.prediction
+    top = prediction.top[0] if prediction is not None and prediction.top else (None, float("nan"))
+    best = float(scores[finite].max()) if bool(finite.any()) else float("nan")
+    return visualization.VisualizationDataRecord(
+        weights,
+        top[1],
+        top[0],
+        result.target if true_class is None else true_class,
+        result.target,
+        best,
+        list(result.tokens),
+        None,
+    )
 
 
 class _Forward(nn.Module):
