@@ -1397,6 +1397,50 @@ OPS: list[OpRow] = [
         ],
     ),
     OpRow(
+        "torch.masked_select",
+        lambda x, **kw: torch.masked_select(x, kw["mask"]),
+        lambda: [
+            S_("3x4", (randn(3, 4),), dict(mask=torch.rand(3, 4, generator=_GEN) > 0.4)),
+            S_(
+                "broadcast_input",
+                (randn(1, 4),),
+                dict(mask=torch.tensor([[True, False]] * 2 + [[False, True]] * 2).reshape(2, 4)),
+            ),
+            S_("broadcast_mask", (randn(2, 3),), dict(mask=torch.tensor([False, True, True]))),
+        ],
+    ),
+    OpRow(
+        "x.take",
+        lambda x, **kw: x.take(kw["index"]),
+        lambda: [
+            S_(
+                "repeats_negative",
+                (randn(3, 4),),
+                dict(index=torch.tensor([[0, -1, 5], [5, 11, -12]])),
+            ),
+            S_("scalar_input", (randn(()),), dict(index=torch.tensor([0, 0, -1]))),
+        ],
+    ),
+    OpRow(
+        "torch.linalg.vector_norm",
+        lambda x, **kw: torch.linalg.vector_norm(x, **kw),
+        lambda: [
+            S_("l2_all", (randn(3, 4),)),
+            S_(
+                "l2_dim_zero_row",
+                (torch.cat([torch.zeros(1, 3, dtype=torch.float64), randn(2, 3)]),),
+                dict(dim=1),
+            ),
+            S_("l1_with_zeros", (with_zeros(3, 4),), dict(ord=1, dim=-1, keepdim=True)),
+            S_("l3_dims", (randn(2, 3, 2),), dict(ord=3, dim=(0, 2))),
+            S_("l0.5_with_zeros", (with_zeros(2, 5),), dict(ord=0.5, dim=1)),
+            S_("l1.5", (randn(2, 4),), dict(ord=1.5, dim=0)),
+            S_("inf_ties", (_tied(3, 4),), dict(ord=float("inf"), dim=1)),
+            S_("-inf", (away_from_zero(2, 3),), dict(ord=float("-inf"))),
+            S_("l0_no_edges", (with_zeros(2, 3),), dict(ord=0, dim=1)),
+        ],
+    ),
+    OpRow(
         "x.gather",
         lambda x, **kw: x.gather(1, kw["index"]),
         lambda: [S_("2x3", (randn(2, 3),), dict(index=torch.tensor([[1, 1], [0, 2]])))],

@@ -1,6 +1,7 @@
 """Reading a score out of a patched model's output after the ``with`` block: advanced
-indexing, ``gather``, softmax and the losses taken outside the patch (torch's own backward
-ops on messages: index_put / scatter_add, the losses' backward ops, elementwise scalings)
+indexing, ``gather``, ``masked_select``, ``take``, softmax and the losses taken outside the
+patch (torch's own backward ops on messages: index_put / scatter_add / masked_scatter / put,
+the losses' backward ops, elementwise scalings)
 give the same readouts as the same reads recorded inside the patch (the YAML entries,
 checked against oracles in the op table). Views and shape ops of the input taken before
 the patched model (``m(x.unbind(0)[0][None])``, ``torch.stack``, ``as_strided`` …: torch's
@@ -28,6 +29,9 @@ READS = {
     "index_repeated": lambda o: o[[0, 0, 1], [1, 1, 2]],
     "index_with_slice": lambda o: o[:, LABELS],
     "mask": lambda o: o[o > 0],
+    "masked_select": lambda o: o.masked_select(o > 0),
+    "masked_select_broadcast_mask": lambda o: o.masked_select(torch.tensor([True, False, True])),
+    "take": lambda o: o.take(torch.tensor([[0, -1], [4, 0]])),
     "gather": lambda o: o.gather(1, LABELS[:, None]),
     "gather_repeated": lambda o: o.gather(1, torch.tensor([[1, 1], [0, 2]])),
     "gather_dim0": lambda o: o.gather(0, torch.tensor([[1, 0, 1]])),

@@ -6,10 +6,12 @@ two paths with ``aten.add``, which becomes the semiring's merge (⊕). Ops whose
 sums gradients (views, ``select_backward``, ``expand``, ``sum`` …) are structural: their
 meaning is the same in every semiring, so they run per component (sums become ⊕).
 torch's backward of a view or shape op taken of the input before the patched model
-(``unbind``, ``split``, ``as_strided``, ``unfold``, ``index_select``, ``pad`` …) runs its
-cat, stack, copy, ``index_add`` or zero fill on messages: the zeros it makes for unused
+(``unbind``, ``split``, ``as_strided``, ``unfold``, ``index_select``, ``pad`` …), and of a
+write into a view inside it (``CopySlices``, ``AsStridedBackward0``), runs its cat, stack,
+copy, ``index_add`` or zero fill on messages: the zeros it makes for unused
 pieces and empty slots are the semiring's zero, its sums ⊕. A score read from a patched model's output after the ``with`` block adds native backward
-nodes: a loss's backward op, softmax's and log_softmax's, and elementwise scalings inside
+nodes: indexing's, ``gather``'s, ``masked_select``'s and ``take``'s scatters, a loss's
+backward op, softmax's and log_softmax's, and elementwise scalings inside
 the nodes of ``ELEMENTWISE_NODES`` run on messages with their semiring meaning.
 Any other aten op reaching a message raises :class:`ForeignOpError`.
 """
@@ -416,6 +418,34 @@ def _scatter_like(scatter):
     return handler
 
 
+def _masked_scatter(func, base, mask, source):
+    """``masked_select``'s backward: ``masked_scatter(zeros, mask, grad)``, the k-th
+    message element placed at the k-th element the mask selects (base and mask broadcast
+    together), the rest kept (torch's zeros: the semiring's zero)."""
+    like = source if isinstance(source, Message) else base
+    b = _value_of(func, base, like.semiring, like)
+    s = _value_of(func, source, like.semiring, like)
+    shape = torch.broadcast_shapes(base.shape, mask.shape)
+    out = tuple(
+        bc.expand(shape).contiguous().masked_scatter(mask, sc.to(bc.dtype)) for bc, sc in zip(b, s)
+    )
+    return Message(like.semiring, out, shape, like.dtype, like.device)
+
+
+def _put(func, base, index, source, accumulate=False):
+    """``take``'s backward: ``put(zeros, index, grad, accumulate=True)``, each message
+    element ⊕-added at its index of the flattened base (negative indices from the end)."""
+    if not accumulate or not isinstance(source, Message):
+        raise ForeignOpError(
+            f"aten op '{func}' without accumulate, or into a message, reached a semiring "
+            "message: only the accumulating put of take's backward is supported"
+        )
+    S = source.semiring
+    zero = Message(S, _value_of(func, base, S, source), base.shape, source.dtype, source.device)
+    positions = torch.remainder(index.reshape(-1), max(base.numel(), 1))
+    return _scatter_into(func, zero, positions.reshape(index.shape), source)
+
+
 def _refuse_overlapping_as_strided(func) -> None:
     """The error for ``as_strided`` of a tensor whose elements share memory, where torch's
     backward counts the sharing elements (``index_add_`` of ones) and divides by the count."""
@@ -595,6 +625,8 @@ _STRUCTURAL: dict[Any, Callable[..., Any]] = {
     aten.movedim.int: _map,
     aten.div_.Tensor: _div_tensor_inplace,
     aten.scatter_add.default: _scatter_add,
+    aten.masked_scatter.default: _masked_scatter,
+    aten.put.default: _put,
     aten.mul.Tensor: _mul,
     aten.mul.Scalar: _mul,
     aten.div.Tensor: _div,
