@@ -369,7 +369,7 @@ def _prediction(
 def attribute(
     model: nn.Module,
     inputs: Any,
-    target: int | str,
+    target: int | str | None = None,
     semiring: Semiring | str = "max-product",
     *,
     tokenizer=None,
@@ -378,6 +378,7 @@ def attribute(
     progress: bool = True,
     model_name: str | None = None,
     compile: bool = False,
+    batch_size: int = 1,
 ) -> Attribution | list[Attribution]:
     """Per-token semiring attribution of one logit of a Hugging Face model.
 
@@ -392,8 +393,16 @@ def attribute(
     ``compile``: without top paths, the patched forward and the scores' backward run as one
     ``sa.compiled_step`` per (semiring, target, position), one captured program per input
     length replayed for the texts of that length; with top paths (which run their own
-    eager backward) the scores' backward runs as ``sa.grad(..., compile=True)``. The model runs in eval mode; every module's
-    train/eval mode is restored after.
+    eager backward) the scores' backward runs as ``sa.grad(..., compile=True)``.
+
+    ``inputs`` may also be a list or an iterable of records: texts, or mappings with
+    ``text`` and optionally their own ``target``, ``position`` and ``id`` (see
+    :mod:`.batched`). With ``batch_size`` > 1, or records that are mappings, the texts run
+    ``batch_size`` at a time: padded on the tokenizer's padding side with its attention
+    mask, one forward and one backward per batch seeded at each example's own target
+    logit, which gives each example its one-at-a-time scores (padding dropped); top paths
+    then index the batch's tensors (example, padded position, ...). The model runs in eval
+    mode; every module's train/eval mode is restored after.
     """
     semiring = semiring_named(semiring)
     if isinstance(semiring, (TensorMaxProduct, TensorSignedMaxProduct)):
@@ -406,9 +415,30 @@ def attribute(
         model_name = model_label(model)
     if isinstance(inputs, os.PathLike):
         inputs = read_texts(inputs)
+    batched = _is_batched(inputs, batch_size)
+    if batched:
+        inputs = list(inputs)
+    elif target is None:
+        raise ValueError("attribute needs a target: a logit index or a token string")
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
+        if batched:
+            from .batched import attribute_records
+
+            return attribute_records(
+                model,
+                inputs,
+                target,
+                semiring,
+                tokenizer,
+                position=position,
+                paths=paths,
+                progress=progress,
+                model_name=model_name,
+                compile=compile,
+                batch_size=batch_size,
+            )
         return _attribute(
             model,
             inputs,
@@ -424,6 +454,16 @@ def attribute(
     finally:
         for m, training in modes:
             m.training = training
+
+
+def _is_batched(inputs: Any, batch_size: int) -> bool:
+    """Whether ``inputs`` run as batched records: ``batch_size`` > 1 with several texts, a
+    list of records with mappings among them, or an iterable other than a list or tuple."""
+    if isinstance(inputs, (str, dict)) or hasattr(inputs, "keys"):
+        return False
+    if isinstance(inputs, (list, tuple)):
+        return batch_size > 1 or any(not isinstance(i, str) for i in inputs)
+    return hasattr(inputs, "__iter__") and not isinstance(inputs, Tensor)
 
 
 def model_label(model: nn.Module) -> str:
