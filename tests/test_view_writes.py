@@ -364,3 +364,68 @@ def test_top_path_crosses_a_view_write(S: Semiring):
     winner = max(best.values(), key=lambda b: abs(b[0]) if which == "abs" else b[0])[0]
     found = sa.top_path(out[2, 1], x)
     assert found.weight == pytest.approx(winner, rel=1e-10)
+
+
+class _ComplexRotary(nn.Module):
+    """Llama 4's rotary embedding: pairs of features as complex numbers, times unit
+    complex frequencies, back to real pairs."""
+
+    def __init__(self):
+        super().__init__()
+        angles = torch.linspace(0.1, 2.0, 6, dtype=torch.float64).reshape(3, 2)
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles))
+        self.proj = nn.Linear(4, 4).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj(x)
+        pairs = torch.view_as_complex(h.reshape(3, 2, 2))
+        return torch.view_as_real(pairs * self.freqs).flatten(1).tanh()
+
+
+def test_complex_rotary_under_real_is_torch_autograd():
+    """Under ``sa.Real()`` the complex ops are torch's own: the readout is
+    ``torch.autograd.grad``'s."""
+    torch.manual_seed(0)
+    model = _ComplexRotary()
+    x = _x().requires_grad_()
+    ref = model(x)
+    seed = random_cotangent(ref.shape, torch.Generator().manual_seed(3))
+    (want,) = torch.autograd.grad(ref, x, seed)
+    with sa.patch(model, sa.Real()):
+        out = model(x)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(sa.grad(out, x, seed=seed), want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "S", [sa.Real(formulas=True), sa.MaxProduct(), sa.Log(), sa.Entropy()], ids=repr
+)
+@pytest.mark.parametrize(
+    "make, op",
+    [
+        (lambda h: torch.view_as_complex(h.reshape(3, 2, 2)), "torch.view_as_complex"),
+        (lambda h: h.to(torch.complex128), "torch.Tensor.to"),
+        (lambda h: h * torch.full((4,), 1j, dtype=torch.complex128), "torch.Tensor.mul"),
+    ],
+    ids=["view_as_complex", "cast", "times_a_complex_constant"],
+)
+def test_complex_under_semiring_formulas_is_refused_with_the_fix(make, op, S: Semiring):
+    """Semiring formulas are written for real tensors: an op that makes or reads a complex
+    tensor requiring grad is refused at forward, naming the op, the module and the fix."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4).double()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.view_as_real(make(self.proj(x)))
+
+    model = Net()
+    with pytest.raises(sa.UnsupportedOpError, match="complex") as info:
+        with sa.patch(model, S):
+            model(_x().requires_grad_())
+    message = str(info.value)
+    assert op in message and "(in module 'Net')" in message, message
+    assert "rotate_half" in message and "sa.Real()" in message
+    assert "forward" not in model.__dict__

@@ -8,7 +8,10 @@ on a copy of the target, and the result is written into the target as torch writ
 op with ``inplace=False``; an in-place functional form (``F.relu_(x)``, ``F.elu_(x)``,
 ``torch.dropout_(x, p, train)``) runs as its functional op with ``inplace=False``. The copy
 and the write-back are identity edges (torch's ``CloneBackward0`` and ``CopyBackwards``
-nodes); what the call returns is the target, as torch returns it.
+nodes); what the call returns is the target, as torch returns it. ``copy_``, ``fill_`` and
+``zero_`` run as they are: torch's own backward of each only moves messages or fills them
+with zero. A target that is a view of a patched op's output is written through torch's own
+view+inplace handling (:func:`release_views`).
 """
 
 from __future__ import annotations

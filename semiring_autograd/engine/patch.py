@@ -140,6 +140,12 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return found
 
 
+def _is_complex(tree: Any) -> bool:
+    """Whether a complex tensor sits in ``tree`` (nested tuples, lists and dicts)."""
+    leaves, _ = tree_flatten(tree)
+    return any(isinstance(x, torch.Tensor) and x.is_complex() for x in leaves)
+
+
 def _output_node(out: Any) -> Any:
     """The backward node of an op's output (its first differentiable tensor's)."""
     if isinstance(out, torch.Tensor):
@@ -211,6 +217,9 @@ class _SemiringMode(TorchFunctionMode):
         if op is not None:
             if handle.torch_graph:
                 return handle.record_torch_graph(func, args, kwargs, op, bound)
+            inputs = _tensors(bound.values())
+            if any(t.is_complex() for t in inputs):
+                raise handle.complex_refusal(func)
             frame = checkpoint_frame()
             if frame is not None:  # a checkpointed region: recompute it under the semiring
                 recompute_under(frame, handle.run_in_mode)
@@ -225,7 +234,9 @@ class _SemiringMode(TorchFunctionMode):
                 out = fn(handle.semiring, call, **bound)
             else:
                 out = fn(call, **bound)
-            inplace.release_views(out, _tensors(bound.values()), op.multi_output)
+            if _is_complex(out):  # a cast to a complex dtype
+                raise handle.complex_refusal(func)
+            inplace.release_views(out, inputs, op.multi_output)
             handle.annotate(out, op, recorded)
             return out
         if inplace.is_inplace(func, kwargs):
@@ -233,6 +244,10 @@ class _SemiringMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not _differentiable_output(out):
             return out  # e.g. x.type() returning a string: nothing enters the gradient graph
+        if _is_complex(out) or _is_complex(args) or _is_complex(kwargs):
+            if handle.torch_graph:
+                return out  # view_as_complex, view_as_real …: torch's complex autograd
+            raise handle.complex_refusal(func)
         raise handle.unsupported(func, _refusal(candidates, rejected))
 
     def _write(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -586,6 +601,18 @@ class PatchHandle:
             "derivatives/*.yaml (its signature, the torch functions it serves and one "
             "formula per differentiable input), run `generate`, or run this op outside the "
             "patched model / under torch.no_grad()."
+        )
+
+    def complex_refusal(self, func: Any) -> UnsupportedOpError:
+        """The error for a complex tensor in the gradient graph under semiring formulas."""
+        return UnsupportedOpError(
+            f"{_name_of(func)} (in module '{self.current_module}') computes with complex "
+            f"numbers on tensors that require grad under sa.patch(..., {self.semiring!r}). "
+            "A complex element is two nodes of the gradient graph (its real and imaginary "
+            "parts), and the semiring formulas are written for real tensors only. Write "
+            "this part in real arithmetic (a rotary embedding as x·cos + rotate_half(x)·sin "
+            "instead of view_as_complex, a complex product and view_as_real), or patch with "
+            "sa.Real(), which records torch's own complex autograd."
         )
 
     # ----- lifetime
