@@ -10,7 +10,9 @@ formula that reads it will run), unwrapping the incoming message, asking which i
 running backward uses (:func:`.demand.input_demand`), calling the rule and wrapping each
 result as a message with its input's metadata. A structural rule (views, reshapes,
 permutes: no ⊕, ⊗ or lift, ``generated/structural.py``) is written once, on one component
-tensor; each module's base runs it on every component of a value.
+tensor; each module's base runs it on every component of a value. Inside ``torch.func``
+transforms each op runs as its :meth:`~SemiringFunction.transformed` Function (forward and
+``setup_context`` apart, ``transforms.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 from torch import Tensor
 
 from ..semirings.base import Semiring
+from ..errors import SemiringAutogradError
+from . import transforms
 from .demand import input_demand
 from .message import unwrap, unwrap_plain, wrap_meta, wrap_one
 
@@ -103,13 +107,24 @@ def _fresh(out: Any, inputs: tuple) -> Any:
     return out
 
 
+def _values(plan: Plan, args: tuple) -> tuple:
+    """The op's arguments in its signature's order (``apply`` passes a tensor list
+    unpacked after the others)."""
+    list_at = plan.list_at
+    if list_at is None:
+        return args
+    n = len(plan.params) - 1
+    return (*args[:list_at], list(args[n:]), *args[list_at:n])
+
+
 class SemiringFunction(torch.autograd.Function):
     """The base of every generated Function. ``apply`` takes the semiring (generic modules
     only), the unpatched call and the op's arguments; :meth:`call` takes them as the
     dispatcher binds them (by name, a tensor list as one list).
 
-    The forward and backward below run for every recorded op, so they are loops in one
-    function body, not calls of helpers."""
+    The forward (:meth:`outputs`, then :meth:`setup`: ``setup_context``) and the backward
+    run for every recorded op, so each is loops in one function body, not calls of
+    helpers. Inside ``torch.func`` transforms an op runs as :meth:`transformed`."""
 
     plan: ClassVar[Plan]
     #: the op's backward rule (see :meth:`functions`; torch's ``Function.vjp`` is its
@@ -132,7 +147,13 @@ class SemiringFunction(torch.autograd.Function):
         values = [bound[p] for p in plan.params]
         if plan.list_at is not None:
             values += values.pop(plan.list_at)
-        out = cls.apply(*leading, *values)
+        if transforms.active():  # inside torch.func.grad, vjp, jacrev, vmap
+            S = cls.semiring if cls.lead == 1 else leading[0]
+            call = _Rebound(leading[-1], values)
+            values = transforms.through_boundary(S, plan.name, values)
+            out = cls.transformed().apply(*leading[:-1], call, *values)
+        else:
+            out = cls.apply(*leading, *values)
         if not plan.has_aux:
             return out
         if plan.returns_aux is None or not plan.returns_aux(**bound):
@@ -144,24 +165,31 @@ class SemiringFunction(torch.autograd.Function):
         """The op's outputs, with what its plan says saved on ``ctx``. ``args``: the
         semiring (generic modules only), the unpatched call, the op's arguments."""
         cls = ctx._forward_cls
+        outputs = cls.outputs(args, args[cls.lead - 1])
+        cls.setup(ctx, args, outputs)
+        return outputs
+
+    @classmethod
+    def outputs(cls, args: tuple, call: Callable[[], Any]) -> Any:
+        """The op's outputs of ``apply``'s ``args``, computed by ``call`` (the unpatched
+        call) unless the plan has a forward of its own."""
+        plan = cls.plan
+        args = args[cls.lead :]
+        if plan.forward is not None:
+            return plan.forward(*_values(plan, args))
+        if plan.multi_output:
+            return tuple(call())
+        return _fresh(call(), args)
+
+    @classmethod
+    def setup(cls, ctx: Any, args: tuple, outputs: Any) -> None:
+        """Save on ``ctx`` what the plan says the backward reads (``setup_context``)."""
         plan = cls.plan
         lead = cls.lead
-        if lead == 1:
-            S, call = cls.semiring, args[0]
-        else:
-            S, call = args[0], args[1]
+        S = cls.semiring if lead == 1 else args[0]
         args = args[lead:]
-        values = args
+        values = _values(plan, args)
         list_at = plan.list_at
-        if list_at is not None:
-            n = len(plan.params) - 1
-            values = (*args[:list_at], list(args[n:]), *args[list_at:n])
-        if plan.forward is not None:
-            outputs = plan.forward(*values)
-        elif plan.multi_output:
-            outputs = tuple(call())
-        else:
-            outputs = _fresh(call(), args)
         ctx.set_materialize_grads(False)
         ctx.semiring = S
         ctx.op_name = plan.name
@@ -212,7 +240,45 @@ class SemiringFunction(torch.autograd.Function):
                         None if value is None else (value.shape, value.dtype, value.device)
                     )
             ctx.metas = tuple(metas)
-        return outputs
+
+    @classmethod
+    def transformed(cls) -> type[SemiringFunction]:
+        """This op's Function inside ``torch.func`` transforms: its forward and
+        ``setup_context`` apart (what transforms require), the vmap rule torch generates
+        from them, the forward computed from the operands the transform hands it (unwrapped
+        or batched), and a real cotangent reaching it lifted into the semiring
+        (:func:`.transforms.lifted`)."""
+        variant = cls.__dict__.get("_transformed")
+        if variant is not None:
+            return variant
+
+        def forward(*args: Any) -> Any:
+            return variant.outputs(args, args[cls.lead - 1].on(args[cls.lead :]))
+
+        def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+            ctx.function = variant
+            variant.setup(ctx, *transforms.below_level((inputs, output)))
+
+        def backward(ctx: Any, *grads: Tensor | None) -> tuple:
+            transforms.refuse(ctx.semiring, cls.plan.name)
+            with transforms.below():
+                grads = transforms.lifted(ctx.semiring, grads) if cls.messages else grads
+                return SemiringFunction.backward(ctx, *grads)
+
+        def jvp(ctx: Any, *tangents: Any) -> Any:
+            raise SemiringAutogradError(f"{cls.plan.name}: {transforms.FORWARD_MODE}")
+
+        body = {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+            "generate_vmap_rule": True,
+            "__module__": cls.__module__,
+        }
+        variant = type(f"{cls.__name__}Transformed", (cls,), body)
+        cls._transformed = variant
+        return variant
 
     @staticmethod
     def _listed(plan: Plan, saved: tuple) -> tuple:
@@ -224,6 +290,8 @@ class SemiringFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple:
         cls = ctx._forward_cls
+        if not issubclass(cls, SemiringFunction):  # torch.func's Function around ours
+            cls = ctx.function
         plan = cls.plan
         S = ctx.semiring
         none = (None,) * len(ctx.needs_input_grad)
@@ -320,6 +388,26 @@ class SemiringFunction(torch.autograd.Function):
     def componentwise(rule: Callable) -> Callable:
         """A structural rule of one component tensor as this module's rule."""
         return rule
+
+
+class _Rebound:
+    """The unpatched call of an op recorded inside a transform, computed from the operands
+    its forward receives: the transform hands the forward unwrapped or batched copies of
+    the tensors the call was made with (``values``)."""
+
+    __slots__ = ("call", "values")
+
+    def __init__(self, call: Callable[[], Any], values: list) -> None:
+        self.call = call
+        self.values = values
+
+    def on(self, operands: tuple) -> Callable[[], Any]:
+        """``call`` with each of ``values`` swapped for its operand."""
+        replace = {}
+        for original, operand in zip(self.values, operands):
+            if isinstance(original, Tensor) and original is not operand:
+                replace[id(original)] = operand
+        return lambda: self.call.substituted(replace)
 
 
 def _class_name(op: str) -> str:

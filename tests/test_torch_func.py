@@ -1,0 +1,124 @@
+"""torch.func transforms over a patched forward (semiring_autograd/ops/transforms.py).
+
+``torch.func.grad(f)(x)`` and ``vjp`` of a patched forward hand back ``sa.grad``'s readout
+under every semiring whose readout has the input's shape; both are checked against path
+enumeration on the small models (tests/oracle.py), against ``sa.grad`` on a tiny Llama, and
+under ``sa.Real()`` against torch.autograd in float64. KBest and SignedMaxProduct readouts
+(a leading component dimension), vmap/jacrev over a semiring backward and forward-mode
+transforms are refused with an error naming what to do instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_zoo import tiny_inputs, tiny_model
+from small_models import setup_model
+from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
+
+import semiring_autograd as sa
+
+#: every built-in semiring whose readout has the input's shape
+SAME_SHAPE = [sa.MaxProduct(), sa.Log(), sa.Entropy(), sa.Boolean(), sa.Counting()]
+#: readouts of shape (components, *input)
+COMPONENT_DIM = [sa.KBest(3), sa.SignedMaxProduct()]
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+def _patched(model: torch.nn.Module, S: sa.Semiring):
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with sa.patch(model, S):
+            return model(x)
+
+    return f
+
+
+def _enumerated(S: sa.Semiring, name: str, seed: torch.Tensor | None) -> torch.Tensor:
+    """The readout at x of path enumeration on the model's program."""
+    _, x, program = setup_model(name)
+    (value,) = program.path_sum(S, "out", seed, ["x"])
+    return S.readout(value).to(x.dtype)
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention"])
+@pytest.mark.parametrize("S", SAME_SHAPE, ids=repr)
+def test_grad_of_a_patched_forward_is_the_enumerated_readout(name, S):
+    model, x, _ = setup_model(name)
+    f = _patched(model, S)
+    got = grad(lambda x: f(x).sum())(x)
+    torch.testing.assert_close(got, _enumerated(S, name, None), **TOL)
+    # one element read: the seed reaches the output through select's backward
+    index = (1, 2)
+    seed = torch.zeros_like(f(x.detach()))
+    seed[index] = 1
+    got = grad(lambda x: f(x)[index])(x)
+    torch.testing.assert_close(got, _enumerated(S, name, seed), **TOL)
+
+
+@pytest.mark.parametrize("S", SAME_SHAPE, ids=repr)
+def test_vjp_lifts_the_cotangent_as_sa_grad_lifts_a_seed(S):
+    model, x, _ = setup_model("attention")
+    f = _patched(model, S)
+    out, pullback = vjp(f, x)
+    cotangent = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    cotangent[0] = 0  # a zero weight starts no path
+    (got,) = pullback(cotangent)
+    torch.testing.assert_close(got, _enumerated(S, "attention", cotangent), **TOL)
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention"])
+def test_real_transforms_equal_torch_autograd(name):
+    model, x, _ = setup_model(name)
+    x = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(model(x).sum(), x)
+    jacobian = torch.autograd.functional.jacobian(model, x.detach())
+    f = _patched(model, sa.Real())  # torch's own graph: every transform applies
+    torch.testing.assert_close(grad(lambda x: f(x).sum())(x.detach()), want, **TOL)
+    torch.testing.assert_close(jacrev(f)(x.detach()), jacobian, **TOL)
+    formulas = _patched(model, sa.Real(formulas=True))  # the generated Real rules
+    torch.testing.assert_close(grad(lambda x: formulas(x).sum())(x.detach()), want, **TOL)
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log()], ids=repr)
+def test_grad_of_a_patched_tiny_llama_equals_sa_grad(S):
+    model = tiny_model("LlamaForCausalLM")
+    embeds, _ = tiny_inputs(model)
+
+    def logit(e: torch.Tensor) -> torch.Tensor:
+        with sa.patch(model, S):
+            return model(inputs_embeds=e).logits[0, -1, 3]
+
+    got = grad(logit)(embeds)
+    leaf = embeds.clone().requires_grad_()
+    want = sa.grad(logit(leaf), leaf)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("S", COMPONENT_DIM, ids=repr)
+def test_a_readout_with_a_component_dimension_is_refused(S):
+    model, x, _ = setup_model("mlp")
+    f = _patched(model, S)
+    with pytest.raises(sa.SemiringAutogradError, match=r"leading component dimension.*sa\.grad"):
+        grad(lambda x: f(x).sum())(x)
+    assert not hasattr(model.forward, "__semiring_autograd_patch__")  # the patch is gone
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Entropy()], ids=repr)
+def test_vmap_and_jacrev_over_a_semiring_backward_are_refused(S):
+    model, x, _ = setup_model("mlp")
+    f = _patched(model, S)
+    fix = r"is_grads_batched=True"
+    with pytest.raises(sa.SemiringAutogradError, match=fix):
+        jacrev(f)(x)
+    with pytest.raises(sa.SemiringAutogradError, match=fix):
+        vmap(grad(lambda x: f(x).sum()))(x[None])
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log()], ids=repr)
+def test_forward_mode_is_refused(S):
+    model, x, _ = setup_model("mlp")
+    f = _patched(model, S)
+    with pytest.raises(sa.SemiringAutogradError, match=r"forward-mode.*torch\.func\.grad"):
+        jvp(f, (x,), (torch.ones_like(x),))
+    with pytest.raises(sa.SemiringAutogradError, match=r"forward-mode"):
+        jacfwd(f)(x)
