@@ -232,6 +232,64 @@ FAMILIES: list[Family] = [
         ),
         "text",
     ),
+    Family(
+        "deepseek-v3",
+        # multi-head latent attention (its expand_kv copies into slices of a fresh buffer),
+        # a dense first layer, then routed experts
+        _decoder(
+            tf.DeepseekV3Config,
+            tf.DeepseekV3ForCausalLM,
+            num_key_value_heads=4,
+            kv_lora_rank=8,
+            q_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=8,
+            first_k_dense_replace=1,
+            experts_implementation="eager",
+        ),
+        "text",
+    ),
+    # ----- state-space and hybrid decoders
+    Family(
+        "mamba",
+        lambda: tf.MambaForCausalLM(
+            tf.MambaConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                state_size=4,
+                num_hidden_layers=1,
+                expand=2,
+                conv_kernel=3,
+                time_step_rank=2,
+                use_mambapy=False,
+            )
+        ),
+        "text",
+    ),
+    Family(
+        "falcon-h1",
+        _decoder(
+            tf.FalconH1Config,
+            tf.FalconH1ForCausalLM,
+            num_hidden_layers=1,
+            head_dim=4,
+            mamba_d_state=4,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_n_groups=1,
+            mamba_d_conv=3,
+            mamba_expand=2,
+            mamba_d_ssm=32,
+            mamba_chunk_size=4,
+        ),
+        "text",
+    ),
     # ----- encoder-decoders
     Family(
         "t5",

@@ -1,6 +1,6 @@
 """The architecture sweep: a tiny random-weight model of every family in
-:mod:`model_zoo` (text encoders and decoders, mixture of experts, encoder-decoders, vision
-transformers and CNNs, speech), in float64, patched as a user would patch it. Per family,
+:mod:`model_zoo` (text encoders and decoders, mixture of experts, state-space and hybrid
+decoders, encoder-decoders, vision transformers and CNNs, speech), in float64, patched as a user would patch it. Per family,
 on one output element's readout with respect to the model's float input:
 
 * the patched forward equals the unpatched one;
@@ -82,6 +82,9 @@ def test_the_sweep_covers_the_families_asked_for():
         "bloom",
         "falcon",
         "mixtral",
+        "deepseek-v3",
+        "mamba",
+        "falcon-h1",
         "vit",
         "swin",
         "convnext",

@@ -1397,6 +1397,20 @@ OPS: list[OpRow] = [
         ],
     ),
     OpRow(
+        "torch.repeat_interleave",
+        lambda x, **kw: torch.repeat_interleave(x, **kw),
+        lambda: [
+            S_("int_dim1", (randn(2, 3),), dict(repeats=2, dim=1)),
+            S_("tensor_dim0", (randn(3, 2),), dict(repeats=torch.tensor([1, 0, 3]), dim=0)),
+            S_("flattened", (randn(2, 2),), dict(repeats=3)),
+            S_(
+                "output_size",
+                (randn(2, 2),),
+                dict(repeats=torch.tensor([2, 1]), dim=-1, output_size=3),
+            ),
+        ],
+    ),
+    OpRow(
         "torch.masked_select",
         lambda x, **kw: torch.masked_select(x, kw["mask"]),
         lambda: [
