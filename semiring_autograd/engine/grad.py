@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -106,6 +106,7 @@ def grad(
     raw: bool = False,
     trace: bool | "tracing.trace" = False,
     compile: bool = False,
+    is_grads_batched: bool = False,
 ) -> Tensor | tuple[Tensor | None, ...] | None:
     """Semiring analogue of ``torch.autograd.grad``.
 
@@ -123,7 +124,17 @@ def grad(
     Hooks on graph nodes or tensors do not run in a replay; the graph is kept until its
     outputs are freed, whatever ``retain_graph`` says. Under ``sa.Real()`` (torch's own graph,
     whose backward already runs in C++) it runs torch's engine.
+
+    ``is_grads_batched=True``: each seed holds B seeds stacked on a new leading dimension
+    (shape (B, *output)), and each readout gains that dimension first (row b: the readout
+    of seed row b). Under ``sa.Real()`` one batched backward computes them (torch's
+    ``is_grads_batched``); under the other semirings, one backward per row on the graph
+    kept in between (equal to the loop: a rule's ⊕ and its skipping of rows no path
+    reaches are not batched); with ``compile=True`` the first row captures the program
+    the other rows replay.
     """
+    if is_grads_batched:
+        return _batched(outputs, inputs, seed, retain_graph, raw, trace, compile)
     single_input = isinstance(inputs, Tensor)
     ins = _tensors("inputs", inputs)
     outs = _tensors("outputs", outputs)
@@ -177,6 +188,74 @@ def grad(
             own.detach()
     final = readouts(semiring, ins, results, raw)
     return final[0] if single_input else final
+
+
+def _batched(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    seed: object,
+    retain_graph: bool,
+    raw: bool,
+    trace: bool | "tracing.trace",
+    compile: bool,
+) -> Tensor | tuple[Tensor, ...]:
+    """``sa.grad(..., is_grads_batched=True)``: per input, the readouts of each seed row,
+    stacked (see :func:`grad`)."""
+    outs = _tensors("outputs", outputs)
+    ins = _tensors("inputs", inputs)
+    seeds = [seed] if isinstance(seed, Tensor) else seed
+    if raw or not isinstance(seeds, Sequence) or not all(isinstance(s, Tensor) for s in seeds):
+        raise TypeError(
+            "sa.grad(is_grads_batched=True) takes a tensor seed per output, of shape "
+            "(B, *output): B seeds stacked on a leading dimension (raw messages are not "
+            "batched: call sa.grad(..., raw=True) per seed)"
+        )
+    seeds = list(seeds) * len(outs) if len(seeds) == 1 else list(seeds)
+    if len(seeds) != len(outs):
+        raise ValueError(f"got {len(seeds)} seeds for {len(outs)} outputs")
+    for o, s in zip(outs, seeds):
+        if s.dim() == 0 or tuple(s.shape[1:]) != tuple(o.shape):
+            raise ValueError(
+                f"sa.grad(is_grads_batched=True): a seed of shape {tuple(s.shape)} for an "
+                f"output of shape {tuple(o.shape)}; give shape (B, {', '.join(map(str, o.shape))})"
+                " with B seeds stacked on the first dimension"
+            )
+    rows = {s.shape[0] for s in seeds}
+    if len(rows) != 1 or 0 in rows:
+        raise ValueError(
+            f"sa.grad(is_grads_batched=True): seeds of {sorted(rows)} rows; give every "
+            "output the same number of seed rows, at least one"
+        )
+    (count,) = rows
+    semiring = recorded_semiring(outs)
+    if records_torch_graph(semiring):
+        with demand.requesting(outs, ins):
+            results = torch.autograd.grad(
+                outs,
+                ins,
+                [s.to(device=o.device, dtype=o.dtype) for o, s in zip(outs, seeds)],
+                retain_graph=retain_graph,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+        final = tuple(
+            torch.zeros(count, *x.shape, dtype=x.dtype, device=x.device) if r is None else r
+            for x, r in zip(ins, results)
+        )
+    else:
+        per_row = [
+            grad(
+                outs,
+                ins,
+                [s[b] for s in seeds],
+                retain_graph=retain_graph or b < count - 1,
+                trace=trace,
+                compile=compile,
+            )
+            for b in range(count)
+        ]
+        final = tuple(torch.stack([row[i] for row in per_row]) for i in range(len(ins)))
+    return final[0] if isinstance(inputs, Tensor) else final
 
 
 def readouts(

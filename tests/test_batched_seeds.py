@@ -1,0 +1,112 @@
+"""``sa.grad(..., is_grads_batched=True)``: B seeds stacked on a leading dimension, B
+readouts stacked the same way, each row checked against path enumeration of the small
+MLP's program (tests/oracle.py) under every built-in semiring, against the loop of
+``sa.grad`` on the attention block, and under ``sa.Real()`` against torch.autograd's own
+``is_grads_batched`` in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from small_models import setup_model
+
+import semiring_autograd as sa
+
+SEMIRINGS = [
+    sa.Real(),
+    sa.Real(formulas=True),
+    sa.MaxProduct(),
+    sa.SignedMaxProduct(),
+    sa.Log(),
+    sa.Entropy(),
+    sa.Boolean(),
+    sa.Counting(),
+    sa.KBest(3),
+]
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+def _recorded(name: str, S: sa.Semiring) -> tuple[torch.Tensor, torch.Tensor]:
+    model, x, _ = setup_model(name)
+    x = x.clone().requires_grad_()
+    with sa.patch(model, S):
+        y = model(x)
+    return y, x
+
+
+def _seeds(y: torch.Tensor, rows: int) -> torch.Tensor:
+    seeds = torch.randn(rows, *y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(5))
+    seeds[0] = 0
+    seeds[0].view(-1)[1] = 1  # one element read
+    seeds[1].view(-1)[::2] = 0  # a zero weight starts no path
+    return seeds
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=repr)
+def test_each_row_is_the_enumerated_readout_of_its_seed(S):
+    y, x = _recorded("mlp", S)
+    seeds = _seeds(y, 3)
+    got = sa.grad(y, x, seeds, is_grads_batched=True)
+    _, _, program = setup_model("mlp")
+    assert got.shape[0] == 3
+    for row, seed in zip(got, seeds):
+        (value,) = program.path_sum(S, "out", seed, ["x"])
+        want = S.readout(value)
+        torch.testing.assert_close(row, want.to(row.dtype), **TOL)
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=repr)
+def test_batched_seeds_equal_the_loop(S):
+    y, x = _recorded("attention", S)
+    model, _, _ = setup_model("attention")
+    seeds = _seeds(y, 4)
+    weight = model.v.weight
+    got = sa.grad(y, [x, weight], seeds, is_grads_batched=True, retain_graph=True)
+    loop = [sa.grad(y, [x, weight], s, retain_graph=True) for s in seeds]
+    for k, readouts in enumerate(got):
+        torch.testing.assert_close(readouts, torch.stack([row[k] for row in loop]), **TOL)
+
+
+def test_real_equals_torch_autograd_is_grads_batched():
+    model, x, _ = setup_model("attention")
+    leaf = x.clone().requires_grad_()
+    out = model(leaf)
+    seeds = _seeds(out, 4)
+    (want,) = torch.autograd.grad(out, leaf, seeds, is_grads_batched=True)
+    y, x = _recorded("attention", sa.Real())
+    torch.testing.assert_close(sa.grad(y, x, seeds, is_grads_batched=True), want, **TOL)
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log()], ids=repr)
+def test_compiled_rows_equal_eager_rows(S):
+    y, x = _recorded("attention", S)
+    seeds = _seeds(y, 3)
+    eager = sa.grad(y, x, seeds, is_grads_batched=True, retain_graph=True)
+    compiled = sa.grad(y, x, seeds, is_grads_batched=True, compile=True)
+    assert torch.equal(compiled, eager)
+
+
+def test_several_outputs_take_a_seed_each():
+    S = sa.MaxProduct()
+    model, x, _ = setup_model("mlp")
+    x = x.clone().requires_grad_()
+    with sa.patch(model, S):
+        a, b = model(x), model(2 * x)
+    sa_ = _seeds(a, 2)
+    sb = _seeds(b, 2).flip(0)
+    got = sa.grad([a, b], x, [sa_, sb], is_grads_batched=True, retain_graph=True)
+    for row in range(2):
+        want = sa.grad([a, b], x, [sa_[row], sb[row]], retain_graph=True)
+        torch.testing.assert_close(got[row], want, **TOL)
+
+
+def test_bad_batched_seeds_are_refused():
+    y, x = _recorded("mlp", sa.Log())
+    with pytest.raises(ValueError, match=r"shape \(B, 2, 3\)"):
+        sa.grad(y, x, torch.ones(2, 3), is_grads_batched=True, retain_graph=True)
+    with pytest.raises(TypeError, match="leading dimension"):
+        sa.grad(y, x, 1.0, is_grads_batched=True, retain_graph=True)
+    with pytest.raises(TypeError, match="raw=True"):
+        sa.grad(y, x, torch.ones(2, 2, 3), is_grads_batched=True, raw=True, retain_graph=True)
+    with pytest.raises(ValueError, match="at least one"):
+        sa.grad(y, x, torch.ones(0, 2, 3), is_grads_batched=True, retain_graph=True)
