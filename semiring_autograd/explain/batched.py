@@ -275,12 +275,14 @@ def attribute_batch(
     compile: bool = False,
     batch_size: int = 0,
     keep: list[BatchResult] | None = None,
+    best_path_only: bool = False,
 ) -> list[Attribution]:
     """One :class:`Attribution` per record of ``batch``, from one patched forward and one
     semiring backward seeded at each example's target logit (with top paths under the max
     semirings: one more recorded backward, for all examples; the batch is then padded on
-    the right, so a path's positions are its text's own). ``keep``: a list the padded
-    readouts are appended to."""
+    the right, so a path's positions are its text's own; ``best_path_only``: only the
+    best token's, None for the others). ``keep``: a list the padded readouts are appended
+    to."""
     spec = inherited_spec(semiring)
     want_paths = paths and spec is not None and spec.top_paths in ("max", "signed")
     padded = pad(
@@ -319,10 +321,15 @@ def attribute_batch(
     if keep is not None:
         keep.append(BatchResult(scores, reached, padded))
     best = _batch_paths(y, x, semiring, "max") if want_paths else None
-    low = _batch_paths(y, x, semiring, "min") if want_paths and spec.top_paths == "signed" else None
+    signed = want_paths and spec.top_paths == "signed" and not best_path_only
+    low = _batch_paths(y, x, semiring, "min") if signed else None
     results = []
     for b, p in enumerate(batch):
         span = slice(padded.offsets[b], padded.offsets[b] + len(p.ids))
+        own = scores[..., b, span].clone()
+        shown = range(span.start, span.stop)
+        if best_path_only:
+            shown = [span.start + int((own[0] if own.dim() == 2 else own).argmax())]
         tokens = [tokenizer.decode([i]) for i in p.ids]
         prediction = _prediction(
             rows[b].detach(), p.target, tokenizer, model_name, p.record.text, p.position, tokens
@@ -330,16 +337,24 @@ def attribute_batch(
         results.append(
             Attribution(
                 tokens,
-                scores[..., b, span].clone(),
+                own,
                 semiring,
                 p.label,
-                [] if best is None else [best(b, t) for t in range(span.start, span.stop)],
-                [] if low is None else [low(b, t) for t in range(span.start, span.stop)],
+                _paths_of(best, b, span, shown),
+                _paths_of(low, b, span, shown),
                 prediction,
                 reached[b, span].clone(),
             )
         )
     return results
+
+
+def _paths_of(find, b: int, span: slice, shown) -> list[Path | None]:
+    """Example b's paths per token of ``span`` (None where not ``shown``); [] without
+    ``find``."""
+    if find is None:
+        return []
+    return [find(b, t) if t in shown else None for t in range(span.start, span.stop)]
 
 
 def _batch_paths(y: Tensor, x: Tensor, semiring: Semiring, which: str):
