@@ -1,0 +1,228 @@
+"""Dataset-scale attribution on the embedded SmolLM2-135M: batched vs one at a time, two
+ranks vs one, and memory over a long run.
+
+64 texts of 5 to 40 tokens, target " the", MaxProduct scores (no top paths), one thread:
+
+* ``loop``: ``sa.attribute`` one text at a time (``batch_size=1``);
+* ``batched``: ``sa.attribute(..., batch_size=B)`` (one forward and one backward per batch);
+* ``compiled``: the same with ``compile=True``, after a first pass that captures one program
+  per (batch, length) shape (its time is printed too);
+* ``ranks``: ``attribute_dataset`` under ``torchrun --nproc_per_node 1`` and ``2``, one
+  thread per rank, records/s of the whole run (model load excluded);
+* ``memory``: the resident set of one rank sampled during ``attribute_dataset`` over
+  ``--memory-records`` records, per part written.
+
+    python benchmarks/attribute_dataset.py [--batch-size 8] [--skip ranks memory]
+
+Ratios are of records/s measured in the same process (ranks: the same invocation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+WORDS = (
+    "the river runs past an old mill where children play in summer and farmers bring grain "
+    "to town while the bells ring over quiet streets full of shops bakers sell bread early"
+).split()
+TARGET = " the"
+
+
+def texts(tokenizer, count: int = 64, low: int = 5, high: int = 40, seed: int = 0) -> list[str]:
+    """``count`` texts of ``low`` to ``high`` tokens (each length drawn uniformly)."""
+    rng = random.Random(seed)
+    found = []
+    while len(found) < count:
+        want = rng.randint(low, high)
+        words = [rng.choice(WORDS) for _ in range(want)]
+        while len(tokenizer(" ".join(words))["input_ids"]) > want:
+            words.pop()
+        if len(tokenizer(" ".join(words))["input_ids"]) >= low:
+            found.append(" ".join(words))
+    return found
+
+
+def rate(run, count: int) -> tuple[float, float]:
+    """(records/s, seconds) of ``run()`` over ``count`` records."""
+    start = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - start
+    return count / seconds, seconds
+
+
+def rss_mib() -> float:
+    """This process's resident set, MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def single_process(args: argparse.Namespace) -> None:
+    import semiring_autograd as sa
+    from semiring_autograd.integrations.huggingface import load_causal_lm
+
+    model, tokenizer = load_causal_lm()
+    batch = texts(tokenizer)
+    lengths = [len(tokenizer(t)["input_ids"]) for t in batch]
+    print(
+        f"SmolLM2-135M, {len(batch)} texts of {min(lengths)}-{max(lengths)} tokens, target "
+        f"{TARGET!r}, MaxProduct scores, {torch.get_num_threads()} thread(s), CPU"
+    )
+
+    def run(**options):
+        return lambda: sa.attribute(
+            model,
+            batch,
+            TARGET,
+            "max-product",
+            tokenizer=tokenizer,
+            paths=False,
+            progress=False,
+            **options,
+        )
+
+    loop, s_loop = rate(run(batch_size=1), len(batch))
+    print(f"loop (one at a time):      {loop:7.2f} records/s ({s_loop:.1f} s)")
+    batched, s_b = rate(run(batch_size=args.batch_size), len(batch))
+    print(
+        f"batched (batch {args.batch_size}):        {batched:7.2f} records/s ({s_b:.1f} s)  "
+        f"{batched / loop:.2f}x the loop"
+    )
+    first, s_first = rate(run(batch_size=args.batch_size, compile=True), len(batch))
+    compiled, s_c = rate(run(batch_size=args.batch_size, compile=True), len(batch))
+    print(
+        f"compiled batched, capture: {first:7.2f} records/s ({s_first:.1f} s)  "
+        f"{first / loop:.2f}x the loop"
+    )
+    print(
+        f"compiled batched, replay:  {compiled:7.2f} records/s ({s_c:.1f} s)  "
+        f"{compiled / loop:.2f}x the loop"
+    )
+
+
+def rank_worker(args: argparse.Namespace) -> None:
+    """One rank of ``attribute_dataset`` (under torchrun): rank 0 prints records/s."""
+    import torch.distributed as dist
+
+    from semiring_autograd.explain.dataset import attribute_dataset
+    from semiring_autograd.integrations.huggingface import load_causal_lm
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_causal_lm()
+    records = texts(tokenizer)
+    dist.init_process_group("gloo")
+    dist.barrier()
+    start = time.perf_counter()
+    attribute_dataset(
+        model,
+        records,
+        args.out,
+        tokenizer=tokenizer,
+        target=TARGET,
+        batch_size=args.batch_size,
+        progress=False,
+    )
+    seconds = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        print(f"RESULT {len(records) / seconds:.3f} {seconds:.2f}")
+    dist.destroy_process_group()
+
+
+def ranks(args: argparse.Namespace) -> None:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    found = {}
+    for n in (1, 2):
+        with tempfile.TemporaryDirectory() as folder:
+            command = [
+                str(torchrun),
+                "--standalone",
+                "--nproc_per_node",
+                str(n),
+                __file__,
+                "--rank-worker",
+                "--out",
+                str(Path(folder) / "run"),
+                "--batch-size",
+                str(args.batch_size),
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
+            found[n] = float(line.split()[1])
+            print(f"{n} rank(s) x 1 thread:      {found[n]:7.2f} records/s ({line.split()[2]} s)")
+    print(f"2 ranks vs 1: {found[2] / found[1]:.2f}x")
+
+
+def memory(args: argparse.Namespace) -> None:
+    from semiring_autograd.explain.dataset import attribute_dataset
+    from semiring_autograd.integrations.huggingface import load_causal_lm
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_causal_lm()
+    pool = texts(tokenizer, count=64)
+    records = [pool[i % len(pool)] for i in range(args.memory_records)]
+    samples: list[tuple[int, float]] = []
+    stop = threading.Event()
+
+    def sample(parts: Path) -> None:
+        while not stop.is_set():
+            written = len(list(parts.glob("part-*"))) if parts.is_dir() else 0
+            samples.append((written, rss_mib()))
+            time.sleep(0.5)
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "run"
+        watcher = threading.Thread(target=sample, args=(out / "parts",), daemon=True)
+        watcher.start()
+        start = time.perf_counter()
+        attribute_dataset(
+            model,
+            records,
+            out,
+            tokenizer=tokenizer,
+            target=TARGET,
+            batch_size=args.batch_size,
+            part_size=100,
+            progress=False,
+        )
+        seconds = time.perf_counter() - start
+        stop.set()
+        watcher.join()
+    print(f"memory: {len(records)} records in {seconds:.0f} s, resident set by parts written:")
+    for part in range(0, len(records) // 100 + 1, 2):
+        seen = [m for p, m in samples if p == part]
+        if seen:
+            print(f"  after {part * 100:5d} records: peak {max(seen):7.0f} MiB")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["single", "ranks", "memory"])
+    parser.add_argument("--memory-records", type=int, default=1000)
+    parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_worker:
+        rank_worker(args)
+        return
+    torch.set_num_threads(1)
+    if "single" not in args.skip:
+        single_process(args)
+    if "ranks" not in args.skip:
+        ranks(args)
+    if "memory" not in args.skip:
+        memory(args)
+
+
+if __name__ == "__main__":
+    main()
