@@ -42,7 +42,10 @@ EXPLAIN_DESCRIPTION = (
     "HTML report. --file PROMPTS explains every line of a file instead of TEXT (one report "
     "page); --semiring all compares every built-in semiring on one page. The prompt, the "
     "output files, the model directory, the target, the position and the prompt's length "
-    "against the model's context are checked before the model loads."
+    "against the model's context are checked before the model loads. --out DIR writes a "
+    "table instead, one row per record of --file (a .jsonl file's records may carry their "
+    "own target and position): Parquet or JSONL parts, merged with a manifest; batched, "
+    "resumable with --resume, and sharded by rank under torchrun."
 )
 
 
@@ -59,12 +62,16 @@ def parser() -> argparse.ArgumentParser:
     explain = commands.add_parser("explain", help=EXPLAIN, description=EXPLAIN_DESCRIPTION)
     explain.add_argument("text", nargs="?", help="the prompt (or give --file)")
     explain.add_argument(
-        "--file", default=None, help="a UTF-8 file of prompts, one per line, instead of TEXT"
+        "--file",
+        default=None,
+        help="a UTF-8 file of prompts, one per line, instead of TEXT; a .jsonl file holds "
+        'records {"text": ..., "target": ..., "position": ..., "id": ...}',
     )
     explain.add_argument(
         "--target",
-        required=True,
-        help="the next token, e.g. ' Paris' (most words after a space start with one)",
+        default=None,
+        help="the next token, e.g. ' Paris' (most words after a space start with one); "
+        "optional for a .jsonl --file whose records name their own",
     )
     explain.add_argument(
         "--semiring",
@@ -107,6 +114,33 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--plot", default=None, help="also write a PNG bar chart of the scores here"
     )
+    explain.add_argument(
+        "--out",
+        default=None,
+        help="with --file: write one row per record into this folder (parts, then "
+        "records.parquet or records.jsonl, manifest.json and report.html) instead of one "
+        "report page",
+    )
+    explain.add_argument(
+        "--format", default="parquet", choices=["parquet", "jsonl"], help="--out's format"
+    )
+    explain.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish the run in --out: records already written are skipped",
+    )
+    explain.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="records per forward and backward (default: 8 with --out, else 1)",
+    )
+    explain.add_argument(
+        "--part-size",
+        type=int,
+        default=256,
+        help="--out: rows per part file (a killed run redoes at most one part per rank)",
+    )
     return root
 
 
@@ -117,11 +151,17 @@ def error(message: str) -> int:
 
 
 def check_inputs(args: argparse.Namespace) -> None:
-    """UsageError unless exactly one of TEXT and ``--file`` is given, usable as such."""
+    """UsageError unless exactly one of TEXT and ``--file`` is given, usable as such, with
+    a target (a .jsonl file's records may name their own)."""
     if args.text is None and args.file is None:
         raise UsageError("no prompt: give the prompt as TEXT or a file of prompts with --file")
     if args.text is not None and args.file is not None:
         raise UsageError("give the prompt as TEXT or --file, not both")
+    if args.target is None and not (args.file or "").endswith(".jsonl"):
+        raise UsageError(
+            "no target: give --target (or a .jsonl --file whose records name their own)"
+        )
+    check_dataset_options(args)
     if args.file is not None:
         if args.plot:
             raise UsageError("--plot draws one prompt's scores: give TEXT, not --file")
@@ -129,6 +169,28 @@ def check_inputs(args: argparse.Namespace) -> None:
             raise UsageError(f"--file {args.file}: no such file")
     elif not args.text.strip():
         raise UsageError("the prompt is empty: give a text to explain")
+
+
+def check_dataset_options(args: argparse.Namespace) -> None:
+    """UsageError for --out, --resume, --batch-size or --part-size given where they do not
+    apply, or a --out that is a file."""
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size {args.batch_size}: give a positive number of records")
+    if args.part_size < 1:
+        raise UsageError(f"--part-size {args.part_size}: give a positive number of rows")
+    if args.out is None:
+        if args.resume:
+            raise UsageError("--resume finishes the run in --out: give --out DIR")
+        return
+    if args.file is None:
+        raise UsageError("--out writes a row per record of --file: give --file, not TEXT")
+    if args.plot:
+        raise UsageError("--plot draws one prompt's scores: not with --out")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out}: is a file; give a folder (made if missing)")
+    if not out.exists() and not out.parent.is_dir():
+        raise UsageError(f"--out {args.out}: no such directory {out.parent}; create it first")
 
 
 def check_writable(option: str, path: str) -> None:
@@ -149,6 +211,8 @@ def check_writable(option: str, path: str) -> None:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """UsageError unless the report (and the chart, with ``--plot``) can be written."""
+    if args.out is not None:
+        return  # the run's files go into --out
     check_writable("--html", args.html)
     if args.plot is None:
         return

@@ -20,6 +20,7 @@ import torch
 import transformers
 from model_zoo import llama_config
 
+import semiring_autograd as sa
 import semiring_autograd_cli
 from semiring_autograd.explain.attribution import model_label
 from semiring_autograd.integrations import cli, huggingface
@@ -80,6 +81,14 @@ def _bad_argv(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([*base, "--model", str(no_config)], "has no config.json"),
         (["explain", "--target", " x"], "no prompt: give the prompt as TEXT or a file"),
         ([*base, "--file", "prompts.txt"], "give the prompt as TEXT or --file, not both"),
+        (["explain", "--file", "prompts.txt"], "no target: give --target (or a .jsonl --file"),
+        ([*base, "--resume"], "--resume finishes the run in --out: give --out DIR"),
+        ([*base, "--out", "run"], "--out writes a row per record of --file: give --file"),
+        ([*base, "--batch-size", "0"], "--batch-size 0: give a positive number"),
+        (
+            ["explain", "--file", "p.jsonl", "--out", str(pickled)],
+            "is a file; give a folder",
+        ),
     ]
 
 
@@ -350,3 +359,50 @@ def test_ctrl_c_ends_the_command_at_once_without_a_traceback(short_context_model
     assert code == 130 and "semiring-autograd: interrupted" in err, (code, err)
     assert "Traceback" not in err and seconds < 2.0, (seconds, err)
     assert not (tmp_path / "r.html").exists()
+
+
+def test_explain_out_writes_a_table_with_error_rows_and_resumes(
+    short_context_model, tmp_path, capsys
+):
+    records = [
+        {"text": "the cat sat", "target": "paris"},
+        {"text": "the cat " * 10},  # 22 tokens: over the 16-token context
+        {"text": "a dog", "target": 7, "position": 1, "id": "d"},
+        {"text": ""},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "run"
+    argv = ["explain", "--file", str(prompts), "--out", str(out), "--target", "house"]
+    argv += ["--model", str(short_context_model), "--format", "jsonl", "--no-paths"]
+    argv += ["--batch-size", "2", "--part-size", "1", "--semiring", "log"]
+    assert semiring_autograd_cli.main(argv) == 0, capsys.readouterr().err
+    assert "4 records (2 error rows)" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["records"] == 4 and manifest["errors"] == 2
+    rows = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3]
+    assert "the text is 22 tokens; the model reads at most 16" in rows[1]["error"]
+    assert rows[3]["error"] == "the text is empty: give a non-empty text"
+    model, tokenizer = huggingface.load_causal_lm(str(short_context_model))
+    for row, record in ((rows[0], records[0]), (rows[2], records[2])):
+        alone = sa.attribute(
+            model,
+            record["text"],
+            record["target"],
+            "log",
+            tokenizer=tokenizer,
+            position=record.get("position", -1),
+        )
+        assert row["tokens"] == alone.tokens and row["position"] == alone.prediction.position
+        torch.testing.assert_close(
+            torch.tensor(row["scores_log"]), alone.scores, rtol=1e-5, atol=1e-6
+        )
+    assert rows[2]["id"] == "d"
+    parts = sorted((out / "parts").iterdir())
+    assert semiring_autograd_cli.main(argv) == 2
+    assert "holds a run already: pass resume=True (--resume)" in capsys.readouterr().err
+    assert semiring_autograd_cli.main(argv + ["--resume"]) == 0
+    assert sorted((out / "parts").iterdir()) == parts  # nothing redone
+    again = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert again == rows

@@ -18,6 +18,7 @@ report and the chart are written both or neither.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import stat
 import sys
@@ -27,6 +28,8 @@ from pathlib import Path
 
 from ..explain import report
 from ..explain.attribution import attribute, check_position, read_texts, target_hint, target_id
+from ..explain.batched import as_record, prepare
+from ..explain.dataset import read_records
 from ..semirings.registry import cli_names, semiring_named, spec_of
 from .huggingface import DEFAULT_MODEL, context_length, load_model, load_tokenizer
 
@@ -44,12 +47,17 @@ def _error(message: str) -> int:
     return 2
 
 
-def _texts(args: argparse.Namespace) -> str | list[str]:
-    """The prompt, or the prompts of ``--file``; UsageError for a file that cannot be read
-    or holds no text."""
+def _texts(args: argparse.Namespace) -> str | list[str] | list[dict]:
+    """The prompt, or the prompts of ``--file`` (a .jsonl file's records); UsageError for a
+    file that cannot be read or holds no text."""
     if args.file is None:
         return args.text
     try:
+        if args.file.endswith(".jsonl"):
+            records = read_records(args.file)
+            if not records:
+                raise ValueError(f"{args.file} holds no record (one JSON object per line)")
+            return records
         return read_texts(args.file)
     except UnicodeDecodeError as exc:
         raise UsageError(f"--file {args.file}: not UTF-8 text ({exc.reason})") from None
@@ -65,10 +73,18 @@ def _check_texts(
     """UsageError for a target that is not one token, a position outside a text, or a text
     longer than the model's context (``limit`` tokens; None: no limit). Each text is
     tokenized once."""
-    try:
-        target_id(args.target, tokenizer)
-    except ValueError as exc:
-        raise UsageError(_one_line(exc)) from None
+    if args.target is not None:
+        try:
+            target_id(args.target, tokenizer)
+        except ValueError as exc:
+            raise UsageError(_one_line(exc)) from None
+    if not isinstance(inputs, str) and any(isinstance(i, dict) for i in inputs):
+        for i, item in enumerate(inputs):
+            try:
+                prepare(i, as_record(item), tokenizer, args.target, args.position, limit)
+            except (ValueError, TypeError) as exc:
+                raise UsageError(f"record {i + 1} of --file: {_one_line(exc)}") from None
+        return
     for i, text in enumerate([inputs] if isinstance(inputs, str) else inputs):
         length = len(tokenizer(text)["input_ids"])
         try:
@@ -164,13 +180,15 @@ class _WriteError(Exception):
 
 def _explain(args: argparse.Namespace) -> int:
     """Tokenizer and config (checked), model, attribution per semiring, report."""
+    if args.out is not None:
+        return _explain_dataset(args)
     inputs = _texts(args)
     name = args.model or DEFAULT_MODEL
     start = time.perf_counter()
     print(f"reading the tokenizer and the config of {name} ...", flush=True)
     tokenizer = _load("tokenizer", load_tokenizer, args.model)
     _check_texts(args, inputs, tokenizer, _load("config", context_length, args.model), name)
-    hint = target_hint(args.target, tokenizer)
+    hint = None if args.target is None else target_hint(args.target, tokenizer)
     if hint is not None:
         print(f"semiring-autograd: note: {hint}", file=sys.stderr)
     print(f"loading {name} ...", flush=True)
@@ -191,6 +209,7 @@ def _explain(args: argparse.Namespace) -> int:
             model_name=None,  # model_label: the Hub id or the folder's name, not its path
             paths=not args.no_paths,
             compile=args.compile,
+            batch_size=args.batch_size or 1,
         )
         per_semiring.append(result if isinstance(result, list) else [result])
         spec = spec_of(semiring_named(semiring_name))
@@ -214,4 +233,55 @@ def _explain(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {args.plot}")
     print(f"load {loaded - start:.1f} s; " + "; ".join(timings))
+    return 0
+
+
+def _explain_dataset(args: argparse.Namespace) -> int:
+    """``--out``: every record of ``--file`` attributed into a table (bad records as error
+    rows), batched, resumable, sharded by rank under torchrun."""
+    from ..explain.dataset import attribute_dataset
+
+    try:
+        records = read_records(args.file)
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--file {args.file}: not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise UsageError(f"--file {args.file}: cannot read it ({exc.strerror})") from None
+    name = args.model or DEFAULT_MODEL
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; the run joins its group
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"reading the tokenizer of {name} ...", flush=True)
+    tokenizer = _load("tokenizer", load_tokenizer, args.model)
+    if args.target is not None:
+        try:
+            target_id(args.target, tokenizer)
+        except ValueError as exc:
+            raise UsageError(_one_line(exc)) from None
+    say(f"loading {name} ...", flush=True)
+    model = _load("model", load_model, args.model)
+    names = cli_names() if args.semiring == "all" else (args.semiring,)
+    start = time.perf_counter()
+    try:
+        merged = attribute_dataset(
+            model,
+            records,
+            args.out,
+            tokenizer=tokenizer,
+            target=args.target,
+            semirings=names,
+            position=args.position,
+            paths=not args.no_paths,
+            batch_size=args.batch_size or 8,
+            part_size=args.part_size,
+            format=args.format,
+            resume=args.resume,
+            compile=args.compile,
+        )
+    except ValueError as exc:  # a folder holding another run
+        raise UsageError(_one_line(exc)) from None
+    manifest = json.loads((Path(args.out) / "manifest.json").read_text(encoding="utf-8"))
+    say(
+        f"wrote {merged}: {manifest['records']} records ({manifest['errors']} error rows) in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     return 0
