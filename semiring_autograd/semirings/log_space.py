@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.workspace import scratch
-from .base import Terms
+from .base import Terms, broadcast_shape
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     NEG_INF,
@@ -126,7 +126,7 @@ class LogSpaceGemm:
         with_r = ra is not None
         if b_linear is not None:
             k = b_linear.shape[-2] // (2 if with_r else 1)
-            batch = torch.broadcast_shapes(la.shape[:-2], b_linear.shape[:-2])
+            batch = broadcast_shape(la.shape[:-2], b_linear.shape[:-2])
             a3, b_lin, b3 = flat_batch(la, batch), flat_batch(b_linear, batch), None
         else:
             a3, b3, batch = batch_flatten(la, lb)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.workspace import scratch
-from .base import Terms, Value, message_dtype
+from .base import Terms, Value, broadcast_shape, message_dtype
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -78,7 +78,7 @@ def scatter_extreme(x: Tensor, index: Tensor, size: int, reduce: str, empty: flo
 
 
 def batch_flatten(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    batch = broadcast_shape(a.shape[:-2], b.shape[:-2])
     count = math.prod(batch)
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(count, *a.shape[-2:])
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(count, *b.shape[-2:])
