@@ -1,8 +1,10 @@
-"""TransformerLens' ``TransformerBridge`` (built offline around a tiny random GPT-2) under
-``sa.patch``: its readouts, with ``run_with_hooks`` edits, equal the unwrapped Hugging Face
+"""TransformerLens under ``sa.patch``. ``TransformerBridge`` (built offline around a tiny
+random GPT-2): its readouts, with ``run_with_hooks`` edits, equal the unwrapped Hugging Face
 model's with the same edit made by a plain PyTorch hook (Real also torch.autograd's), and
 ``run_with_cache(incl_bwd=True)`` inside ``sa.seeding()`` caches the semiring messages that
-``sa.grad`` gives at the same activations."""
+``sa.grad`` gives at the same activations. A ``HookedRootModule`` (TransformerLens' way to
+hook any module): an edit in a hook and ``incl_bwd`` on a non-scalar output, against path
+enumeration."""
 
 from __future__ import annotations
 
@@ -11,11 +13,15 @@ import functools
 import pytest
 import torch
 import transformers
+from oracle import Program
+from torch import nn
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 bridge_module = pytest.importorskip("transformer_lens.model_bridge")
+hook_points = pytest.importorskip("transformer_lens.hook_points")
+hooked_root = pytest.importorskip("transformer_lens.HookedRootModule")
 
 SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS]
 IDS = [type(s).__name__ for s in SEMIRINGS]
@@ -79,13 +85,13 @@ def _bridge_readout(bridge, semiring, emb, hooks):
     return logits.detach(), sa.grad(logits[0, -1, 3], leaf)
 
 
-def _hf_readout(hf, semiring, emb, ablate):
+def _hf_readout(hf, semiring, emb):
+    """The same readout of the Hugging Face model with the ablation made by a pre-hook
+    (``semiring=None``: torch.autograd, unpatched)."""
     leaf = emb.clone().requires_grad_()
     handle = hf.transformer.h[0].attn.c_proj.register_forward_pre_hook(_hf_ablation)
-    if not ablate:
-        handle.remove()
     try:
-        if semiring is None:  # torch.autograd, unpatched
+        if semiring is None:
             logits = hf(inputs_embeds=leaf).logits
             return logits.detach(), torch.autograd.grad(logits[0, -1, 3], leaf)[0]
         with sa.patch(hf, semiring):
@@ -96,21 +102,18 @@ def _hf_readout(hf, semiring, emb, ablate):
 
 
 @pytest.mark.parametrize("S", SEMIRINGS, ids=IDS)
-@pytest.mark.parametrize("edit", [None, "in place", "out of place"])
+@pytest.mark.parametrize("edit", ["in place", "out of place"])
 def test_run_with_hooks_edits_equal_the_unwrapped_model(models, S, edit):
     hf, bridge = models
     emb = hf.transformer.wte(_ids()).detach()
-    hooks = {
-        None: [],
-        "in place": [("blocks.0.attn.hook_z", _ablate_in_place)],
-        "out of place": [("blocks.0.attn.hook_z", _ablate_out_of_place)],
-    }[edit]
+    ablate = _ablate_in_place if edit == "in place" else _ablate_out_of_place
+    hooks = [("blocks.0.attn.hook_z", ablate)]
     logits, got = _bridge_readout(bridge, S, emb, hooks)
-    want_logits, want = _hf_readout(hf, S, emb, ablate=edit is not None)
+    want_logits, want = _hf_readout(hf, S, emb)
     torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     if isinstance(S, sa.Real):
-        _, autograd = _hf_readout(hf, None, emb, ablate=edit is not None)
+        _, autograd = _hf_readout(hf, None, emb)
         torch.testing.assert_close(got, autograd, rtol=1e-10, atol=1e-12)
     assert "forward" not in vars(bridge) and "forward" not in vars(hf)  # the patch is gone
 
@@ -158,3 +161,57 @@ def test_incl_bwd_without_seeding_is_refused(models):
         with pytest.raises(sa.SemiringMismatchError, match="plain tensor"):
             bridge.run_with_cache(_ids(), return_type="loss", incl_bwd=True, names_filter=CACHED)
     bridge.zero_grad(set_to_none=True)
+
+
+class _HookedMLP(hooked_root.HookedRootModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(5, 4)
+        self.hook_pre = hook_points.HookPoint()
+        self.down = nn.Linear(4, 3)
+        self.setup()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.hook_pre(self.up(x))))
+
+
+def _enumerated(model: _HookedMLP, x: torch.Tensor, semiring, seed, cut: int | None):
+    """The readout at x over every path of the MLP's scalar graph, hidden unit ``cut``
+    (before the tanh) set to 0: no edge into it."""
+    keep = torch.ones(4, dtype=x.dtype)
+    if cut is not None:
+        keep[cut] = 0.0
+    up, down = model.up, model.down
+    p = Program(x=x)
+    p.op("h", lambda x: x @ up.weight.detach().T + up.bias.detach(), "x")
+    p.op("c", lambda h: h * keep, "h")
+    p.op("a", torch.tanh, "c")
+    p.op("out", lambda a: a @ down.weight.detach().T + down.bias.detach(), "a")
+    (value,) = p.path_sum(semiring, "out", seed, ["x"])
+    return semiring.readout(value)
+
+
+def _cut_unit_2(h: torch.Tensor, hook) -> torch.Tensor:
+    h[:, 2] = 0.0
+    return h
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=IDS)
+def test_hooked_root_module_edit_and_incl_bwd_are_path_enumeration(S):
+    torch.manual_seed(0)
+    model = _HookedMLP().double()
+    x = torch.randn(2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    seed = torch.zeros(2, 3, dtype=torch.float64)
+    seed[0, 1], seed[1, 2] = 1.0, 1.0
+    leaf = x.clone().requires_grad_()
+    with sa.patch(model, S):
+        out = model.run_with_hooks(leaf, fwd_hooks=[("hook_pre", _cut_unit_2)])
+    want = _enumerated(model, x, S, seed, cut=2)
+    torch.testing.assert_close(sa.grad(out, leaf, seed), want, rtol=1e-12, atol=1e-14)
+    leaf = x.clone().requires_grad_()
+    with sa.patch(model, S), sa.seeding(seed):  # the logits are not a scalar: seed them
+        _, cache = model.run_with_cache(leaf, incl_bwd=True)
+    want = _enumerated(model, x, S, seed, cut=None)
+    torch.testing.assert_close(_readout(leaf.grad), want, rtol=1e-12, atol=1e-14)
+    assert set(cache) == {"hook_pre", "hook_pre_grad"}
+    model.zero_grad(set_to_none=True)
