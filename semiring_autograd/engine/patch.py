@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PatchError, SemiringLawError, SemiringMismatchError, UnsupportedOpError
-from . import custom_functions, inplace
+from . import complex_pairs, custom_functions, inplace
 from .checkpointing import checkpoint_frame, recompute_under
 from .graph import NodeInfo, set_node_info
 from ..ops.spec import OpSpec
@@ -212,33 +212,16 @@ class _SemiringMode(TorchFunctionMode):
         """The call under its entry's generated Function (torch's graph under sa.Real()),
         an in-place one written back; refused where no entry takes it."""
         handle = self.handle
+        if not handle.torch_graph and func in complex_pairs.FUNCTIONS:
+            out = handle.complex_pairs.call(func, args, kwargs, self._einsum)
+            if out is not complex_pairs.NOT_BOUND:
+                return out
         candidates = handle.op_table.candidates(func)
         op, bound, rejected = _entry(candidates, args, kwargs)
         if op is not None:
             if handle.torch_graph:
                 return handle.record_torch_graph(func, args, kwargs, op, bound)
-            inputs = _tensors(bound.values())
-            if any(t.is_complex() for t in inputs):
-                raise handle.complex_refusal(func)
-            frame = checkpoint_frame()
-            if frame is not None:  # a checkpointed region: recompute it under the semiring
-                recompute_under(frame, handle.run_in_mode)
-            recorded = (
-                RecordedCall.record(func, args, kwargs, op, bound, handle.parameter_name)
-                if handle.paths
-                else None
-            )
-            fn, takes_semiring = handle.op_table.dispatcher(handle.semiring, op)
-            call = UnpatchedCall(func, args, kwargs)
-            if takes_semiring:
-                out = fn(handle.semiring, call, **bound)
-            else:
-                out = fn(call, **bound)
-            if _is_complex(out):  # a cast to a complex dtype
-                raise handle.complex_refusal(func)
-            inplace.release_views(out, inputs, op.multi_output)
-            handle.annotate(out, op, recorded)
-            return out
+            return self._run(func, args, kwargs, op, bound, UnpatchedCall(func, args, kwargs))
         if inplace.is_inplace(func, kwargs):
             return self._write(func, types, args, kwargs)
         out = func(*args, **kwargs)
@@ -249,6 +232,43 @@ class _SemiringMode(TorchFunctionMode):
                 return out  # view_as_complex, view_as_real …: torch's complex autograd
             raise handle.complex_refusal(func)
         raise handle.unsupported(func, _refusal(candidates, rejected))
+
+    def _run(self, func: Any, args: tuple, kwargs: dict, op: OpSpec, bound: dict, call: Any) -> Any:
+        """The call ``func(*args, **kwargs)`` under the generated Function of its entry
+        ``op`` (``bound``: its arguments bound), whose forward is ``call()``."""
+        handle = self.handle
+        inputs = _tensors(bound.values())
+        if any(t.is_complex() for t in inputs):
+            raise handle.complex_refusal(func)
+        frame = checkpoint_frame()
+        if frame is not None:  # a checkpointed region: recompute it under the semiring
+            recompute_under(frame, handle.run_in_mode)
+        recorded = (
+            RecordedCall.record(func, args, kwargs, op, bound, handle.parameter_name)
+            if handle.paths
+            else None
+        )
+        fn, takes_semiring = handle.op_table.dispatcher(handle.semiring, op)
+        if takes_semiring:
+            out = fn(handle.semiring, call, **bound)
+        else:
+            out = fn(call, **bound)
+        if _is_complex(out):  # a cast to a complex dtype
+            raise handle.complex_refusal(func)
+        inplace.release_views(out, inputs, op.multi_output)
+        handle.annotate(out, op, recorded)
+        return out
+
+    def _einsum(
+        self, matrices: torch.Tensor, pairs: torch.Tensor, forward: Callable, rest: tuple
+    ) -> torch.Tensor:
+        """``torch.einsum(EQUATION, matrices, pairs)`` under the einsum entry, its forward
+        ``forward(rest[0], pairs, *rest[1:])`` (a complex product on real pairs:
+        engine/complex_pairs.py)."""
+        args = (complex_pairs.EQUATION, matrices, pairs)
+        op, bound, _ = _entry(self.handle.op_table.candidates(torch.einsum), args, {})
+        call = UnpatchedCall(forward, (rest[0], pairs, *rest[1:]), {})
+        return self._run(torch.einsum, args, {}, op, bound, call)
 
     def _write(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
         """The in-place call ``func(*args, **kwargs)`` run out of place on a copy of its
@@ -364,6 +384,8 @@ class PatchHandle:
         )
         #: torch records its own graph of each op (sa.Real(); see the semiring registry)
         self.torch_graph = records_torch_graph(semiring)
+        #: complex tensors made from real pairs requiring grad, with those pairs
+        self.complex_pairs = complex_pairs.ComplexPairs()
         #: the thread whose forwards record (the patching thread)
         self.thread = threading.get_ident()
         self._mode = _SemiringMode(self)
@@ -609,10 +631,11 @@ class PatchHandle:
             f"{_name_of(func)} (in module '{self.current_module}') computes with complex "
             f"numbers on tensors that require grad under sa.patch(..., {self.semiring!r}). "
             "A complex element is two nodes of the gradient graph (its real and imaginary "
-            "parts), and the semiring formulas are written for real tensors only. Write "
-            "this part in real arithmetic (a rotary embedding as x·cos + rotate_half(x)·sin "
-            "instead of view_as_complex, a complex product and view_as_real), or patch with "
-            "sa.Real(), which records torch's own complex autograd."
+            "parts); under semiring formulas only view_as_complex of real pairs, its product "
+            "by a tensor or number that requires no grad, and view_as_real take them "
+            "(engine/complex_pairs.py). Write this part in real arithmetic (a rotary "
+            "embedding as x·cos + rotate_half(x)·sin), or patch with sa.Real(), which "
+            "records torch's own complex autograd."
         )
 
     # ----- lifetime
