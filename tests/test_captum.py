@@ -332,8 +332,7 @@ def test_layer_bad_input_is_refused_clearly(call, error, message):
 
 # ----- visualize_text: sa.attribute's token scores as Captum's VisualizationDataRecord
 def _tiny_llama():
-    import transformers
-
+    transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,

@@ -10,13 +10,13 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from oracle import Program
 from torch import nn
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
+transformers = pytest.importorskip("transformers")
 nnsight = pytest.importorskip("nnsight")
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -9,13 +9,13 @@ import copy
 
 import pytest
 import torch
-import transformers
 from oracle import Program
 from torch import nn
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
+transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 accelerate = pytest.importorskip("accelerate")
 

@@ -4,6 +4,8 @@ leaves equal path enumeration on a tiny MLP (Real: torch.autograd)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from oracle import Program
@@ -122,3 +124,25 @@ def test_a_seed_of_another_shape_is_refused():
     with pytest.raises(ValueError, match=r"seed has shape \(3,\) but the output has shape"):
         with sa.seeding(torch.ones(3, dtype=torch.float64)):
             y.backward()
+
+
+def test_a_wrapped_tensor_backward_is_seeded(monkeypatch):
+    """Another library's wrapper of ``Tensor.backward`` (nnsight installs one on import)
+    is seeded as torch's own, and runs."""
+    original = torch.Tensor.backward
+    calls = []
+
+    @functools.wraps(original)
+    def wrapper(tensor, *args, **kwargs):
+        calls.append(tensor)
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", wrapper)
+    model, x = _mlp(), _x()
+    with sa.patch(model, sa.Log()):
+        y = model(x)
+    with sa.seeding():
+        y.backward(_weights(), inputs=[x])
+    want = _enumerated(model, x, sa.Log(), _weights())
+    torch.testing.assert_close(_readout(x.grad), want, rtol=1e-12, atol=1e-14)
+    assert calls and calls[0] is y

@@ -12,13 +12,13 @@ import functools
 
 import pytest
 import torch
-import transformers
 from oracle import Program
 from torch import nn
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
+transformers = pytest.importorskip("transformers")
 bridge_module = pytest.importorskip("transformer_lens.model_bridge")
 hook_points = pytest.importorskip("transformer_lens.hook_points")
 hooked_root = pytest.importorskip("transformer_lens.HookedRootModule")

@@ -30,11 +30,13 @@ from ..ops.message import Message
 from ..semirings.base import Semiring
 from .grad import recorded_semiring, seed_message
 
-#: the three entry points of a backward pass, each with the name of its gradient argument
+#: the three entry points of a backward pass, each with the name of its gradient argument;
+#: torch's own functions, under any wrapper another library installed (nnsight replaces
+#: ``Tensor.backward`` by a ``functools.wraps`` wrapper, which the mode then receives)
 _BACKWARD_CALLS = {
-    torch.Tensor.backward: "gradient",
-    torch.autograd.backward: "grad_tensors",
-    torch.autograd.grad: "grad_outputs",
+    inspect.unwrap(torch.Tensor.backward): "gradient",
+    inspect.unwrap(torch.autograd.backward): "grad_tensors",
+    inspect.unwrap(torch.autograd.grad): "grad_outputs",
 }
 _SIGNATURES = {func: inspect.signature(func) for func in _BACKWARD_CALLS}
 
@@ -72,10 +74,11 @@ class _SeedingMode(TorchFunctionMode):
         self.seed = seed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = _BACKWARD_CALLS.get(func)
+        torch_func = inspect.unwrap(func) if hasattr(func, "__wrapped__") else func
+        name = _BACKWARD_CALLS.get(torch_func)
         if name is None:
             return func(*args, **(kwargs or {}))
-        bound = _SIGNATURES[func].bind(*args, **(kwargs or {}))
+        bound = _SIGNATURES[torch_func].bind(*args, **(kwargs or {}))
         first = next(iter(bound.arguments))  # self (Tensor.backward), tensors or outputs
         bound.arguments[name] = self._gradients(bound.arguments[first], bound.arguments.get(name))
         return func(*bound.args, **bound.kwargs)
