@@ -131,26 +131,30 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _holds_message(args) or _holds_message(kwargs.values()):
+        if _holds_message(args) or (kwargs and _holds_message(kwargs.values())):
             with self:
                 return Message.__torch_dispatch__(func, types, args, kwargs)
-        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+        traits = _traits(func)
+        if traits.seeded and _draws(func, args, kwargs):
             raise Uncapturable(
                 f"{func} draws random numbers (dropout in a model in train mode?), which a "
                 "replay would draw anew"
             )
-        template = self._template(args), self._template(kwargs)
-        self._note_writes(func, *template)
+        template = self._template(args), (self._template(kwargs) if kwargs else {})
+        if traits.written:
+            self._note_writes(func, *template)
         source = template[0][0] if template[0] else None
-        if torch.Tag.inplace_view in func.tags and getattr(source, "index", None) in self.aliased:
+        if traits.inplace_view and getattr(source, "index", None) in self.aliased:
             raise Uncapturable(f"{func} changes the shape of a tensor in place")
         result = func(*args, **kwargs)
-        if self._identity_view(func, args, source, result):
+        if traits.view and self._identity_view(args, source, result):
             return result
         sequence = isinstance(result, (tuple, list))
         flat = list(result) if sequence else [result]
-        view_of = self._view_of(func, template[0])
-        root = self._root_of_view(func, template[0])
+        view_of = root = None
+        if traits.aliases and isinstance(source, (_Ref, Constant)):
+            view_of = self.slot_of.get(source.index) if isinstance(source, _Ref) else None
+            root = self._root(source)
         outputs: list = []
         for t in flat:
             if isinstance(t, Tensor):
@@ -168,21 +172,21 @@ class Recorder(TorchDispatchMode):
             else:
                 raise Uncapturable(f"{func} returns a {type(t).__name__}")
         step = _Step(func, template[0], template[1], outputs, sequence)
-        if _data_shaped(func, args):
+        if _data_shaped(traits.name, args):
             step.shapes = [tuple(t.shape) if isinstance(t, Tensor) else None for t in flat]
-        if func in _views() and isinstance(result, Tensor):
+        if traits.view and isinstance(result, Tensor):
             step.view = (tuple(result.shape), result.stride(), result.storage_offset())
         self.steps.append(step)
         return result
 
-    def _identity_view(self, func, args: tuple, source: Any, result: Any) -> bool:
+    def _identity_view(self, args: tuple, source: Any, result: Any) -> bool:
         """A view operator whose result is its input's view (same storage, offset, shape,
         strides and dtype) records nothing: the result stands for the input's value
         (``source``, the first argument's template; the input's layout is the same in every
         replay, as ``_fold_views`` states)."""
-        if func not in _views() or not isinstance(result, Tensor):
+        if not isinstance(result, Tensor) or not isinstance(source, _Ref):
             return False
-        if not isinstance(source, _Ref) or _view_key(result) != _view_key(args[0]):
+        if _view_key(result) != _view_key(args[0]):
             return False
         self._bind(result, source.index)
         self.aliased.add(source.index)
@@ -192,7 +196,7 @@ class Recorder(TorchDispatchMode):
         if isinstance(tree, Tensor):
             return self.ref(tree)
         if isinstance(tree, (list, tuple)):
-            return type(tree)(self._template(x) for x in tree)
+            return type(tree)([self._template(x) for x in tree])
         if isinstance(tree, dict):
             return {k: self._template(v) for k, v in tree.items()}
         return tree
@@ -214,22 +218,6 @@ class Recorder(TorchDispatchMode):
         if isinstance(value, Constant):
             return value.index
         return self.outside.get(value.index) if isinstance(value, _Ref) else None
-
-    def _view_of(self, func, args: tuple) -> int | None:
-        """The slot under an output of a view operator (one that aliases its first input;
-        ``args``: the arguments' templates)."""
-        returns = func._schema.returns
-        if not returns or returns[0].alias_info is None or not args:
-            return None
-        return self.slot_of.get(args[0].index) if isinstance(args[0], _Ref) else None
-
-    def _root_of_view(self, func, args: tuple) -> int | None:
-        """The constant whose storage the outputs of a view operator ``func`` view (``args``:
-        its arguments' templates), or None."""
-        returns = func._schema.returns
-        if not returns or returns[0].alias_info is None or not args:
-            return None
-        return self._root(args[0])
 
 
 def _holds_message(values: Any) -> bool:
@@ -254,8 +242,9 @@ def _draws(func, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-def _data_shaped(func, args) -> bool:
-    name = func._schema.name
+def _data_shaped(name: str, args) -> bool:
+    """Whether the operator ``name`` (its schema's name) returns a result whose shape
+    depends on the data in this call."""
     if name in _DATA_SHAPED:
         return True
     if name == "aten::index" and len(args) > 1:
@@ -280,6 +269,40 @@ def _collect_refs(tree: Any, found: list[int]) -> None:
     elif isinstance(tree, dict):
         for x in tree.values():
             _collect_refs(x, found)
+
+
+@dataclass(frozen=True)
+class _Traits:
+    """What the recorder asks of an operator on every call, read from its schema once."""
+
+    name: str
+    seeded: bool  # tagged nondeterministic_seeded (may draw random numbers)
+    inplace_view: bool  # changes a tensor's shape or strides in place
+    aliases: bool  # its first output aliases its first input
+    view: bool  # one of ``_views()``
+    written: tuple  # ``_written(func)``
+
+
+#: id(operator) -> (the operator, kept so that its id is not reused; its traits)
+_TRAITS: dict[int, tuple[Any, _Traits]] = {}
+
+
+def _traits(func) -> _Traits:
+    """``func``'s traits, by id: an operator's own hash is a Python call."""
+    found = _TRAITS.get(id(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    returns = func._schema.returns
+    traits = _Traits(
+        func._schema.name,
+        torch.Tag.nondeterministic_seeded in func.tags,
+        torch.Tag.inplace_view in func.tags,
+        bool(returns) and returns[0].alias_info is not None,
+        func in _views(),
+        _written(func),
+    )
+    _TRAITS[id(func)] = (func, traits)
+    return traits
 
 
 @functools.cache
