@@ -1,5 +1,5 @@
 """TransformerLens under ``sa.patch``. ``TransformerBridge`` (built offline around a tiny
-random GPT-2): its readouts, with ``run_with_hooks`` edits, equal the unwrapped Hugging Face
+random GPT-2, and a tiny Llama): its readouts, with ``run_with_hooks`` edits, equal the unwrapped Hugging Face
 model's with the same edit made by a plain PyTorch hook (Real also torch.autograd's), and
 ``run_with_cache(incl_bwd=True)`` inside ``sa.seeding()`` caches the semiring messages that
 ``sa.grad`` gives at the same activations. A ``HookedRootModule`` (TransformerLens' way to
@@ -70,7 +70,8 @@ def _ablate_out_of_place(z: torch.Tensor, hook) -> torch.Tensor:
 
 
 def _hf_ablation(module, args):
-    """The same ablation on the unwrapped model: head HEAD's columns of c_proj's input."""
+    """The same ablation on the unwrapped model: head HEAD's columns of the input of the
+    attention's output projection."""
     keep = torch.ones(args[0].shape[-1], dtype=args[0].dtype)
     keep[HEAD * D_HEAD : (HEAD + 1) * D_HEAD] = 0.0
     return (args[0] * keep,)
@@ -85,11 +86,12 @@ def _bridge_readout(bridge, semiring, emb, hooks):
     return logits.detach(), sa.grad(logits[0, -1, 3], leaf)
 
 
-def _hf_readout(hf, semiring, emb):
-    """The same readout of the Hugging Face model with the ablation made by a pre-hook
-    (``semiring=None``: torch.autograd, unpatched)."""
+def _hf_readout(hf, semiring, emb, o_proj):
+    """The same readout of the Hugging Face model with the ablation made by a pre-hook on
+    the attention's output projection ``o_proj`` (``semiring=None``: torch.autograd,
+    unpatched)."""
     leaf = emb.clone().requires_grad_()
-    handle = hf.transformer.h[0].attn.c_proj.register_forward_pre_hook(_hf_ablation)
+    handle = o_proj.register_forward_pre_hook(_hf_ablation)
     try:
         if semiring is None:
             logits = hf(inputs_embeds=leaf).logits
@@ -101,21 +103,60 @@ def _hf_readout(hf, semiring, emb):
     return logits.detach(), sa.grad(logits[0, -1, 3], leaf)
 
 
+def _check_ablation(hf, bridge, o_proj, semiring, ablate) -> None:
+    """The bridge's readout with ``ablate`` on layer 0's hook_z equals the unwrapped
+    model's with the pre-hook ablation (Real: torch.autograd's too)."""
+    emb = hf.get_input_embeddings()(_ids()).detach()
+    hooks = [("blocks.0.attn.hook_z", ablate)]
+    logits, got = _bridge_readout(bridge, semiring, emb, hooks)
+    want_logits, want = _hf_readout(hf, semiring, emb, o_proj)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    if isinstance(semiring, sa.Real):
+        _, autograd = _hf_readout(hf, None, emb, o_proj)
+        torch.testing.assert_close(got, autograd, rtol=1e-10, atol=1e-12)
+    assert "forward" not in vars(bridge) and "forward" not in vars(hf)  # the patch is gone
+
+
 @pytest.mark.parametrize("S", SEMIRINGS, ids=IDS)
 @pytest.mark.parametrize("edit", ["in place", "out of place"])
 def test_run_with_hooks_edits_equal_the_unwrapped_model(models, S, edit):
     hf, bridge = models
-    emb = hf.transformer.wte(_ids()).detach()
     ablate = _ablate_in_place if edit == "in place" else _ablate_out_of_place
-    hooks = [("blocks.0.attn.hook_z", ablate)]
-    logits, got = _bridge_readout(bridge, S, emb, hooks)
-    want_logits, want = _hf_readout(hf, S, emb)
-    torch.testing.assert_close(logits, want_logits, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    if isinstance(S, sa.Real):
-        _, autograd = _hf_readout(hf, None, emb)
-        torch.testing.assert_close(got, autograd, rtol=1e-10, atol=1e-12)
-    assert "forward" not in vars(bridge) and "forward" not in vars(hf)  # the patch is gone
+    _check_ablation(hf, bridge, hf.transformer.h[0].attn.c_proj, S, ablate)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(a tiny Llama: rotary, grouped-query attention; its TransformerBridge), float64,
+    with a word-level tokenizer built in memory (the bridge loads one for Llama)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).double().eval()
+    words = ["<unk>", "<pad>"] + [f"w{i}" for i in range(30)]
+    inner = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+    )
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>"
+    )
+    folder = tmp_path_factory.mktemp("llama")
+    config.save_pretrained(folder)
+    bridge = bridge_module.TransformerBridge.boot_transformers(
+        str(folder), hf_model=hf, tokenizer=tokenizer, dtype=torch.float64
+    )
+    return hf, bridge
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=IDS)
+def test_llama_bridge_head_ablation_equals_the_unwrapped_model(llama, S):
+    hf, bridge = llama
+    _check_ablation(hf, bridge, hf.model.layers[0].self_attn.o_proj, S, _ablate_in_place)
 
 
 def _readout(message: torch.Tensor) -> torch.Tensor:
