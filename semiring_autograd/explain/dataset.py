@@ -7,7 +7,9 @@ records and writes one row per record into ``out``:
 * ``out/parts/part-RRR-KKKKK.parquet`` (or ``.jsonl``): rank RRR's K-th part, each written
   beside its name and moved in with ``os.replace`` (a killed run leaves whole parts only);
 * ``out/records.parquet`` (or ``.jsonl``) and ``out/manifest.json``: the merge of every part,
-  one row per record in input order, written by rank 0 once every rank is done.
+  one row per record in input order, written by rank 0 once every rank is done;
+* ``out/report.html``: the run's summary (:mod:`.dataset_report`), and with ``pages`` each
+  record's own report page, ``out/pages/NNNNNN.html``.
 
 Under ``torchrun --nproc_per_node N`` (or any launcher that sets ``WORLD_SIZE`` and
 ``RANK``) the call joins ``torch.distributed`` (gloo on CPU, nccl on CUDA) and rank r takes
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from ..semirings.registry import semiring_named
+from . import report
 from .attribution import Attribution, model_label
 from .batched import (
     Prepared,
@@ -49,6 +52,7 @@ from .batched import (
     logit_count,
     prepare,
 )
+from .dataset_report import page_name, write_report
 
 FORMATS = ("parquet", "jsonl")
 _PART = re.compile(r"^part-(\d{3})-(\d{5})\.(parquet|jsonl)$")
@@ -220,12 +224,15 @@ def attribute_dataset(
     compile: bool = False,
     progress: bool = True,
     model_name: str | None = None,
+    pages: bool = False,
 ) -> FilePath:
     """Attribute every record and write the table (see the module's docstring); the path of
     the merged file. ``records``: texts or mappings (``text``, optional ``target``,
     ``position``, ``id``), or a file (:func:`read_records`). Per batch of ``batch_size``
     records, one forward and one backward per semiring; rows go to disk ``part_size`` at
-    a time. Rank 0 merges once every rank is done."""
+    a time. Rank 0 merges once every rank is done and writes ``out/report.html``
+    (:mod:`.dataset_report`); with ``pages``, each record also gets its own report page,
+    ``out/pages/NNNNNN.html``."""
     if format not in FORMATS:
         raise ValueError(f"format is one of {FORMATS}, got {format!r}")
     if batch_size < 1 or part_size < 1:
@@ -268,6 +275,7 @@ def attribute_dataset(
                 compile,
                 progress and rank == 0,
                 total=len(records) - len(done),
+                pages=out / "pages" if pages else None,
             )
         finally:
             for m, training in modes:
@@ -276,6 +284,7 @@ def attribute_dataset(
         merged = out / f"records.{format}"
         if rank == 0:
             merge(out)
+            write_report(out)
         _barrier(world)
         return merged
     finally:
@@ -330,6 +339,7 @@ def _run_shard(
     compile: bool,
     progress: bool,
     total: int,
+    pages: FilePath | None = None,
 ) -> None:
     """Attribute the records ``mine`` of this rank, ``part_size`` rows a part."""
     matches = [_PART.match(p.name) for p in _parts(parts)]
@@ -353,7 +363,7 @@ def _run_shard(
             pending = []
 
     try:
-        for rows in _rows(model, records, mine, settings, tokenizer, batch_size, compile):
+        for rows in _rows(model, records, mine, settings, tokenizer, batch_size, compile, pages):
             pending.extend(rows)
             if bar is not None:
                 bar.update(min(len(rows) * world, bar.total - bar.n))
@@ -373,6 +383,7 @@ def _rows(
     tokenizer,
     batch_size: int,
     compile: bool,
+    pages: FilePath | None = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """Rows of the records ``mine``, a batch at a time (bad records' error rows come out
     with the next batch)."""
@@ -392,20 +403,26 @@ def _rows(
     for batch in buckets(checked(), batch_size, window=16 * batch_size):
         errors, bad[:] = list(bad), []
         try:
-            rows = _batch_rows(model, batch, settings, tokenizer, batch_size, compile)
+            rows = _batch_rows(model, batch, settings, tokenizer, batch_size, compile, pages)
         except Exception:  # noqa: BLE001 - a record that fails the batch is found alone
-            rows = [_alone(model, p, records, settings, tokenizer, compile) for p in batch]
+            rows = [_alone(model, p, records, settings, tokenizer, compile, pages) for p in batch]
         yield errors + rows
     if bad:
         yield bad
 
 
 def _alone(
-    model: nn.Module, p: Prepared, records: list[Any], settings: Settings, tokenizer, compile: bool
+    model: nn.Module,
+    p: Prepared,
+    records: list[Any],
+    settings: Settings,
+    tokenizer,
+    compile: bool,
+    pages: FilePath | None,
 ) -> dict[str, Any]:
     """Record ``p``'s row from a batch of its own, or its error row with the exception."""
     try:
-        (row,) = _batch_rows(model, [p], settings, tokenizer, 1, compile)
+        (row,) = _batch_rows(model, [p], settings, tokenizer, 1, compile, pages)
     except Exception as exc:  # noqa: BLE001 - written as the record's error row
         return _error(p.index, records[p.index], f"{type(exc).__name__}: {exc}", settings)
     return row
@@ -418,8 +435,10 @@ def _batch_rows(
     tokenizer,
     batch_size: int,
     compile: bool,
+    pages: FilePath | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per record of ``batch``: one forward and one backward per semiring."""
+    """One row per record of ``batch``: one forward and one backward per semiring (and
+    with ``pages``, each record's report page written there)."""
     per_semiring = []
     for name in settings.semirings:
         per_semiring.append(
@@ -435,7 +454,15 @@ def _batch_rows(
                 best_path_only=True,
             )
         )
-    return [_row(p, settings, [found[b] for found in per_semiring]) for b, p in enumerate(batch)]
+    rows = []
+    for b, p in enumerate(batch):
+        found = [attributions[b] for attributions in per_semiring]
+        if pages is not None:
+            pages.mkdir(exist_ok=True)
+            page = report.html_page([found])
+            write_atomic(pages / page_name(p.index), lambda s: s.write_text(page, encoding="utf-8"))
+        rows.append(_row(p, settings, found))
+    return rows
 
 
 def columns(settings: Settings) -> list[str]:
