@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 from model_zoo import tiny_inputs, tiny_model
-from oracle import best_paths, every_path
+from op_checks import Apply
+from oracle import Program, best_paths, every_path
 from small_models import MODELS, flat_index, record_with_paths, setup_model
 
 import semiring_autograd as sa
 from semiring_autograd.ops.decompositions import DECOMPOSITIONS
 from semiring_autograd.engine.graph import reachable_nodes
 from semiring_autograd.explain.k_paths import top_paths_from
-from semiring_autograd.explain.paths import Path, PathFinder
+from semiring_autograd.explain.paths import OUTSIDE, Path, PathFinder, Step, product_column
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 
@@ -479,3 +480,87 @@ def test_attention_scale_is_named_only_on_dot_products(element: int):
     assert notes[("div.Tensor", (3, 3))] == {"÷ attention scale √d (d = 4)"}
     if element == 0:  # x[:, :1] * 0.5 reaches only column 0
         assert notes[("mul.Scalar", (3, 1))] == {""}
+
+
+# ----- columns read off a matrix product's other operand ----------------------------------
+def _quarters(*shape: int, seed: int) -> torch.Tensor:
+    """Values on a grid of quarters in [-1, 1]: many equal products (tied paths)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(*shape, generator=g, dtype=torch.float64) * 8 - 4).round() / 4
+
+
+_PRODUCTS = {
+    "linear 3-D": (torch.nn.functional.linear, [(2, 3, 4), (5, 4), (5,)]),
+    "matmul 4-D": (torch.matmul, [(2, 2, 3, 4), (2, 2, 4, 5)]),
+    "matmul 2-D": (torch.matmul, [(3, 4), (4, 5)]),
+    "bmm": (torch.bmm, [(2, 3, 4), (2, 4, 5)]),
+    "mm": (torch.mm, [(3, 4), (4, 5)]),
+}
+
+
+@pytest.mark.parametrize("name", list(_PRODUCTS))
+def test_product_columns_are_the_jacobian_columns(name: str):
+    """Every element's column of a linear layer or matrix product, read off the other
+    operand at the outputs it reaches, equals torch.autograd's Jacobian column."""
+    fn, shapes = _PRODUCTS[name]
+    inputs = [_quarters(*s, seed=n).requires_grad_() for n, s in enumerate(shapes)]
+    module = Apply(lambda *t: fn(*t))
+    with sa.patch(module, sa.MaxProduct(), paths=True):
+        out = module(*inputs)
+    info = sa.node_info(out.grad_fn)
+    jacobians = torch.autograd.functional.jacobian(lambda *t: fn(*t), tuple(inputs))
+    for position in (0, 1):
+        jacobian = jacobians[position].reshape(out.numel(), -1)
+        for element in range(inputs[position].numel()):
+            column = product_column(info, position, element)
+            dense = torch.zeros(out.numel(), dtype=torch.float64)
+            dense[column.at] = column.values
+            torch.testing.assert_close(dense, jacobian[:, element], rtol=0, atol=0)
+            assert column.at.numel() == len(set(column.at.tolist()))
+
+
+def _batched_program(x: torch.Tensor, w: torch.Tensor) -> Program:
+    """out = linear((x @ xᵀ) @ x, w): batched matrix products, then a linear layer."""
+    p = Program(x=x, w=w)
+    p.op("xt", lambda t: t.transpose(-1, -2), "x")
+    p.op("s", torch.matmul, "x", "xt")
+    p.op("c", torch.matmul, "s", "x")
+    p.op("out", torch.nn.functional.linear, "c", "w")
+    return p
+
+
+@pytest.mark.parametrize("semiring", [sa.MaxProduct(), sa.SignedMaxProduct()], ids=repr)
+def test_paths_through_batched_products_with_ties_are_the_enumerated_ones(semiring):
+    """One output element read (its message reaches one element of the linear's output):
+    top_paths' weights are the enumerated paths' k best, each path an enumerated one,
+    top_path's weight the best, on values with many tied products."""
+    x, w = _quarters(2, 3, 2, seed=5), _quarters(3, 2, seed=6)
+    module = Apply(lambda t: torch.nn.functional.linear((t @ t.transpose(-1, -2)) @ t, w))
+    leaf = x.clone().requires_grad_()
+    with sa.patch(module, semiring, paths=True):
+        out = module(leaf)
+    element = (1, 2, 1)
+    enumerated = every_path(_batched_program(x, w), "out", flat_index(element, out.shape), "x")
+    signed = isinstance(semiring, sa.SignedMaxProduct)
+
+    def inside(step: Step) -> bool:  # the read-out's indexing runs outside the patch
+        return step.module != OUTSIDE
+
+    for j, found in enumerated.items():
+        want = sorted((p if signed else abs(p) for p, _ in found), reverse=True)[:6]
+        got = sa.top_paths(out[element], leaf, 6, index=j)
+        torch.testing.assert_close(
+            torch.tensor([p.weight for p in got], dtype=torch.float64),
+            torch.tensor(want, dtype=torch.float64),
+            rtol=1e-12,
+            atol=0.0,
+        )
+        steps = [
+            [(flat_index(s.index, s.shape), s.local_derivative) for s in p.steps[1:] if inside(s)]
+            for p in got
+        ]
+        pool = [[(node[1], d) for node, d in trail] for _, trail in found]
+        for trail in steps:
+            assert trail in pool, f"not an enumerated path: {trail}"
+            pool.remove(trail)
+        assert sa.top_path(out[element], leaf, j).weight == pytest.approx(want[0], rel=1e-12)

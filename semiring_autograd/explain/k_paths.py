@@ -99,7 +99,7 @@ class KPathSearch:
             )
         self.root, self.k = finder, k
         self.signed, self.which = finder.signed, finder.which
-        self._bounds: dict[tuple[int, Key], tuple[Tensor, Tensor]] = {}
+        self._messages: dict[tuple[int, Key], tuple[Tensor, ...]] = {}
         self._columns: dict[tuple[Any, int, int], tuple[Tensor, ...]] = {}
         self._inner: dict[tuple[int, Any, int], PathFinder] = {}
         self._queue: list = []
@@ -107,7 +107,7 @@ class KPathSearch:
 
     def run(self, flat: int) -> list[Path]:
         finder = self.root
-        if not torch.isfinite(finder._value(finder.message, self.which)[flat]):
+        if not torch.isfinite(finder._value(finder.message, self.which, flat)):
             raise SemiringAutogradError(f"no path reaches input element {finder._unravel(flat)}")
         start = Step("input", "input", finder.input_shape, finder._unravel(flat), None)
         self._push(_State(finder, finder.start, flat, 1.0, (start, None), ()))
@@ -121,19 +121,22 @@ class KPathSearch:
         return found
 
     # ----- priorities -------------------------------------------------------------------
-    def _suffix(self, finder: PathFinder, key: Key) -> tuple[Tensor, Tensor]:
-        """Flattened (hi, lo) best completions from each element of tensor ``key``: the
-        largest and smallest signed products (MaxProduct: both the best |product|); NaN
-        where no path continues."""
+    def _suffix(
+        self, finder: PathFinder, key: Key, at: Tensor | int | None
+    ) -> tuple[Tensor, Tensor]:
+        """(hi, lo) best completions from the elements ``at`` (flat; None: every element) of
+        tensor ``key``: the largest and smallest signed products (MaxProduct: both the best
+        |product|), float64; NaN where no path continues. Only those elements are read."""
         cache = (id(finder), key)
-        if cache not in self._bounds:
+        if cache not in self._messages:
             if key == finder.start:
                 message = finder.message
             else:
                 node, nr = key
                 message = finder.incoming[node][nr]
-            self._bounds[cache] = _bounds(message, self.signed)
-        return self._bounds[cache]
+            self._messages[cache] = tuple(c.reshape(-1) for c in message.value)
+        parts = self._messages[cache]
+        return _bounds(parts if at is None else tuple(c[at] for c in parts), self.signed)
 
     def _priority(self, product: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
         """The best completion of prefixes of signed ``product`` (in the form to maximise:
@@ -148,10 +151,9 @@ class KPathSearch:
 
     def _push(self, state: _State, priority: float | None = None) -> None:
         if priority is None:
-            hi, lo = self._suffix(state.finder, state.key)
-            e = state.element
+            hi, lo = self._suffix(state.finder, state.key, state.element)
             product = torch.tensor(state.product, dtype=torch.float64)
-            priority = float(self._priority(product, hi[e], lo[e]))
+            priority = float(self._priority(product, hi, lo))
         if priority == -torch.inf:
             return
         # ties: the newest first (depth first), so tied paths complete one at a time
@@ -191,21 +193,21 @@ class KPathSearch:
         if cache not in self._columns:
             self._columns[cache] = finder.column(node, position, state.element)
         candidates = []
-        for nr, w in enumerate(self._columns[cache]):
+        for nr, column in enumerate(self._columns[cache]):
             if (
-                w is None
+                column is None
+                or column.values.numel() == 0
                 or nr >= len(finder.incoming.get(node, ()))
                 or finder.incoming[node][nr] is None
             ):
                 continue
-            w = w.double()
-            hi, lo = self._suffix(finder, (node, nr))
-            products = state.product * w
-            priority = self._priority(products, hi, lo)
+            w = column.values.double()
+            hi, lo = self._suffix(finder, (node, nr), column.at)
+            priority = self._priority(state.product * w, hi, lo)
             top = priority.topk(min(self.k, priority.numel()))
             for p, i in zip(top.values.tolist(), top.indices.tolist()):
                 if p != -torch.inf:
-                    candidates.append((p, nr, i, float(w[i])))
+                    candidates.append((p, nr, column.position(i), float(w[i])))
         children = []
         for p, nr, i, w in candidates:
             shape = finder.incoming[node][nr].shape
@@ -221,9 +223,9 @@ class KPathSearch:
         child = _State(
             state.finder, (node, 0), state.element, state.product, state.cells, state.frames
         )
-        hi, lo = self._suffix(state.finder, child.key)
+        hi, lo = self._suffix(state.finder, child.key, state.element)
         product = torch.tensor(state.product, dtype=torch.float64)
-        return float(self._priority(product, hi[state.element], lo[state.element])), child
+        return float(self._priority(product, hi, lo)), child
 
     def _enter(self, state: _State, node, position: int) -> None:
         """Continue inside composite op ``node``'s composition."""
@@ -269,8 +271,8 @@ class KPathSearch:
 
     def _total(self, state: _State) -> float:
         """A complete path's weight: its product times the seed at the output element."""
-        hi, _ = self._suffix(state.finder, state.key)
-        seed = float(hi[state.element])
+        hi, _ = self._suffix(state.finder, state.key, state.element)
+        seed = float(hi)
         return abs(state.product) * seed if not self.signed else state.product * seed
 
     def _path(self, state: _State) -> Path:
@@ -284,13 +286,14 @@ class KPathSearch:
         return Path(state.product, name, tuple(reversed(steps)))
 
 
-def _bounds(message, signed: bool) -> tuple[Tensor, Tensor]:
-    """Flattened float64 (hi, lo) of a message: SignedMaxProduct's components, NaN where
-    hi < lo (no path); otherwise the best |product| twice, NaN where it is 0."""
+def _bounds(parts: tuple[Tensor, ...], signed: bool) -> tuple[Tensor, Tensor]:
+    """Float64 (hi, lo) of a message's components ``parts``: SignedMaxProduct's, NaN where
+    hi < lo (no path); otherwise the best |product| twice (KBest's first component), NaN
+    where it is 0."""
     if signed:
-        hi, lo = (c.reshape(-1).double() for c in message.value)
+        hi, lo = (c.double() for c in parts)
         valid = hi >= lo
         return torch.where(valid, hi, torch.nan), torch.where(valid, lo, torch.nan)
-    m = message.value[0].reshape(-1).double()
+    m = parts[0].double()
     m = torch.where(m > 0, m, torch.nan)
     return m, m

@@ -164,6 +164,66 @@ def _is_residual(step: Step) -> bool:
     return step.local_derivative == 1.0 and step.op == "add.Tensor" and not step.note
 
 
+@dataclass(frozen=True)
+class Column:
+    """One output's part of a local-Jacobian column ∂y/∂x[e], flattened: ``values`` at
+    y's elements ``at`` (None: at every element, in order); y's other elements carry no
+    path from x[e] on (they do not depend on it, or no message reached them)."""
+
+    values: Tensor
+    at: Tensor | None = None
+
+    def read(self, t: Tensor) -> Tensor:
+        """The flattened tensor ``t`` of y's shape at the column's elements."""
+        return t if self.at is None else t[self.at]
+
+    def position(self, i: int) -> int:
+        """The flat element of y of the column's i-th value."""
+        return i if self.at is None else int(self.at[i])
+
+
+#: ops whose output is a batch of products of two matrices (the last two dims)
+_MATRIX_PRODUCTS = frozenset({"matmul", "bmm", "mm"})
+
+
+def product_column(info: NodeInfo, position: int, element: int) -> Column | None:
+    """The column ∂y/∂x[element] of a linear layer ``y = x Wᵀ (+ b)`` or a matrix product
+    ``y = a b`` (operands of equal batch shape), read off the other operand: x[.., t, j]
+    reaches y[.., t, :] by W[:, j], W[o, j] reaches y[.., :, o] by x[.., :, j]; a[.., i, l]
+    reaches y[.., i, :] by b[.., l, :], b[.., l, j] reaches y[.., :, j] by a[.., :, l]. The
+    values are the forward-mode column's (each a product by 1, the other terms 0), at
+    O(output row) cost rather than the op's. None for other ops and shapes."""
+    inputs = [t.detach() for t in info.recorded.inputs()]
+    if info.op == "linear" and position in (0, 1) and inputs[1].dim() == 2:
+        x, w = inputs[0], inputs[1]
+        if x.dim() == 0:
+            return None
+        rows, n_in, n_out = x.numel() // x.shape[-1], x.shape[-1], w.shape[0]
+        if position == 0:
+            t, j = divmod(element, n_in)
+            return Column(w[:, j], t * n_out + torch.arange(n_out, device=w.device))
+        o, j = divmod(element, n_in)
+        return Column(x.reshape(rows, n_in)[:, j], torch.arange(rows, device=x.device) * n_out + o)
+    if info.op not in _MATRIX_PRODUCTS or len(inputs) != 2:
+        return None
+    a, b = inputs
+    if a.dim() < 2 or a.dim() != b.dim() or a.shape[:-2] != b.shape[:-2]:
+        return None
+    (m, l), n = a.shape[-2:], b.shape[-1]
+    batch = a.numel() // (m * l) if m * l else 0
+    if batch == 0 or n == 0:
+        return None
+    if position == 0:
+        c, rest = divmod(element, m * l)
+        i, k = divmod(rest, l)
+        start = (c * m + i) * n
+        return Column(b.reshape(batch, l, n)[c, k], torch.arange(start, start + n, device=b.device))
+    c, rest = divmod(element, l * n)
+    k, j = divmod(rest, n)
+    at = (c * m + torch.arange(m, device=a.device)) * n + j
+    return Column(a.reshape(batch, m, l)[c, :, k], at)
+
+
 class _Sub(nn.Module):
     """A composite op's decomposition, as a module to patch."""
 
@@ -227,6 +287,15 @@ def _as_int(i: Any, index: Any) -> int:
         ) from None
 
 
+def _reached(message: Tensor, signed: bool) -> Tensor:
+    """Per element of ``message`` (flattened), whether a path reaches it: a MaxProduct or
+    KBest weight above 0, a SignedMaxProduct pair with hi ≥ lo."""
+    if signed:
+        hi, lo = message.value
+        return (hi >= lo).reshape(-1)
+    return (message.value[0] > 0).reshape(-1)
+
+
 def _recorded_of(node: Any):
     info = node_info(node)
     return None if info is None else info.recorded
@@ -284,6 +353,7 @@ class PathFinder:
             )
         self.incoming: dict[Any, tuple] = {}
         self.outgoing: dict[Any, tuple] = {}
+        self._live: dict[tuple[Any, int], Tensor | None] = {}
         hooks = []
         for node in nodes:
             hooks.append(node.register_prehook(self._store_incoming(node)))
@@ -325,14 +395,16 @@ class PathFinder:
         return hook
 
     # ----- the path's value at an element, for the sought extreme -----------------------
-    def _value(self, message: Tensor | None, which: str) -> Tensor | None:
-        """Flattened values whose max (which='max') or min is sought; no path → -inf/+inf."""
+    def _value(self, message: Tensor | None, which: str, at: int | None = None) -> Tensor | None:
+        """Flattened values whose max (which='max') or min is sought (at element ``at``
+        only, if given); no path → -inf."""
         if message is None:
             return None
+        parts = [c.reshape(-1) if at is None else c.reshape(-1)[at] for c in message.value]
         if not self.signed:
-            m = message.value[0]  # MaxProduct's value; KBest's best path
-            return torch.where(m > 0, m, -torch.inf).reshape(-1).double()
-        hi, lo = (c.reshape(-1).double() for c in message.value)
+            m = parts[0]  # MaxProduct's value; KBest's best path
+            return torch.where(m > 0, m, -torch.inf).double()
+        hi, lo = (c.double() for c in parts)
         valid = hi >= lo
         if which == "max":
             return torch.where(valid, hi, -torch.inf)
@@ -349,7 +421,7 @@ class PathFinder:
     def path(self, index: int | Sequence[int] | None = None) -> Path:
         """The strongest path to ``input[index]`` (default: the element with the best readout)."""
         flat = self.flat_index(index)
-        total = self._value(self.message, self.which)[flat]
+        total = self._value(self.message, self.which, flat)
         if not torch.isfinite(total):
             raise SemiringAutogradError(f"no path reaches input element {self._unravel(flat)}")
         start = Step("input", "input", self.input_shape, self._unravel(flat), None)
@@ -403,27 +475,58 @@ class PathFinder:
             grads = self.outgoing.get(node)
             if grads is None or position >= len(grads):
                 continue
-            values = self._value(grads[position], which)
-            if values is not None and values[element] > best_value:
-                best, best_value = (node, position), values[element]
+            value = self._value(grads[position], which, element)
+            if value is not None and value > best_value:
+                best, best_value = (node, position), value
         if best is None:
             raise SemiringAutogradError("path recovery lost the path (no consumer carries it)")
         return best
 
-    def column(self, node, position: int, element: int) -> tuple[Tensor | None, ...]:
-        """∂y/∂x[element] for every output y of ``node`` (flattened; None where no message
-        reached y), x its input ``position``: the recorded call re-run by forward-mode AD,
-        or, for a native node (ops run outside ``sa.patch``, such as a read-out's indexing,
-        scaling or mean), the node's own backward differentiated."""
+    def column(self, node, position: int, element: int) -> tuple[Column | None, ...]:
+        """∂y/∂x[element] for every output y of ``node`` (None where no message reached y),
+        x its input ``position``, at the elements of y that can carry a path on: those
+        that depend on x[element] (a linear layer's or a matrix product's row or column,
+        read off the other operand) and that a message reached. Otherwise the recorded
+        call is re-run by forward-mode AD, or, for a native node (ops run outside
+        ``sa.patch``, such as a read-out's indexing, scaling or mean), the node's own
+        backward differentiated."""
         info = node_info(node)
         if info is None:
-            return native_column(node, self.incoming.get(node, ()), position, element)
-        if info.recorded is None:
+            columns = native_column(node, self.incoming.get(node, ()), position, element)
+        elif info.recorded is None:
             raise SemiringAutogradError(
                 f"{info.op} in {info.module or 'the model'} was recorded without paths: run "
                 "the whole forward under `sa.patch(model, semiring, paths=True)`"
             )
-        return info.recorded.column(position, element)
+        else:
+            product = product_column(info, position, element)
+            if product is not None:
+                return (product,)
+            columns = info.recorded.column(position, element)
+        return tuple(
+            None if c is None else self.restricted(Column(c), node, nr)
+            for nr, c in enumerate(columns)
+        )
+
+    def restricted(self, column: Column, node, nr: int) -> Column:
+        """``column`` of output ``nr`` of ``node`` at the elements a message reached only,
+        where those are fewer than a quarter of the output's."""
+        if column.at is not None:
+            return column
+        live = self.live(node, nr)
+        return column if live is None else Column(column.values[live], live)
+
+    def live(self, node, nr: int) -> Tensor | None:
+        """The flat indices of the elements of ``node``'s output ``nr`` that a message
+        with a path reached, where they are fewer than a quarter of its elements (None
+        else: every element is taken)."""
+        if (node, nr) not in self._live:
+            messages = self.incoming.get(node, ())
+            message = messages[nr] if nr < len(messages) else None
+            reached = None if message is None else _reached(message, self.signed)
+            few = reached is not None and int(reached.sum()) * 4 < reached.numel()
+            self._live[node, nr] = reached.nonzero().squeeze(1) if few else None
+        return self._live[node, nr]
 
     def edge_step(self, node, position: int, element: int, shape, out: int, w: float) -> Step:
         """The step over the edge from element ``element`` of ``node``'s input ``position``
@@ -440,25 +543,25 @@ class PathFinder:
         """The output element that won inside ``node``'s op, and the edge taken to it."""
         columns = self.column(node, position, element)
         best = None
-        for k, (w, message) in enumerate(zip(columns, self.incoming.get(node, ()))):
-            if message is None or w is None:
+        for k, (column, message) in enumerate(zip(columns, self.incoming.get(node, ()))):
+            if message is None or column is None or column.values.numel() == 0:
                 continue
-            w = w.double()
+            w = column.values.double()
             if self.signed:
-                hi, lo = (c.reshape(-1).double() for c in message.value)
+                hi, lo = (column.read(c.reshape(-1)).double() for c in message.value)
                 valid = (hi >= lo) & (w != 0)
                 if which == "max":
                     cand = torch.where(w > 0, hi * w, lo * w)
                 else:
                     cand = -torch.where(w > 0, lo * w, hi * w)
             else:
-                m = message.value[0].reshape(-1).double()
+                m = column.read(message.value[0].reshape(-1)).double()
                 valid = (m > 0) & (w != 0)
                 cand = m * w.abs()
             cand = torch.where(valid, cand, -torch.inf)
             i = int(cand.argmax())
             if best is None or cand[i] > best[0]:
-                best = (cand[i], k, i, float(w[i]), tuple(message.shape))
+                best = (cand[i], k, column.position(i), float(w[i]), tuple(message.shape))
         if best is None or not torch.isfinite(best[0]):
             info = node_info(node)
             raise SemiringAutogradError(
