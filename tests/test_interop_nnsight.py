@@ -1,7 +1,8 @@
 """nnsight's ``NNsight`` and ``LanguageModel`` wrappers under ``sa.patch``: patching the
 wrapper patches the module it runs, and its calls and traces (interventions included) give
 the readouts of the unwrapped model — path enumeration on a tiny MLP, the patched Hugging
-Face model (Real: torch.autograd) for a tiny GPT-2 fed ``inputs_embeds``."""
+Face model (Real: torch.autograd) for a tiny GPT-2 fed ``inputs_embeds``; inside
+``sa.seeding()`` a ``with loss.backward():`` block reads the semiring messages."""
 
 from __future__ import annotations
 
@@ -86,6 +87,29 @@ def test_an_intervention_in_a_trace_removes_the_paths_it_cuts(S):
             out = wrapper.output.save()
     want = _enumerated(model, x, S, _seed(), cut=2)
     torch.testing.assert_close(sa.grad(out, x, _seed()), want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("S", SEMIRINGS, ids=IDS)
+def test_gradients_read_in_a_backward_block_are_the_semiring_messages(S):
+    """nnsight's ``with loss.backward(): g = h.grad.save()`` inside ``sa.seeding()``: the
+    message reaching the first layer's output, against path enumeration from there."""
+    model = _mlp()
+    wrapper = nnsight.NNsight(model)
+    x = _x()
+    with sa.patch(wrapper, S), sa.seeding():
+        with wrapper.trace(x):
+            hidden = wrapper[0].output.save()
+            out = wrapper.output
+            with out[:, 1].sum().backward():
+                message = hidden.grad.save()
+    last = model[2]
+    p = Program(h=hidden.detach())
+    p.op("a", torch.tanh, "h")
+    p.op("out", lambda a: a @ last.weight.detach().T + last.bias.detach(), "a")
+    (value,) = p.path_sum(S, "out", _seed(), ["h"])
+    got = message if isinstance(S, sa.Real) else message.semiring.readout(message.value)
+    torch.testing.assert_close(got, S.readout(value), rtol=1e-12, atol=1e-14)
+    model.zero_grad(set_to_none=True)  # the parameters' .grad hold messages
 
 
 def _tokenizer() -> "transformers.PreTrainedTokenizerFast":
