@@ -122,3 +122,13 @@ def test_forward_mode_is_refused(S):
         jvp(f, (x,), (torch.ones_like(x),))
     with pytest.raises(sa.SemiringAutogradError, match=r"forward-mode"):
         jacfwd(f)(x)
+
+
+def test_an_op_on_the_input_before_the_patch_is_refused():
+    model, x, _ = setup_model("mlp")
+    f = _patched(model, sa.MaxProduct())
+    with pytest.raises(sa.SemiringAutogradError, match=r"MulBackward0, an op run before"):
+        grad(lambda x: f(x * 2).sum())(x)
+    torch.testing.assert_close(  # the same op inside the patch: the readout of x
+        grad(lambda x: f(x).sum())(x), _enumerated(sa.MaxProduct(), "mlp", None), **TOL
+    )

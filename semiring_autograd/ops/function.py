@@ -147,7 +147,7 @@ class SemiringFunction(torch.autograd.Function):
         values = [bound[p] for p in plan.params]
         if plan.list_at is not None:
             values += values.pop(plan.list_at)
-        if transforms.active():  # inside torch.func.grad, vjp, jacrev, vmap
+        if torch._C._are_functorch_transforms_active():  # torch.func.grad, vjp, vmap …
             S = cls.semiring if cls.lead == 1 else leading[0]
             call = _Rebound(leading[-1], values)
             values = transforms.through_boundary(S, plan.name, values)
@@ -176,7 +176,7 @@ class SemiringFunction(torch.autograd.Function):
         plan = cls.plan
         args = args[cls.lead :]
         if plan.forward is not None:
-            return plan.forward(*_values(plan, args))
+            return plan.forward(*(args if plan.list_at is None else _values(plan, args)))
         if plan.multi_output:
             return tuple(call())
         return _fresh(call(), args)
@@ -188,8 +188,8 @@ class SemiringFunction(torch.autograd.Function):
         lead = cls.lead
         S = cls.semiring if lead == 1 else args[0]
         args = args[lead:]
-        values = _values(plan, args)
         list_at = plan.list_at
+        values = args if list_at is None else _values(plan, args)
         ctx.set_materialize_grads(False)
         ctx.semiring = S
         ctx.op_name = plan.name

@@ -45,17 +45,13 @@ from torch._functorch.pyfunctorch import (
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..engine.graph import node_info
 from ..errors import SemiringAutogradError
 from ..semirings.base import Semiring, message_dtype
 from .message import Message, wrap
 
 #: grad-tracking leaf → (semiring, the output of its ReadoutBoundary)
 _BOUNDARIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def active() -> bool:
-    """Whether a ``torch.func`` transform is running in this thread."""
-    return torch._C._are_functorch_transforms_active()
 
 
 def refuse(semiring: Semiring, op: str) -> None:
@@ -80,6 +76,23 @@ def _transformed_leaf(t: Any) -> bool:
     """A tensor a grad transform differentiates: a grad-tracking leaf that requires grad."""
     return (
         isinstance(t, Tensor) and t.requires_grad and t.grad_fn is None and is_gradtrackingtensor(t)
+    )
+
+
+def _refuse_ops_before(semiring: Semiring, op: str, t: Any) -> None:
+    """A SemiringAutogradError for a tensor of a grad transform computed by an op outside
+    the patch (``model(x * 2)``): the transform would hand back a message, not a readout."""
+    if not isinstance(t, Tensor) or not is_gradtrackingtensor(t) or t.grad_fn is None:
+        return
+    node = t.grad_fn
+    if node_info(node) is not None or isinstance(node, ReadoutBoundary._backward_cls):
+        return
+    raise SemiringAutogradError(
+        f"torch.func: op '{op}' under {semiring!r} reads a tensor of shape {tuple(t.shape)} "
+        f"made from the transformed input by {node.name()}, an op run before the patched "
+        "model: the transform would reach the input with a message, not a readout. Run "
+        "that op inside the patched model, differentiate with respect to its result, or "
+        "call sa.grad"
     )
 
 
@@ -108,6 +121,7 @@ def through_boundary(semiring: Semiring, op: str, values: Sequence[Any]) -> list
             out[i] = through_boundary(semiring, op, t)
             continue
         if not _transformed_leaf(t):
+            _refuse_ops_before(semiring, op, t)
             continue
         known = _BOUNDARIES.get(t)
         if known is not None and known[0] == semiring:
