@@ -25,8 +25,9 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 #: the products bound here, by the torch function the call names
-PRODUCTS = frozenset({torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__})
-PRODUCTS |= {torch.Tensor.__rmul__}
+PRODUCTS = frozenset(
+    {torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+)
 FUNCTIONS = PRODUCTS | {torch.view_as_complex, torch.view_as_real}
 #: the einsum of the 2×2 real matrices with the pairs
 EQUATION = "...ij,...j->...i"
@@ -54,6 +55,14 @@ def _matrices(other: Any, like: Tensor) -> Tensor:
     return torch.stack([torch.stack([a, -b], -1), torch.stack([b, a], -1)], -2)
 
 
+def binds(func: Any) -> bool:
+    """Whether ``func`` is one of the torch functions bound here."""
+    try:
+        return func in FUNCTIONS
+    except TypeError:  # an unhashable callable
+        return False
+
+
 class ComplexPairs:
     """The complex tensors a patch made from real pairs, each kept with the pairs that
     carry its edges (held weakly: a tensor the model drops is forgotten)."""
@@ -78,7 +87,7 @@ class ComplexPairs:
             if len(args) + len(kwargs) != 1 or not isinstance(z, Tensor):
                 return NOT_BOUND
             return self._pairs.get(z, NOT_BOUND)
-        if kwargs or len(args) != 2:
+        if not self._pairs or kwargs or len(args) != 2:
             return NOT_BOUND
         kept = [i for i, t in enumerate(args) if isinstance(t, Tensor) and t in self._pairs]
         if len(kept) != 1:

@@ -212,7 +212,7 @@ class _SemiringMode(TorchFunctionMode):
         """The call under its entry's generated Function (torch's graph under sa.Real()),
         an in-place one written back; refused where no entry takes it."""
         handle = self.handle
-        if not handle.torch_graph and func in complex_pairs.FUNCTIONS:
+        if not handle.torch_graph and complex_pairs.binds(func):
             out = handle.complex_pairs.call(func, args, kwargs, self._einsum)
             if out is not complex_pairs.NOT_BOUND:
                 return out
