@@ -130,8 +130,9 @@ def grad(
     of seed row b). Under ``sa.Real()`` one batched backward computes them (torch's
     ``is_grads_batched``); under the other semirings, one backward per row on the graph
     kept in between (equal to the loop: a rule's ⊕ and its skipping of rows no path
-    reaches are not batched); with ``compile=True`` the first row captures the program
-    the other rows replay.
+    reaches are not batched); with ``compile=True`` the rows replay the program the first
+    captured where their seeds reach the same elements (else the eager backward runs, with
+    one warning).
     """
     if is_grads_batched:
         return _batched(outputs, inputs, seed, retain_graph, raw, trace, compile)
