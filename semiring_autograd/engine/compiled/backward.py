@@ -40,6 +40,8 @@ with one warning saying why.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 import warnings
 from collections import OrderedDict
@@ -180,10 +182,11 @@ class Captured:
             return eager(retain_graph)
         recorder = Recorder(slots, parameters)
         try:
-            with recorder:
-                results = eager(True)  # a failed capture must be able to run again
-            layout = [_result_refs(recorder, r) for r in results]
-            program = Program(recorder, layout, len(slots))
+            with gc_paused():
+                with recorder:
+                    results = eager(True)  # a failed capture must be able to run again
+                layout = [_result_refs(recorder, r) for r in results]
+                program = Program(recorder, layout, len(slots))
         except Uncapturable as exc:
             self.refused = str(exc)
             refuse(self.refused)
@@ -192,6 +195,21 @@ class Captured:
             self.programs.append(program)
         _COUNTS["captures"] += 1
         return results
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (where it was on): a capture
+    allocates tens of thousands of records, each allocation counting towards a collection
+    that walks every object the process holds (the model's included), and frees nearly all
+    of them by reference counting. Objects in cycles wait for the next collection."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def programs_for(key: ProgramKey) -> Captured | None:
