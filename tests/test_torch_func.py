@@ -132,3 +132,30 @@ def test_an_op_on_the_input_before_the_patch_is_refused():
     torch.testing.assert_close(  # the same op inside the patch: the readout of x
         grad(lambda x: f(x).sum())(x), _enumerated(sa.MaxProduct(), "mlp", None), **TOL
     )
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Entropy()], ids=repr)
+def test_grad_over_parameters_through_functional_call(S):
+    model, x, program = setup_model("mlp")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def f(p: dict, x: torch.Tensor) -> torch.Tensor:
+        with sa.patch(model, S):
+            return torch.func.functional_call(model, p, (x,)).sum()
+
+    got = grad(f)(params, x)
+    values = program.path_sum(S, "out", None, ["wm", "w1"])
+    for name, value in zip(["mid.weight", "fc1.weight"], values):
+        torch.testing.assert_close(got[name], S.readout(value).to(x.dtype), **TOL)
+
+
+def test_a_score_merging_paths_after_the_patch_lifts_its_real_cotangent():
+    """grad(f)(x) is sa.grad(y, x, seed=∂s/∂y) for f(x) = s(y): here s = y[0, 1] + y.sum(),
+    whose cotangent at y[0, 1] is the real 2."""
+    S = sa.MaxProduct()
+    model, x, _ = setup_model("mlp")
+    f = _patched(model, S)
+    got = grad(lambda x: (lambda y: y[0, 1] + y.sum())(f(x)))(x)
+    seed = torch.ones(2, 3, dtype=x.dtype)
+    seed[0, 1] = 2
+    torch.testing.assert_close(got, _enumerated(S, "mlp", seed), **TOL)
