@@ -146,3 +146,25 @@ def test_a_wrapped_tensor_backward_is_seeded(monkeypatch):
     want = _enumerated(model, x, sa.Log(), _weights())
     torch.testing.assert_close(_readout(x.grad), want, rtol=1e-12, atol=1e-14)
     assert calls and calls[0] is y
+
+
+def test_several_outputs_are_seeded_each():
+    """``torch.autograd.grad([y0, y1], x)`` with no gradients seeds every element of both
+    with one; a gradient given for one output is lifted, and None for the other is one, as
+    torch's implicit gradient."""
+    model, x = _mlp(), _x()
+    with sa.patch(model, sa.Log()):
+        y = model(x)
+    first, second = y[:, 1], y[:, 2]
+    with sa.seeding():
+        (got,) = torch.autograd.grad([first, second], x, retain_graph=True)
+        (weighted,) = torch.autograd.grad(
+            [first, second], x, [torch.tensor([2.0, 0.5], dtype=torch.float64), None]
+        )
+    seed = torch.zeros(2, 3, dtype=torch.float64)
+    seed[:, 1:] = 1.0
+    want = _enumerated(model, x, sa.Log(), seed)
+    torch.testing.assert_close(_readout(got), want, rtol=1e-12, atol=1e-14)
+    seed[:, 1] = torch.tensor([2.0, 0.5])
+    want = _enumerated(model, x, sa.Log(), seed)
+    torch.testing.assert_close(_readout(weighted), want, rtol=1e-12, atol=1e-14)

@@ -17,7 +17,6 @@ recorded outside any patch go through unchanged. Backward hooks then receive mes
 from __future__ import annotations
 
 import inspect
-import numbers
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -90,9 +89,16 @@ class _SeedingMode(TorchFunctionMode):
                 return [_seeded(outputs, g, self.seed) for g in given]
             return _seeded(outputs, given, self.seed)
         outs = list(outputs)
-        if given is None or isinstance(given, (Tensor, numbers.Real)):
-            given = [given] * len(outs)
-        return [_seeded(o, g, self.seed) for o, g in zip(outs, given)]
+        gradients = [None] * len(outs) if given is None else _as_list(given)
+        if len(gradients) != len(outs):
+            return given  # torch refuses the call, naming the mismatch
+        return [_seeded(o, g, self.seed) for o, g in zip(outs, gradients)]
+
+
+def _as_list(given: Any) -> list:
+    """The gradients of a call with several outputs as torch reads them: one tensor is a
+    sequence of one."""
+    return [given] if isinstance(given, Tensor) else list(given)
 
 
 @contextmanager
