@@ -1,8 +1,8 @@
 """The ``nn.Module`` inside an interpretability library's wrapper, for :func:`sa.patch`.
 
 nnsight's ``NNsight(model)`` and ``LanguageModel(...)`` (its ``Envoy`` objects) are not
-``nn.Module``\\ s: they hold the module they run in ``_module`` and run it, in a direct call
-and in ``.trace(...)``. Patching the wrapper patches that module, so the wrapper's runs record
+modules: they hold the ``nn.Module`` they run in ``_module`` and run it, in a direct call and
+in ``.trace(...)``. Patching the wrapper patches that module, so the wrapper's runs record
 the semiring graph and compute what the unwrapped model computes. The wrapper is recognised by
 what it holds (no import of nnsight, an optional package).
 """
