@@ -92,6 +92,12 @@ def _fill(h: Tensor, x: Tensor) -> Tensor:
     return h
 
 
+def _torch_fill(h: Tensor, x: Tensor) -> Tensor:
+    torch.fill_(h[:, 0], 2.0)
+    torch.zero_(h[2, 1:3])
+    return h
+
+
 def _fill_tensor(h: Tensor, x: Tensor) -> Tensor:
     h[:, 2].fill_(x[0, 0] * 3.0)
     return h
@@ -154,6 +160,7 @@ ROWS = [
     Row("copy_into_fresh_buffer", _fresh_buffer),
     Row("zeros_then_slice_assign", _zeros_then_assign),
     Row("fill_and_zero", _fill),
+    Row("torch_fill_and_zero", _torch_fill),
     Row("fill_with_tensor", _fill_tensor),
     Row("relu_inplace_flag", _relu_flag),
     Row("diagonal_mul_", _diagonal),

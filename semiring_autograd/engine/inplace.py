@@ -54,7 +54,9 @@ _FUNCTIONAL_FORMS: dict[Any, Any] = {
 #: ``CopyBackwards``: zero for the overwritten target, the message for the source, summed over
 #: a broadcast; ``fill_``/``zero_``: zero for the target, a tensor value the ⊕ of the
 #: messages): torch runs them and records its own nodes, whose aten ops messages take
-NATIVE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_})
+NATIVE_WRITES = frozenset(
+    {torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.fill_, torch.zero_}
+)
 #: keyword names of the in-place forms that their functional ops spell otherwise
 _RENAMED = {"self": "input", "train": "training"}
 #: functional ops whose YAML entries take ``inplace=True`` themselves and compute out of
