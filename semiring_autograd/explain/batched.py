@@ -210,6 +210,12 @@ def takes_position_ids(model: nn.Module) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
+def keeps_logits(model: nn.Module) -> bool:
+    """Whether ``model``'s forward projects chosen positions only onto the vocabulary
+    (``logits_to_keep``, as transformers' causal LMs take)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def _read_batch(
     model: nn.Module,
     x: Tensor,
@@ -217,10 +223,15 @@ def _read_batch(
     position_ids: Tensor | None,
     positions: Tensor,
     targets: Tensor,
+    kept: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The B target logits ``logits[b, positions[b], targets[b]]`` of the forward from the
-    embeddings ``x``, and each example's logits row there (B, vocabulary)."""
+    embeddings ``x``, and each example's logits row there (B, vocabulary). With ``kept``
+    (K,) the model projects only those positions onto the vocabulary (``logits_to_keep``)
+    and ``positions`` index ``kept``."""
     extra = {} if position_ids is None else {"position_ids": position_ids}
+    if kept is not None:
+        extra["logits_to_keep"] = kept
     out = model(inputs_embeds=x, attention_mask=attention_mask, **extra)
     logits = out.logits if hasattr(out, "logits") else out[0]
     if logits.dim() != 3:
@@ -230,6 +241,20 @@ def _read_batch(
         )
     rows = torch.arange(x.shape[0], device=x.device)
     return logits[rows, positions, targets], logits[rows, positions]
+
+
+def _kept(padded: Padded, model: nn.Module, every: bool) -> dict[str, Tensor | None]:
+    """``_read_batch``'s ``positions`` and ``kept``: where the model takes
+    ``logits_to_keep``, the read positions (``every``: one per example, a shape that
+    depends on the batch size only; else each distinct position once) and each example's
+    index among them."""
+    if not keeps_logits(model):
+        return {"positions": padded.positions, "kept": None}
+    if every:
+        columns = torch.arange(len(padded.positions), device=padded.positions.device)
+        return {"positions": columns, "kept": padded.positions}
+    kept, columns = torch.unique(padded.positions, return_inverse=True)
+    return {"positions": columns, "kept": kept}
 
 
 def _compiled_batch(
@@ -249,8 +274,8 @@ def _compiled_batch(
         x,
         attention_mask=padded.mask,
         position_ids=padded.position_ids,
-        positions=padded.positions,
         targets=padded.targets,
+        **_kept(padded, model, every=True),
     )
 
 
@@ -306,8 +331,8 @@ def attribute_batch(
         _read_batch,
         attention_mask=padded.mask,
         position_ids=padded.position_ids,
-        positions=padded.positions,
         targets=padded.targets,
+        **_kept(padded, model, every=False),
     )
     if compile and not want_paths:
         raw, rows = _compiled_batch(model, semiring, x, padded)
