@@ -106,6 +106,7 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_merge_to_one_process_rows(reference, tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     out = tmp_path / "run"
@@ -118,6 +119,7 @@ def test_two_ranks_under_torchrun_merge_to_one_process_rows(reference, tmp_path)
     _same_rows(read_rows(out / "records.parquet"), reference)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_loses_and_duplicates_no_row(reference, lm, tmp_path):
     out = tmp_path / "run"
     worker = subprocess.Popen(
