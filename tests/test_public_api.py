@@ -13,6 +13,7 @@ PUBLIC = [
     "patch",
     "grad",
     "compiled_step",
+    "seeding",
     "trace",
     "top_path",
     "top_paths",
