@@ -159,3 +159,13 @@ def test_a_score_merging_paths_after_the_patch_lifts_its_real_cotangent():
     seed = torch.ones(2, 3, dtype=x.dtype)
     seed[0, 1] = 2
     torch.testing.assert_close(got, _enumerated(S, "mlp", seed), **TOL)
+
+
+def test_finished_transforms_leave_no_boundary_behind():
+    from semiring_autograd.ops import transforms
+
+    model, x, _ = setup_model("mlp")
+    f = _patched(model, sa.Log())
+    for _ in range(3):
+        grad(lambda x: f(x).sum())(x.clone())
+    assert len(transforms._BOUNDARIES) == 1  # the last transform's; earlier ones dropped
