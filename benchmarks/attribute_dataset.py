@@ -5,8 +5,9 @@ ranks vs one, and memory over a long run.
 
 * ``loop``: ``sa.attribute`` one text at a time (``batch_size=1``);
 * ``batched``: ``sa.attribute(..., batch_size=B)`` (one forward and one backward per batch);
-* ``compiled``: the same with ``compile=True``, after a first pass that captures one program
-  per (batch, length) shape (its time is printed too);
+* ``compiled``: the same with ``compile=True``: a first pass captures one program per
+  (batch, length) shape, a second checks each program's first replay against eager, later
+  passes replay (each pass is printed);
 * ``ranks``: ``attribute_dataset`` under ``torchrun --nproc_per_node 1`` and ``2``, one
   thread per rank, records/s of the whole run (model load excluded);
 * ``memory``: the resident set of one rank sampled during ``attribute_dataset`` over
@@ -97,16 +98,14 @@ def single_process(args: argparse.Namespace) -> None:
         f"batched (batch {args.batch_size}):        {batched:7.2f} records/s ({s_b:.1f} s)  "
         f"{batched / loop:.2f}x the loop"
     )
-    first, s_first = rate(run(batch_size=args.batch_size, compile=True), len(batch))
-    compiled, s_c = rate(run(batch_size=args.batch_size, compile=True), len(batch))
-    print(
-        f"compiled batched, capture: {first:7.2f} records/s ({s_first:.1f} s)  "
-        f"{first / loop:.2f}x the loop"
-    )
-    print(
-        f"compiled batched, replay:  {compiled:7.2f} records/s ({s_c:.1f} s)  "
-        f"{compiled / loop:.2f}x the loop"
-    )
+    # pass 1 captures a program per (batch, length) shape, pass 2 checks a shape's first
+    # replay against eager (both run), later passes replay
+    for label in ("capture", "check", "replay", "replay"):
+        found, seconds = rate(run(batch_size=args.batch_size, compile=True), len(batch))
+        print(
+            f"compiled batched, {label + ':':8} {found:7.2f} records/s ({seconds:.1f} s)  "
+            f"{found / loop:.2f}x the loop"
+        )
 
 
 def rank_worker(args: argparse.Namespace) -> None:

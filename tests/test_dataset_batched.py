@@ -106,7 +106,7 @@ def test_sa_attribute_batches_records_with_top_paths(llama_and_tokenizer, monkey
 def test_compiled_batches_replay_one_program_per_shape(llama_and_tokenizer):
     model, tokenizer = llama_and_tokenizer
     texts = [r["text"] for r in RECORDS] * 2
-    eager = sa.attribute(model, texts, 7, tokenizer=tokenizer, batch_size=3, paths=False)
+    eager = sa.attribute(model, iter(texts), 7, tokenizer=tokenizer, batch_size=3, paths=False)
     compiled = sa.attribute(
         model, texts, 7, tokenizer=tokenizer, batch_size=3, paths=False, compile=True
     )

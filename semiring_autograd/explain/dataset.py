@@ -200,6 +200,15 @@ def read_rows(path: FilePath) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
+def _indices(path: FilePath) -> list[int]:
+    """The record indices of a part (Parquet: its ``index`` column alone)."""
+    if path.suffix == ".jsonl":
+        return [row["index"] for row in read_rows(path)]
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["index"]).column("index").to_pylist()
+
+
 def _parts(folder: FilePath) -> list[FilePath]:
     """The finished parts in ``folder`` (staging files excluded), by name."""
     if not folder.is_dir():
@@ -256,7 +265,7 @@ def attribute_dataset(
     try:
         _check_run(out, settings, resume, rank, world)
         parts = out / "parts"
-        done = {row["index"] for p in _parts(parts) for row in read_rows(p)}
+        done = {i for p in _parts(parts) for i in _indices(p)}
         mine = [i for i in range(len(records)) if i % world == rank and i not in done]
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
