@@ -618,3 +618,26 @@ def test_a_shape_changed_in_place_after_an_identity_view_is_refused():
     with pytest.raises(Uncapturable, match="changes the shape of a tensor in place"):
         with Recorder([x]):
             (x + 1).view(3, 4).t_()
+
+
+@pytest.mark.parametrize("collector_on", [True, False], ids=["gc-on", "gc-off"])
+def test_capture_leaves_the_garbage_collector_as_it_found_it(collector_on):
+    """A capture pauses Python's cyclic garbage collector and restores the caller's setting
+    after it, whether the capture succeeds or is refused (dropout in train mode)."""
+    import gc
+
+    torch.manual_seed(0)
+    x = torch.rand(4, 6).requires_grad_(True)
+    kept = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    refused = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3)).train()
+    was_on = gc.isenabled()
+    try:
+        gc.enable() if collector_on else gc.disable()
+        sa.compiled_step(kept, sa.MaxProduct(), lambda m, x: m(x).sum())(x)
+        assert gc.isenabled() is collector_on
+        with pytest.warns(RuntimeWarning, match="draws random numbers"):
+            sa.compiled_step(refused, sa.MaxProduct(), lambda m, x: m(x).sum())(x)
+        assert gc.isenabled() is collector_on
+    finally:
+        gc.enable() if was_on else gc.disable()
+    assert compiled.stats()["captures"] == 1
