@@ -354,6 +354,7 @@ class PathFinder:
         self.incoming: dict[Any, tuple] = {}
         self.outgoing: dict[Any, tuple] = {}
         self._live: dict[tuple[Any, int], Tensor | None] = {}
+        self._native: dict[tuple[Any, int, int], tuple[Column | None, ...]] = {}
         hooks = []
         for node in nodes:
             hooks.append(node.register_prehook(self._store_incoming(node)))
@@ -489,20 +490,25 @@ class PathFinder:
         read off the other operand) and that a message reached. Otherwise the recorded
         call is re-run by forward-mode AD, or, for a native node (ops run outside
         ``sa.patch``, such as a read-out's indexing, scaling or mean), the node's own
-        backward differentiated."""
+        backward differentiated, once per element (each path of the output ends there)."""
         info = node_info(node)
-        if info is None:
-            columns = native_column(node, self.incoming.get(node, ()), position, element)
-        elif info.recorded is None:
+        if info is None:  # a read-out's op: every path ends through it, often at one element
+            if (node, position, element) not in self._native:
+                columns = native_column(node, self.incoming.get(node, ()), position, element)
+                self._native[node, position, element] = tuple(
+                    None if c is None else self.restricted(Column(c), node, nr)
+                    for nr, c in enumerate(columns)
+                )
+            return self._native[node, position, element]
+        if info.recorded is None:
             raise SemiringAutogradError(
                 f"{info.op} in {info.module or 'the model'} was recorded without paths: run "
                 "the whole forward under `sa.patch(model, semiring, paths=True)`"
             )
-        else:
-            product = product_column(info, position, element)
-            if product is not None:
-                return (product,)
-            columns = info.recorded.column(position, element)
+        product = product_column(info, position, element)
+        if product is not None:
+            return (product,)
+        columns = info.recorded.column(position, element)
         return tuple(
             None if c is None else self.restricted(Column(c), node, nr)
             for nr, c in enumerate(columns)
