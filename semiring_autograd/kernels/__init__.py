@@ -46,12 +46,19 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import checks, operators
-from .build import available, built, enabled, mode
+from ..semirings.batching import transformed
+from . import build, checks, operators
+from .build import available, built, mode
 from .operators import op
 
 _FLOATS = (torch.float32, torch.float64)
 CPU = torch.device("cpu")
+
+
+def enabled() -> bool:
+    """Whether the fused kernels may run: ``SEMIRING_AUTOGRAD_KERNELS`` is not ``off`` and no
+    ``torch.vmap`` is active (the kernels have no batching rule: the torch formulas run)."""
+    return build.enabled() and not transformed()
 
 
 def _ready(how: str, name: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -75,7 +82,7 @@ def _cpu_ready(name: str, *tensors: Tensor) -> bool:
 def _cpu_kernel(name: str, dtype: torch.dtype) -> bool:
     """Whether CPU kernel ``name`` may compute for ``dtype``: enabled, built and ready."""
     how = mode()
-    return how != "off" and built() and _ready(how, name, CPU, dtype)
+    return how != "off" and not transformed() and built() and _ready(how, name, CPU, dtype)
 
 
 def _nonempty_ready(name: str, *tensors: Tensor) -> bool:

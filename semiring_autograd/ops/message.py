@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ForeignOpError, SemiringMismatchError
+from ..semirings import batching
 from ..semirings.base import Semiring, Value, message_dtype
 from .primitives import as_message
 from .tensor_helpers import element_positions, gather_positions
@@ -74,7 +75,7 @@ class Message(Tensor):
                 "structural). Record the whole computation inside "
                 "`sa.patch(model, semiring)`, or add a YAML entry for the op."
             )
-        return handler(func, *args, **kwargs)
+        return batching.dispatch(handler, func, args, kwargs)
 
 
 def _in_precision(value: Value, dtype: torch.dtype) -> Value:

@@ -11,6 +11,7 @@ from torch import Tensor
 from .. import kernels
 from ..kernels.workspace import scratch
 from .base import Terms, broadcast_shape
+from .batching import anywhere, batched
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     NEG_INF,
@@ -45,6 +46,8 @@ def gemm_exact_formula(z: Tensor, live: Tensor, tiny: float, may_overflow: bool)
     operator ``log_gemm_finish_`` runs this test on the CPU."""
     if z.numel() == 0:
         return True
+    if batched(z, live):  # rows differ: the caller tests each entry
+        return False
     if bool(live.all()):
         low, high = torch.aminmax(z)
     else:
@@ -105,6 +108,34 @@ def _exact_terms(
             r[bt, i, j] = (w * (ra3[bt, i, :] + rb3[bt, :, j])).sum(-1)
 
 
+def _exact_entries(
+    a3: Tensor,
+    b3: Tensor,
+    ra3: Tensor | None,
+    rb3: Tensor | None,
+    bad: Tensor,
+    out: Tensor,
+    r: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """``_exact_terms`` out of place, for operands batched by ``torch.vmap`` (whose rows
+    differ in which entries are bad): every entry's exact logsumexp over its k terms, in
+    blocks of rows of a3, taken where ``bad`` has a term."""
+    dtype = a3.dtype
+    reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
+    step = max(1, CHUNK_ELEMENTS // max(1, a3.shape[-1] * b3.shape[-1]))
+    totals, sums = [], []
+    for s in range(0, a3.shape[-2], step):
+        terms = a3[:, s : s + step, :, None] + b3[:, None]  # (count, rows, k, n)
+        total = torch.logsumexp(terms, dim=-2)
+        totals.append(total)
+        if r is not None:
+            w = safe_weight(terms, total[:, :, None])
+            sums.append((w * (ra3[:, s : s + step, :, None] + rb3[:, None])).sum(-2))
+    redo = bad & reach
+    out = torch.where(redo, torch.cat(totals, 1), out)
+    return out, (None if r is None else torch.where(redo, torch.cat(sums, 1), r))
+
+
 class LogSpaceGemm:
     """(logsumexp, weighted mean) matmul via shift-and-GEMM, exact blocked fallback where
     the shifted products underflow.
@@ -136,12 +167,17 @@ class LogSpaceGemm:
             out = a3.new_full((*batch, m, n), NEG_INF)
             return out, (None if ra is None else torch.zeros_like(out))
         mb = None
+        vmapped = batched(*(t for t in (a3, b3, b_linear, ra, rb) if t is not None))
         if b3 is not None:
             mb = finite_max(b3, -2)
-            b_lin = b3.new_empty(count, (2 if with_r else 1) * k, n)
-            torch.sub(b3, mb, out=b_lin[:, :k]).exp_()
-            if with_r:
-                torch.mul(b_lin[:, :k], flat_batch(rb, batch), out=b_lin[:, k:])
+            if vmapped:  # torch.vmap batches no out= op
+                eb = torch.exp(b3 - mb)
+                b_lin = torch.cat((eb, eb * flat_batch(rb, batch)), -2) if with_r else eb
+            else:
+                b_lin = b3.new_empty(count, (2 if with_r else 1) * k, n)
+                torch.sub(b3, mb, out=b_lin[:, :k]).exp_()
+                if with_r:
+                    torch.mul(b_lin[:, :k], flat_batch(rb, batch), out=b_lin[:, k:])
         # the shifted a (and its r product) are GEMM operands only: scratch storage, up to
         # a bound (a message grows with batch and sequence, and scratch stays resident)
         shape = (count, m, (2 if with_r else 1) * k)
@@ -158,22 +194,29 @@ class LogSpaceGemm:
             row_max = a3.amax(dim=-1, keepdim=True)
             live = torch.isfinite(row_max)
             ma = row_max.masked_fill(~live, 0.0)
-            ea = torch.sub(a3, ma, out=stacked[..., -k:]).exp_()
-            if with_r:
-                torch.mul(ea, ra3, out=stacked[..., :k])
+            if vmapped:
+                ea = torch.exp(a3 - ma)
+                stacked = torch.cat((ea * ra3, ea), -1) if with_r else ea
+            else:
+                ea = torch.sub(a3, ma, out=stacked[..., -k:]).exp_()
+                if with_r:
+                    torch.mul(ea, ra3, out=stacked[..., :k])
         z = torch.bmm(ea, b_lin[:, :k])
         # r's numerators: Σ ea·eb·(ra + rb), then divided by z
         r = torch.bmm(stacked, b_lin) if with_r else None
         tiny = torch.finfo(z.dtype).tiny / torch.finfo(z.dtype).eps
         out, r, bad = _finish(z, r, ma, mb, live, tiny, b3 is None)
-        if bad is not None and bad.any():
+        if bad is not None and anywhere(bad):
             if b3 is None:  # back to log space from the linear operands
                 eb = b_lin[:, :k]
                 b3 = torch.log(eb)
                 rb3 = torch.where(eb > 0, b_lin[:, k:] / eb, 0.0) if with_r else None
             else:
                 rb3 = flat_batch(rb, batch) if with_r else None
-            _exact_terms(a3, b3, ra3, rb3, bad, out, r)
+            if vmapped:
+                out, r = _exact_entries(a3, b3, ra3, rb3, bad, out, r)
+            else:
+                _exact_terms(a3, b3, ra3, rb3, bad, out, r)
         out = out.reshape(*batch, m, n)
         return out, (None if r is None else r.reshape(*batch, m, n))
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from .. import kernels
 from ..kernels.workspace import scratch
 from .base import Terms, Value, broadcast_shape, message_dtype
+from .batching import batched
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -23,7 +24,10 @@ CHUNK_ELEMENTS = 1 << 22
 def any_nan_or_inf(tensors: Sequence[Tensor], signs: Sequence[int]) -> bool:
     """Whether some tensor holds a NaN or an infinity of the sign given for it (+1: +inf,
     -1: -inf, 0: either). The test runs in one operator and only its outcome is read, so a
-    captured backward (``sa.grad(compile=True)``) guards on the outcome."""
+    captured backward (``sa.grad(compile=True)``) guards on the outcome. True for tensors
+    batched by ``torch.vmap`` (the callers' general path then holds for every row)."""
+    if batched(*tensors):
+        return True
     fused = kernels.any_nan_or_inf(tensors, signs)
     if fused is not None:
         return fused
@@ -116,8 +120,9 @@ def live_rows(parts: Value, terms: Terms, w: Tensor) -> tuple[Value, Tensor, Ten
     None when every row (…, m) has a term, or some row has none and ``w`` holds an infinity
     or NaN where ``terms.nan_at_zero_times_inf`` (zero ⊗ lift(w) is then NaN, as in torch's
     backward, and the rows and columns without a term must stay); else ``parts`` broadcast
-    to one shape, the rows with a term (…, m) and their flat indices."""
-    if terms.all_live(parts):
+    to one shape, the rows with a term (…, m) and their flat indices. None for ``parts``
+    batched by ``torch.vmap`` (rows differ in which rows are live)."""
+    if batched(*parts) or terms.all_live(parts):
         return None
     live = terms.live(parts, -1)
     if bool(live.all()):
@@ -131,7 +136,9 @@ def live_rows(parts: Value, terms: Terms, w: Tensor) -> tuple[Value, Tensor, Ten
 
 def live_columns(picked: Value, terms: Terms) -> Tensor | None:
     """The indices of the columns of ``picked`` (rows, k) with a term in some row; None
-    when every column has one."""
+    when every column has one, or ``picked`` is batched by ``torch.vmap``."""
+    if batched(*picked):
+        return None
     columns = terms.live(picked, -2)
     return None if bool(columns.all()) else columns.nonzero().squeeze(1)
 
