@@ -240,7 +240,7 @@ def getitem_backward(S: Semiring, a: Value, shape: Sequence[int], index: Any) ->
     """Semiring zero of ``shape`` with ``a`` placed at ``[index]`` (basic indexing)."""
     out = []
     for z, c in zip(S.zero(shape, a[0]), a):
-        z = z.to(c.dtype).clone()
+        z = c.new_empty(shape).copy_(z)  # batched as c is under torch.vmap
         z[index] = c
         out.append(z)
     return tuple(out)

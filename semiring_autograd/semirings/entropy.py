@@ -8,6 +8,7 @@ from torch import Tensor
 from .. import kernels
 from ..kernels.workspace import scratch
 from .base import Semiring, Value
+from .batching import batched
 from .log_space import LOG_TERMS, LogSpaceGemm, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
@@ -36,7 +37,8 @@ def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
     er = e * r
     den = e.sum(dim, keepdim=True).sub(e).clamp_min_(0.0)
     # den ≥ 1 but at the argmax (its sum is replaced below) and in all -inf rows (0/0)
-    rest_r = ratio_or_zero(torch.sub(er.sum(dim, keepdim=True), er, out=er), den)
+    rest = torch.sub(er.sum(dim, keepdim=True), er, out=None if batched(er) else er)
+    rest_r = ratio_or_zero(rest, den)
     rest_l = den.log_().add_(s1)
     e2 = torch.sub(la, s2).exp_().scatter_(dim, first, 0.0)
     den2 = e2.sum(dim, keepdim=True)

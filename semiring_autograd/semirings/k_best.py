@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Semiring, Value, broadcast_value
+from .batching import batched
 from .tensor_ops import CHUNK_ELEMENTS, filled
 
 
@@ -113,7 +114,7 @@ class KBest(Semiring):
         a4 = a.expand(*batch, m, l, ka).reshape(count, m, l, ka)
         w3 = w.expand(*batch, l, n).reshape(count, l, n)
         live = (a4[..., 0] != 0).any(1).any(0)
-        if not bool(live.all()):
+        if not batched(live) and not bool(live.all()):  # under torch.vmap rows differ
             a4, w3 = a4[:, :, live], w3[:, live]
             l = a4.shape[2]
         if m == 0 or n == 0 or l == 0:
