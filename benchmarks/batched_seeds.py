@@ -7,15 +7,18 @@ token (N one-hot seeds over the logits), with respect to ``inputs_embeds``. Per 
 and N, on one patched forward kept with ``retain_graph=True``:
 
 - loop: N calls ``sa.grad(logits, emb, seed_row)``;
-- batched: one ``sa.grad(logits, emb, seeds, is_grads_batched=True)``;
-- batched compiled: the same with ``compile=True`` (warm: its program captured beforehand).
+- batched: one ``sa.grad(logits, emb, seeds, is_grads_batched=True)`` (under the built-in
+  semirings but Real, one backward under ``torch.vmap``);
+- batched compiled: the same with ``compile=True`` (warm: its program captured beforehand;
+  one replay per row).
 
 Medians over ``--repeats`` rounds (alternating, after one warm-up round); ratios are loop
 time over batched time (above 1: batched is faster). The results of every batched form are
 checked against the loop before timing.
 
 Usage: ``python benchmarks/batched_seeds.py [--sizes 8,16,32,64] [--repeats 5]
-[--semirings Real,MaxProduct,Log]``. Prints one markdown row per semiring and N.
+[--semirings Real,MaxProduct,Log] [--no-compiled]``. Prints one markdown row per semiring
+and N (KBest: k = 3).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(name: str, n: int, repeats: int) -> dict[str, float]:
+def measure(name: str, n: int, repeats: int, compiled: bool) -> dict[str, float]:
     model, emb, targets = build(n)
     semiring = getattr(sa, name)()
     with sa.patch(model, semiring):
@@ -75,10 +78,12 @@ def measure(name: str, n: int, repeats: int) -> dict[str, float]:
     def batched_compiled():
         return sa.grad(logits, emb, seeds, is_grads_batched=True, retain_graph=True, compile=True)
 
-    forms = {"loop": loop, "batched": batched, "compiled": batched_compiled}
+    forms = {"loop": loop, "batched": batched}
+    if compiled:
+        forms["compiled"] = batched_compiled
     want = loop()
-    for form in ("batched", "compiled"):  # checked (and the program captured) first
-        torch.testing.assert_close(forms[form](), want, rtol=1e-5, atol=1e-6)
+    for form in list(forms)[1:]:  # checked (and the program captured) first
+        torch.testing.assert_close(forms[form](), want, rtol=1e-5, atol=1e-5)
     times: dict[str, list[float]] = {k: [] for k in forms}
     for i in range(1 + repeats):
         for form, fn in forms.items():
@@ -94,6 +99,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,16,32,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--semirings", default="Real,MaxProduct,Log")
+    parser.add_argument("--no-compiled", action="store_true", help="time no compiled form")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(
@@ -103,11 +109,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name in args.semirings.split(","):
         for n in map(int, args.sizes.split(",")):
-            t = measure(name, n, args.repeats)
+            t = measure(name, n, args.repeats, not args.no_compiled)
+            compiled = (
+                f"{t['compiled']:.1f} | {t['loop'] / t['compiled']:.2f}x"
+                if "compiled" in t
+                else "- | -"
+            )
             print(
                 f"| {name} | {n} | {t['loop']:.1f} | {t['batched']:.1f} | "
-                f"{t['loop'] / t['batched']:.2f}x | {t['compiled']:.1f} | "
-                f"{t['loop'] / t['compiled']:.2f}x |",
+                f"{t['loop'] / t['batched']:.2f}x | {compiled} |",
                 flush=True,
             )
 

@@ -1,16 +1,21 @@
 """``sa.grad(..., is_grads_batched=True)``: B seeds stacked on a leading dimension, B
 readouts stacked the same way, each row checked against path enumeration of the small
 MLP's program (tests/oracle.py) under every built-in semiring, against the loop of
-``sa.grad`` on the attention block, and under ``sa.Real()`` against torch.autograd's own
-``is_grads_batched`` in float64."""
+``sa.grad`` on the attention block and on a tiny Llama (the built-in semirings' one backward
+under ``torch.vmap``; a user-defined semiring's backward per row), and under ``sa.Real()``
+against torch.autograd's own ``is_grads_batched`` in float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers as tf
+from model_zoo import llama_config
 from small_models import setup_model
+from user_semirings import Tropical
 
 import semiring_autograd as sa
+from semiring_autograd.engine import grad as grad_module
 
 SEMIRINGS = [
     sa.Real(),
@@ -81,9 +86,68 @@ def test_real_equals_torch_autograd_is_grads_batched():
 def test_compiled_rows_equal_eager_rows(S):
     y, x = _recorded("attention", S)
     seeds = _seeds(y, 3)
-    eager = sa.grad(y, x, seeds, is_grads_batched=True, retain_graph=True)
+    eager = torch.stack([sa.grad(y, x, s, retain_graph=True) for s in seeds])
     compiled = sa.grad(y, x, seeds, is_grads_batched=True, compile=True)
     assert torch.equal(compiled, eager)
+
+
+def _vmapped_calls(monkeypatch) -> list:
+    """Records each batched backward run under torch.vmap."""
+    calls = []
+    run = grad_module._vmapped
+
+    def spy(*args):
+        calls.append(args[0])
+        return run(*args)
+
+    monkeypatch.setattr(grad_module, "_vmapped", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "S",
+    [
+        sa.MaxProduct(),
+        sa.SignedMaxProduct(),
+        sa.Log(),
+        sa.Entropy(),
+        sa.Counting(),
+        sa.Boolean(),
+        sa.KBest(3),
+    ],
+    ids=repr,
+)
+def test_tiny_llama_rows_run_under_vmap_and_equal_the_loop(S, monkeypatch):
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(llama_config(vocab_size=50)).eval().double()
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids[:, :5]).requires_grad_(True)
+    unused = torch.ones(3, dtype=torch.float64, requires_grad=True)  # no path: the zero
+    with sa.patch(model, S):
+        logits = model(inputs_embeds=emb).logits
+    seeds = torch.zeros(4, *logits.shape, dtype=logits.dtype)
+    seeds[torch.arange(3), 0, torch.arange(3), ids[0, 1:4]] = 1  # next-token logits
+    seeds[3] = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    calls = _vmapped_calls(monkeypatch)
+    got = sa.grad(logits, [emb, unused], seeds, is_grads_batched=True, retain_graph=True)
+    assert calls == [S]
+    loop = [sa.grad(logits, [emb, unused], s, retain_graph=True) for s in seeds]
+    # LlamaRMSNorm computes in float32: its reductions, ordered otherwise over a batch,
+    # round differently in the last float32 bit
+    for k, readouts in enumerate(got):
+        want = torch.stack([row[k] for row in loop])
+        torch.testing.assert_close(readouts, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_user_semiring_runs_a_backward_per_row(monkeypatch):
+    y, x = _recorded("attention", Tropical())
+    seeds = _seeds(y, 3)
+    calls = _vmapped_calls(monkeypatch)
+    got = sa.grad(y, x, seeds, is_grads_batched=True, retain_graph=True)
+    assert calls == []
+    loop = torch.stack([sa.grad(y, x, s, retain_graph=True) for s in seeds])
+    torch.testing.assert_close(got, loop, **TOL)
 
 
 def test_several_outputs_take_a_seed_each():

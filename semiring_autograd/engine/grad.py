@@ -15,6 +15,7 @@ from .compiled import run_backward
 from ..errors import BackwardOutOfMemoryError, SemiringAutogradError, SemiringMismatchError
 from .graph import node_info
 from ..ops.message import Message, wrap
+from ..semirings import batching
 from ..semirings.base import Semiring, message_dtype
 from ..semirings.registry import plain_messages, records_torch_graph
 
@@ -243,6 +244,8 @@ def _batched(
             torch.zeros(count, *x.shape, dtype=x.dtype, device=x.device) if r is None else r
             for x, r in zip(ins, results)
         )
+    elif vmappable(semiring) and not compile and not trace and not _tracing():
+        final = _vmapped(semiring, outs, ins, seeds, retain_graph)
     else:
         per_row = [
             grad(
@@ -257,6 +260,48 @@ def _batched(
         ]
         final = tuple(torch.stack([row[i] for row in per_row]) for i in range(len(ins)))
     return final[0] if isinstance(inputs, Tensor) else final
+
+
+def vmappable(semiring: Semiring) -> bool:
+    """Whether the backward rules of ``semiring`` run under ``torch.vmap``: the library's
+    own semirings (a user-defined semiring's ⊕ and ⊗ may branch on values)."""
+    return type(semiring).__module__.startswith(_LIBRARY)
+
+
+_LIBRARY = __name__.split(".")[0] + "."
+
+
+def _tracing() -> bool:
+    """Whether an ``sa.trace`` is active in this thread (it reports per-row messages)."""
+    return bool(getattr(tracing._ACTIVE, "stack", ()))
+
+
+def _vmapped(
+    semiring: Semiring,
+    outs: list[Tensor],
+    ins: list[Tensor],
+    seeds: list[Tensor],
+    retain_graph: bool,
+) -> tuple[Tensor, ...]:
+    """Per input, the readouts of each seed row, stacked: one backward under ``torch.vmap``
+    over the seed rows, as torch's ``is_grads_batched`` runs one (the messages' components
+    carry the rows; a rule's branch on values is taken for every row or not at all, see
+    ``semirings/batching.py``)."""
+
+    def backward(*rows: Tensor) -> tuple[Tensor, ...]:
+        grad_outputs = [seed_message(semiring, o, s) for o, s in zip(outs, rows)]
+        with demand.requesting(outs, ins), batching.vmap_layer():
+            results = torch.autograd.grad(
+                outs, ins, grad_outputs, retain_graph=retain_graph, allow_unused=True
+            )
+        return readouts(semiring, ins, results)
+
+    try:
+        return torch.vmap(backward)(*seeds)
+    except torch.OutOfMemoryError as exc:
+        error = _out_of_memory(exc, semiring, False)
+        exc.__traceback__ = None
+        raise error from None
 
 
 def readouts(
