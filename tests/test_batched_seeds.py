@@ -174,3 +174,15 @@ def test_bad_batched_seeds_are_refused():
         sa.grad(y, x, torch.ones(2, 2, 3), is_grads_batched=True, raw=True, retain_graph=True)
     with pytest.raises(ValueError, match="at least one"):
         sa.grad(y, x, torch.ones(0, 2, 3), is_grads_batched=True, retain_graph=True)
+
+
+def test_a_rule_that_branches_on_values_under_vmap_is_named(monkeypatch):
+    y, x = _recorded("mlp", sa.MaxProduct())
+    readout = sa.MaxProduct.readout
+
+    def branching(self, a):
+        return readout(self, a) if bool(a[0].sum() >= 0) else -readout(self, a)
+
+    monkeypatch.setattr(sa.MaxProduct, "readout", branching)
+    with pytest.raises(sa.SemiringAutogradError, match=r"does not run under torch\.vmap.*per"):
+        sa.grad(y, x, _seeds(y, 2), is_grads_batched=True, retain_graph=True)

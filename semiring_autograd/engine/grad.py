@@ -129,9 +129,11 @@ def grad(
     ``is_grads_batched=True``: each seed holds B seeds stacked on a new leading dimension
     (shape (B, *output)), and each readout gains that dimension first (row b: the readout
     of seed row b). Under ``sa.Real()`` one batched backward computes them (torch's
-    ``is_grads_batched``); under the other semirings, one backward per row on the graph
-    kept in between (equal to the loop: a rule's ⊕ and its skipping of rows no path
-    reaches are not batched); with ``compile=True`` the rows replay the program the first
+    ``is_grads_batched``); under the other built-in semirings, one backward under
+    ``torch.vmap`` over the rows (the rules skip no rows or columns that some row's paths
+    reach, and the fused CPU kernels give way to the torch formulas); under a user-defined
+    semiring, with an active ``sa.trace`` or ``trace=True``, one backward per row on the
+    graph kept in between. With ``compile=True`` the rows replay the program the first
     captured where their seeds reach the same elements (else the eager backward runs, with
     one warning).
     """
@@ -302,6 +304,16 @@ def _vmapped(
         error = _out_of_memory(exc, semiring, False)
         exc.__traceback__ = None
         raise error from None
+    except RuntimeError as exc:
+        text = str(exc).strip()
+        if "vmap" not in text and "Batching rule" not in text:
+            raise
+        raise SemiringAutogradError(
+            f"sa.grad(is_grads_batched=True): a {semiring!r} backward rule in this graph does "
+            f"not run under torch.vmap ({text.splitlines()[0]}); run one backward per seed row "
+            "instead: sa.grad(outputs, inputs, seed_row, retain_graph=True) for each row, or "
+            "is_grads_batched=True with compile=True"
+        ) from exc
 
 
 def readouts(
