@@ -13,9 +13,10 @@ smallest signed products), so the state's priority, the best completion of p,
 is exact (A* with an exact heuristic). States leave the queue best first; the i-th complete
 path to leave is the i-th best. Each popped state extends a prefix of one of the k best, so
 the search pops about k × (path length) states. Expanding a state at a tensor element takes
-each consumer op's local-Jacobian column at e (forward-mode AD on the recorded call; a
-native node's backward differentiated, for ops run on the output after the patch) and
-keeps the k children of best priority: a child below k better siblings heads no path among
+each consumer op's local-Jacobian column at e (see :meth:`PathFinder.column`: read off the
+other operand of a linear layer or matrix product, forward-mode AD on the recorded call
+otherwise, a native node's backward differentiated for ops run on the output after the
+patch; at the output elements a message reached) and keeps the k children of best priority: a child below k better siblings heads no path among
 the k best. A composite op (layer norm, attention) is entered as its composition, seeded
 with the op's incoming message, as :func:`top_path` does.
 """
@@ -33,7 +34,7 @@ from torch import Tensor
 from ..engine.graph import node_info
 from ..errors import SemiringAutogradError
 from ..ops.decompositions import DECOMPOSITIONS
-from .paths import WRITE_BACK_NODES, Key, Path, PathFinder, Step, composition_steps
+from .paths import WRITE_BACK_NODES, Column, Key, Path, PathFinder, Step, composition_steps
 
 #: a path's steps as a linked list, newest first: (step, rest) or None
 Cells = tuple[Step, Any] | None
@@ -100,7 +101,7 @@ class KPathSearch:
         self.root, self.k = finder, k
         self.signed, self.which = finder.signed, finder.which
         self._messages: dict[tuple[int, Key], tuple[Tensor, ...]] = {}
-        self._columns: dict[tuple[Any, int, int], tuple[Tensor, ...]] = {}
+        self._columns: dict[tuple[Any, int, int], tuple[Column | None, ...]] = {}
         self._inner: dict[tuple[int, Any, int], PathFinder] = {}
         self._queue: list = []
         self._order = itertools.count()

@@ -9,9 +9,11 @@ element back to the output (Viterbi backtracking), exactly at element level:
   the element won the engine's ⊕ merge;
 * inside that op, the output element i maximising m(y_i) ⊗ |∂y_i/∂x_j| won the op's
   hidden ⊕ (the k of a matmul, the i of a softmax); ∂y/∂x_j is one column of the op's local
-  Jacobian, by forward-mode AD on the recorded call (for a native node, an op run on the
-  output after the patch such as a read-out's scaling or mean, by differentiating the
-  node's backward, which is linear in its incoming gradient);
+  Jacobian, read off the other operand for a linear layer or a matrix product, else by
+  forward-mode AD on the recorded call (for a native node, an op run on the output after
+  the patch such as a read-out's scaling or mean, by differentiating the node's backward,
+  which is linear in its incoming gradient), taken at the output elements a message
+  reached;
 * an op defined as a composition (layer norm, attention) is re-run as that composition on
   its recorded inputs, seeded with its own incoming message, and the path continues through
   its internal nodes (the attention probabilities among them).
