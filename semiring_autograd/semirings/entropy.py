@@ -40,10 +40,13 @@ def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
     rest = torch.sub(er.sum(dim, keepdim=True), er, out=None if batched(er) else er)
     rest_r = ratio_or_zero(rest, den)
     rest_l = den.log_().add_(s1)
-    e2 = torch.sub(la, s2).exp_().scatter_(dim, first, 0.0)
+    e2 = torch.sub(la, s2).exp_()
+    e2 = e2.scatter(dim, first, 0.0) if batched(e2) else e2.scatter_(dim, first, 0.0)
     den2 = e2.sum(dim, keepdim=True)
     at_r = ratio_or_zero(e2.mul_(r).sum(dim, keepdim=True), den2)
     at_l = den2.log_().add_(s2)
+    if batched(rest_l, rest_r):  # torch.vmap batches scatter out of place only
+        return rest_l.scatter(dim, first, at_l), rest_r.scatter(dim, first, at_r)
     return rest_l.scatter_(dim, first, at_l), rest_r.scatter_(dim, first, at_r)
 
 

@@ -62,7 +62,9 @@ def loo_max(x: Tensor, dim: int, empty: float) -> Tensor:
     if x.shape[dim] <= 1:
         return torch.full_like(x, empty)
     first, second, at = top_two(x, dim)
-    return first.expand_as(x).contiguous().scatter_(dim, at, second)
+    out = first.expand_as(x).contiguous()
+    # torch.vmap batches scatter out of place only
+    return out.scatter(dim, at, second) if batched(out) else out.scatter_(dim, at, second)
 
 
 def top_two(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
