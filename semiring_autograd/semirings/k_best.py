@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from .base import Semiring, Value, broadcast_value
-from .batching import batched
 from .tensor_ops import CHUNK_ELEMENTS, filled
 
 
@@ -114,25 +113,23 @@ class KBest(Semiring):
         a4 = a.expand(*batch, m, l, ka).reshape(count, m, l, ka)
         w3 = w.expand(*batch, l, n).reshape(count, l, n)
         live = (a4[..., 0] != 0).any(1).any(0)
-        if not batched(live) and not bool(live.all()):  # under torch.vmap rows differ
+        if not bool(live.all()):
             a4, w3 = a4[:, :, live], w3[:, live]
             l = a4.shape[2]
         if m == 0 or n == 0 or l == 0:
             return self.zero((*batch, m, n), a)
         keep = min(self.k, l)
-        wt = w3.transpose(1, 2).contiguous()  # (B, n, l): each output's weights contiguous
         rows = max(1, CHUNK_ELEMENTS // max(1, count * l * n))
         pieces = []
         for s in range(0, m, rows):
             block = a4[:, s : s + rows]  # (B, r, l, ka)
+            firsts = block[..., 0, None] * w3[:, None]  # (B, r, l, n)
+            chosen = firsts.topk(keep, dim=2).indices  # (B, r, keep, n)
             r = block.shape[1]
-            firsts = block[:, :, None, :, 0] * wt[:, None]  # (B, r, n, l)
-            chosen = firsts.topk(keep, dim=3).indices  # (B, r, n, keep)
-            lists = block.gather(2, chosen.reshape(count, r, n * keep, 1).expand(-1, -1, -1, ka))
-            weights = wt.gather(2, chosen.transpose(1, 2).reshape(count, n, r * keep))
-            weights = weights.reshape(count, n, r, keep).transpose(1, 2)
-            terms = lists.reshape(count, r, n, keep, ka) * weights[..., None]
-            pieces.append(_best(terms.flatten(3), self.k))
+            lists = block.gather(2, chosen.reshape(count, r, keep * n, 1).expand(-1, -1, -1, ka))
+            weights = w3[:, None].expand(count, r, l, n).gather(2, chosen)
+            terms = lists.reshape(count, r, keep, n, ka) * weights[..., None]
+            pieces.append(_best(terms.permute(0, 1, 3, 2, 4).flatten(3), self.k))
         return tuple(torch.cat(parts, 1).reshape(*batch, m, n) for parts in zip(*pieces))
 
     def _contract(self, a: Tensor, b: Tensor) -> Value:
