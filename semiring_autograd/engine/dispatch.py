@@ -44,6 +44,8 @@ class OpTable:
             for path in op.torch_functions:
                 self.by_function.setdefault(_resolve(path), []).append(op)
         self.modules = modules
+        #: (semiring class, op name) -> what :meth:`dispatcher` answers (it reads only these)
+        self._dispatch: dict[tuple[type, str], tuple[Callable[..., Any], bool]] = {}
 
     def candidates(self, func: Any) -> list[OpSpec]:
         try:
@@ -55,10 +57,16 @@ class OpTable:
         """(generated function, whether it takes the semiring as first argument): a built-in
         semiring's own module, else the generic one (user semirings, and built-ins whose
         registry entry says ``module="generic"``)."""
-        spec = spec_of(semiring)
-        if spec is not None and spec.module == "own":
-            return self.modules[spec.name].FUNCTIONS[op.name], False
-        return self.modules["generic"].FUNCTIONS[op.name], True
+        key = (type(semiring), op.name)
+        found = self._dispatch.get(key)
+        if found is None:
+            spec = spec_of(semiring)
+            if spec is not None and spec.module == "own":
+                found = self.modules[spec.name].FUNCTIONS[op.name], False
+            else:
+                found = self.modules["generic"].FUNCTIONS[op.name], True
+            self._dispatch[key] = found
+        return found
 
     @classmethod
     def checked(cls, table: ModuleType, modules: dict[str, ModuleType], origin: str) -> "OpTable":

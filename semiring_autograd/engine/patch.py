@@ -142,6 +142,8 @@ def _tensors(values: Any) -> list[torch.Tensor]:
 
 def _is_complex(tree: Any) -> bool:
     """Whether a complex tensor sits in ``tree`` (nested tuples, lists and dicts)."""
+    if isinstance(tree, torch.Tensor):  # most ops' output: no flatten
+        return tree.is_complex()
     leaves, _ = tree_flatten(tree)
     return any(isinstance(x, torch.Tensor) and x.is_complex() for x in leaves)
 

@@ -53,12 +53,15 @@ def requesting(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> Iterator[
                 _REQUESTED.pop(task, None)
 
 
+#: the node type of a leaf's gradient accumulator
+_LEAF = torch._C._functions.AccumulateGrad
+
+
 def _will_use(node, requested: set[int] | None) -> bool:
     if node is None:
         return False
-    variable = getattr(node, "variable", None)
-    if variable is not None and node.name() == "torch::autograd::AccumulateGrad":
-        return requested is None or id(variable) in requested
+    if type(node) is _LEAF:
+        return requested is None or id(node.variable) in requested
     return torch._C._will_engine_execute_node(node)
 
 
@@ -67,10 +70,23 @@ def input_demand(ctx, tensor_args: Sequence[bool]) -> tuple[bool, ...]:
 
     ``tensor_args[i]`` says whether argument i was a tensor (only tensors have an edge in
     ``ctx.next_functions``)."""
-    requested = _REQUESTED.get(torch._C._current_graph_task_id())
-    edges = iter(ctx.next_functions)
+    requested = _REQUESTED.get(torch._C._current_graph_task_id()) if _REQUESTED else None
+    edges = ctx.next_functions
     out = []
+    edge = 0
     for is_tensor, needed in zip(tensor_args, ctx.needs_input_grad):
-        node = next(edges)[0] if is_tensor else None
-        out.append(bool(needed) and _will_use(node, requested))
+        if is_tensor:
+            out.append(needed and _will_use(edges[edge][0], requested))
+            edge += 1
+        else:
+            out.append(False)
     return tuple(out)
+
+
+def input_used(ctx, tensor_args: Sequence[bool], position: int) -> bool:
+    """Whether the running backward uses the gradient of ``apply``'s argument ``position``
+    (one entry of :func:`input_demand`)."""
+    if not ctx.needs_input_grad[position]:
+        return False
+    requested = _REQUESTED.get(torch._C._current_graph_task_id()) if _REQUESTED else None
+    return _will_use(ctx.next_functions[sum(tensor_args[:position])][0], requested)

@@ -28,11 +28,13 @@ from torch import Tensor
 from ..semirings.base import Semiring
 from ..errors import SemiringAutogradError
 from . import transforms
-from .demand import input_demand
+from .demand import input_demand, input_used
 from .message import unwrap, unwrap_plain, wrap_meta, wrap_one
 
 #: plan sources that are not parameters: the op's output and a forward helper's extra output
 OUTPUT, AUX = -1, -2
+#: a tensor a ``torch.func`` transform left wrapped after it ended, as its plain tensor
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,9 @@ class SemiringFunction(torch.autograd.Function):
     helpers. Inside ``torch.func`` transforms an op runs as :meth:`transformed`."""
 
     plan: ClassVar[Plan]
+    #: ``torch._C._FunctionBase.apply``: records the call (``Function.apply`` without its
+    #: checks for ``setup_context`` and transforms, which :meth:`call` makes itself)
+    _apply = torch._C._FunctionBase.__dict__["apply"]
     #: the op's backward rule (see :meth:`functions`; torch's ``Function.vjp`` is its
     #: ``backward``) and whether the rule reads the output's (dtype, device)
     rule: ClassVar[Callable[..., Any]]
@@ -153,7 +158,10 @@ class SemiringFunction(torch.autograd.Function):
             values = transforms.through_boundary(S, plan.name, values)
             out = cls.transformed().apply(*leading[:-1], call, *values)
         else:
-            out = cls.apply(*leading, *values)
+            for i, v in enumerate(values):  # what ``Function.apply`` does outside transforms
+                if isinstance(v, Tensor):
+                    values[i] = _unwrap_if_dead(v)
+            out = cls._apply(*leading, *values)
         if not plan.has_aux:
             return out
         if plan.returns_aux is None or not plan.returns_aux(**bound):
@@ -192,18 +200,15 @@ class SemiringFunction(torch.autograd.Function):
         values = args if list_at is None else _values(plan, args)
         ctx.set_materialize_grads(False)
         ctx.semiring = S
-        ctx.op_name = plan.name
-        tensor_args = [False] * lead
-        for x in args:
-            tensor_args.append(isinstance(x, Tensor))
-        ctx._tensor_args = tuple(tensor_args)
+        ctx._tensor_args = (False,) * lead + tuple([isinstance(x, Tensor) for x in args])
         if plan.has_aux:
             output, aux = outputs
             ctx.mark_non_differentiable(aux)
         else:
             output, aux = outputs, None
-        first = output[0] if plan.multi_output else output
-        ctx._ref = (first.dtype, first.device)
+        if cls.takes_ref:
+            first = output[0] if plan.multi_output else output
+            ctx._ref = (first.dtype, first.device)
         if plan.saved:
             needs = ctx.needs_input_grad
             need = []
@@ -294,7 +299,8 @@ class SemiringFunction(torch.autograd.Function):
             cls = ctx.function
         plan = cls.plan
         S = ctx.semiring
-        none = (None,) * len(ctx.needs_input_grad)
+        tensor_args = ctx._tensor_args
+        none = (None,) * len(tensor_args)
         if plan.multi_output:
             incoming = [cls.unwrap(S, g, plan.name) for g in grads]
             if cls.one_component:
@@ -309,12 +315,12 @@ class SemiringFunction(torch.autograd.Function):
                 incoming = incoming[0]
         lead = cls.lead
         list_at = plan.list_at
-        needs = input_demand(ctx, ctx._tensor_args)
         single = plan.single
         if single is not None:  # one input with a formula, not a tensor list
-            if not needs[lead + single]:
+            if not input_used(ctx, tensor_args, lead + single):
                 return none
         else:
+            needs = input_demand(ctx, tensor_args)
             need = []
             for t, p in zip(plan.targets, plan.positions):
                 need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
