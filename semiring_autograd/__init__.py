@@ -51,6 +51,7 @@ from .errors import (
     UnsupportedOpError,
 )
 from .explain.attribution import attribute
+from .explain.dataset import attribute_dataset
 from .explain.flow import consumer_flow, module_flow
 from .explain.k_paths import top_paths
 from .explain.paths import top_path
@@ -76,6 +77,7 @@ __all__ = [
     "top_path",
     "top_paths",
     "attribute",
+    "attribute_dataset",
     "module_flow",
     "consumer_flow",
     "node_info",

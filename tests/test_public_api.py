@@ -18,6 +18,7 @@ PUBLIC = [
     "top_path",
     "top_paths",
     "attribute",
+    "attribute_dataset",
     "module_flow",
     "consumer_flow",
     "node_info",
