@@ -65,3 +65,12 @@ def anywhere(t: Tensor) -> bool:
     while torch._C._functorch.is_batchedtensor(t):
         t = torch._C._functorch.get_unwrapped(t)
     return bool(t.any())
+
+
+def across_rows(t: Tensor) -> Tensor:
+    """A boolean ``t`` batched by ``torch.vmap`` as the unbatched tensor true where some row
+    is (e.g. the rows of a message with a path in some seed row)."""
+    while torch._C._functorch.is_batchedtensor(t):
+        dim = torch._C._functorch.maybe_get_bdim(t)
+        t = torch._C._functorch.get_unwrapped(t).any(dim)
+    return t

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Semiring, Value, broadcast_value
+from .batching import across_rows
 from .tensor_ops import CHUNK_ELEMENTS, filled
 
 
@@ -112,7 +113,8 @@ class KBest(Semiring):
         count = math.prod(batch)
         a4 = a.expand(*batch, m, l, ka).reshape(count, m, l, ka)
         w3 = w.expand(*batch, l, n).reshape(count, l, n)
-        live = (a4[..., 0] != 0).any(1).any(0)
+        # under torch.vmap: the indices with a path in some seed row
+        live = across_rows((a4[..., 0] != 0).any(1).any(0))
         if not bool(live.all()):
             a4, w3 = a4[:, :, live], w3[:, live]
             l = a4.shape[2]

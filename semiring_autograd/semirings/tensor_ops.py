@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import kernels
 from ..kernels.workspace import scratch
 from .base import Terms, Value, broadcast_shape, message_dtype
-from .batching import batched
+from .batching import across_rows, batched
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -122,11 +122,12 @@ def live_rows(parts: Value, terms: Terms, w: Tensor) -> tuple[Value, Tensor, Ten
     None when every row (…, m) has a term, or some row has none and ``w`` holds an infinity
     or NaN where ``terms.nan_at_zero_times_inf`` (zero ⊗ lift(w) is then NaN, as in torch's
     backward, and the rows and columns without a term must stay); else ``parts`` broadcast
-    to one shape, the rows with a term (…, m) and their flat indices. None for ``parts``
-    batched by ``torch.vmap`` (rows differ in which rows are live)."""
-    if batched(*parts) or terms.all_live(parts):
+    to one shape, the rows with a term (…, m) and their flat indices. For ``parts``
+    batched by ``torch.vmap``, the rows with a term in some seed row (in the others, such a
+    row's result is the zero that a dropped row gets)."""
+    if terms.all_live(parts):
         return None
-    live = terms.live(parts, -1)
+    live = across_rows(terms.live(parts, -1))
     if bool(live.all()):
         return None
     if terms.nan_at_zero_times_inf and not all_finite(w):
@@ -138,10 +139,8 @@ def live_rows(parts: Value, terms: Terms, w: Tensor) -> tuple[Value, Tensor, Ten
 
 def live_columns(picked: Value, terms: Terms) -> Tensor | None:
     """The indices of the columns of ``picked`` (rows, k) with a term in some row; None
-    when every column has one, or ``picked`` is batched by ``torch.vmap``."""
-    if batched(*picked):
-        return None
-    columns = terms.live(picked, -2)
+    when every column has one (for ``picked`` batched by ``torch.vmap``: in some row)."""
+    columns = across_rows(terms.live(picked, -2))
     return None if bool(columns.all()) else columns.nonzero().squeeze(1)
 
 
