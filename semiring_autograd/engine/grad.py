@@ -17,6 +17,7 @@ from .graph import node_info
 from ..ops.message import Message, wrap
 from ..semirings import batching
 from ..semirings.base import Semiring, message_dtype
+from ..semirings.signed_max_product import SignedMaxProduct
 from ..semirings.registry import plain_messages, records_torch_graph
 
 
@@ -130,10 +131,10 @@ def grad(
     (shape (B, *output)), and each readout gains that dimension first (row b: the readout
     of seed row b). Under ``sa.Real()`` one batched backward computes them (torch's
     ``is_grads_batched``); under the other built-in semirings, one backward under
-    ``torch.vmap`` over the rows (the rules skip no rows or columns that some row's paths
-    reach, and the fused CPU kernels give way to the torch formulas); under a user-defined
-    semiring, with an active ``sa.trace`` or ``trace=True``, one backward per row on the
-    graph kept in between. With ``compile=True`` the rows replay the program the first
+    ``torch.vmap`` over the rows (the rules skip only rows and columns that no row's paths
+    reach, and the fused CPU kernels give way to the torch formulas); under
+    SignedMaxProduct or a user-defined semiring, with an active ``sa.trace`` or
+    ``trace=True``, one backward per row on the graph kept in between. With ``compile=True`` the rows replay the program the first
     captured where their seeds reach the same elements (else the eager backward runs, with
     one warning).
     """
@@ -265,9 +266,13 @@ def _batched(
 
 
 def vmappable(semiring: Semiring) -> bool:
-    """Whether the backward rules of ``semiring`` run under ``torch.vmap``: the library's
-    own semirings (a user-defined semiring's ⊕ and ⊗ may branch on values)."""
-    return type(semiring).__module__.startswith(_LIBRARY)
+    """Whether a batched backward of ``semiring`` runs under ``torch.vmap``: the library's
+    own semirings (a user-defined semiring's ⊕ and ⊗ may branch on values) but
+    SignedMaxProduct, whose matmul without the fused kernel builds every corner product
+    (measured 1.2-25x slower than one backward per row, benchmarks/batched_seeds.py)."""
+    return type(semiring).__module__.startswith(_LIBRARY) and not isinstance(
+        semiring, SignedMaxProduct
+    )
 
 
 _LIBRARY = __name__.split(".")[0] + "."
