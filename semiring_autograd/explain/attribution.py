@@ -258,7 +258,9 @@ def _attribute_one(
     else:
         with patch(model, semiring, paths=want_paths):
             y, first = _read_logit(model, x, mask, index=index, position=position)
-        raw = grad(y, x, raw=True, retain_graph=want_paths, compile=compile)
+        # with paths, the path search's own recorded backward gives the message at x
+        finder = PathFinder(y, x, which="max") if want_paths else None
+        raw = finder.message if want_paths else grad(y, x, raw=True, compile=compile)
     if tokenizer is None:
         tokens = [f"#{i}" for i in ids[0].tolist()]
     else:
@@ -269,8 +271,9 @@ def _attribute_one(
     token_values = semiring.sum(message_value(raw, semiring, x), -1)
     scores = semiring.readout(token_values)
     scores = scores[:, 0] if scores.dim() == 3 else scores[0]  # drop the batch dim
-    found = _token_paths(y, x, "max") if want_paths else []
-    smallest = _token_paths(y, x, "min") if want_paths and spec.top_paths == "signed" else []
+    found = _token_paths(finder) if want_paths else []
+    signed = want_paths and spec.top_paths == "signed"
+    smallest = _token_paths(PathFinder(y, x, which="min")) if signed else []
     reached = _reached(semiring, token_values)[0]
     return Attribution(
         tokens, scores.detach(), semiring, label, found, smallest, prediction, reached
@@ -326,9 +329,8 @@ def _compiled_scores(
     return step(x) if mask is None else step(x, attention_mask=mask)
 
 
-def _token_paths(y: Tensor, x: Tensor, which: str) -> list[Path | None]:
+def _token_paths(finder: PathFinder) -> list[Path | None]:
     """Per token, the path of its best embedding element (None where no path reaches)."""
-    finder = PathFinder(y, x, which=which)
     values = finder.element_values()[0]
     found: list[Path | None] = []
     for t in range(values.shape[0]):
