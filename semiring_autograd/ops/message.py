@@ -111,8 +111,9 @@ def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
     if not isinstance(grad, Message):
         raise SemiringMismatchError(
             f"{op}: the backward received a plain tensor where a {semiring!r} message was "
-            "expected. Seed the backward with `sa.grad(...)` (or a message from "
-            "`semiring_autograd.engine.grad.seed_message(...)`), not with a real tensor."
+            "expected. Seed the backward with `sa.grad(...)`, or run the library's own "
+            "`.backward()` / `torch.autograd.grad` inside `with sa.seeding():`, which lifts "
+            "its real gradient into the semiring."
         )
     if grad.semiring is not semiring and grad.semiring != semiring:
         raise SemiringMismatchError(
