@@ -184,6 +184,9 @@ def on_live_rows(
     elif dtype is None:
         dtype = torch.promote_types(flat[0].dtype, w.dtype)
     outs = [flat[0].new_full((flat[0].shape[0], n), value, dtype=dtype) for value in empty]
-    for out, result in zip(outs, results or ()):
-        out.index_copy_(0, rows, result[0])
+    if results and batched(*results):  # torch.vmap batches index_copy out of place only
+        outs = [out.index_copy(0, rows, result[0]) for out, result in zip(outs, results)]
+    else:
+        for out, result in zip(outs, results or ()):
+            out.index_copy_(0, rows, result[0])
     return tuple(out.reshape(*live.shape, n) for out in outs)
