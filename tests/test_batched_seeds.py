@@ -196,3 +196,13 @@ def test_signed_rules_run_under_vmap_too():
     (got,) = grad_module._vmapped(S, [y], [x], [seeds], True)
     loop = torch.stack([sa.grad(y, x, s, retain_graph=True) for s in seeds])
     torch.testing.assert_close(got, loop, **TOL)
+
+
+def test_more_rows_than_one_vmap_takes_are_run_in_chunks():
+    S = sa.Log()
+    y, x = _recorded("attention", S)
+    rows = grad_module.VMAP_ROWS + 3
+    seeds = torch.randn(rows, *y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(7))
+    loop = torch.stack([sa.grad(y, x, s, retain_graph=True) for s in seeds])
+    got = sa.grad(y, x, seeds, is_grads_batched=True)  # the graph is kept until the last chunk
+    torch.testing.assert_close(got, loop, **TOL)
