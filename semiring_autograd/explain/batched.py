@@ -98,7 +98,12 @@ class Prepared:
 
 def context_limit(model: nn.Module) -> int | None:
     """The most tokens ``model`` reads, from its config (None where it names no limit)."""
-    config = getattr(model, "config", None)
+    return config_context_limit(getattr(model, "config", None))
+
+
+def config_context_limit(config: Any) -> int | None:
+    """The most tokens a Hugging Face ``config`` (its text config, where it has one) names,
+    under any of the usual keys; None where it names none."""
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
     for key in _CONTEXT_KEYS:

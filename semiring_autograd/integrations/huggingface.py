@@ -12,6 +12,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ..explain.batched import config_context_limit
+
 DEFAULT_MODEL = "SmolLM2-135M"
 
 
@@ -45,9 +47,6 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
 
 
 #: the config attributes that hold a model's context length, by model family
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
 def context_length(path: str | os.PathLike | None = None) -> int | None:
     """The most tokens the model reads, from its config (no weights loaded): a local Hugging
     Face directory, or with ``None`` the embedded SmolLM2-135M (its GGUF metadata). None
@@ -58,13 +57,7 @@ def context_length(path: str | os.PathLike | None = None) -> int | None:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    for key in _CONTEXT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return config_context_limit(config)
 
 
 def _gguf_context_length(directory: Path, file: str) -> int | None:
