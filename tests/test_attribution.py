@@ -207,11 +207,11 @@ def test_target_hints_name_the_spaced_token():
     'Berlin' two."""
     tokenizer = sa.integrations.huggingface.load_tokenizer(None)
     spaced = tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
-    hint = sa.explain.attribution.target_hint("Paris", tokenizer)
+    hint = sa.explain.token_scores.target_hint("Paris", tokenizer)
     assert f"' Paris' (id {spaced})" in hint and "no leading space" in hint
-    assert sa.explain.attribution.target_hint(" Paris", tokenizer) is None
+    assert sa.explain.token_scores.target_hint(" Paris", tokenizer) is None
     with pytest.raises(ValueError, match="' Berlin', with a leading space, is one token"):
-        sa.explain.attribution.target_id("Berlin", tokenizer)
+        sa.explain.token_scores.target_id("Berlin", tokenizer)
 
 
 def test_help_text_reads_as_plain_text():
@@ -391,4 +391,4 @@ def test_embedded_model_is_named_smollm2(monkeypatch):
     tiny.name_or_path = str(directory)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
     model = huggingface.load_model(None)
-    assert model is tiny and sa.explain.attribution.model_label(model) == "SmolLM2-135M"
+    assert model is tiny and sa.explain.token_scores.model_label(model) == "SmolLM2-135M"

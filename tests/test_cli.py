@@ -22,7 +22,7 @@ from model_zoo import llama_config
 
 import semiring_autograd as sa
 import semiring_autograd_cli
-from semiring_autograd.explain.attribution import model_label
+from semiring_autograd.explain.token_scores import model_label
 from semiring_autograd.integrations import cli, huggingface
 
 ROOT = Path(__file__).resolve().parent.parent

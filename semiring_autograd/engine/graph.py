@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from ..ops.spec import NODE_INFO_KEY as _KEY
+
 if TYPE_CHECKING:
     from .recorded_call import RecordedCall
     from ..semirings.base import Semiring
-
-#: the key of a node's ``metadata`` dict under which sa.patch stores its NodeInfo
-_KEY = "semiring_autograd"
 
 
 class NodeInfo(NamedTuple):

@@ -203,7 +203,6 @@ class _SemiringMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if not torch.is_grad_enabled() or not (_requires_grad(args) or _requires_grad(kwargs)):
             return func(*args, **kwargs)
-        handle = self.handle
         if "out" in kwargs and kwargs["out"] is None:  # the default, spelled out
             kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         if inplace.flagged(kwargs):  # F.relu(x, inplace=True): before any entry binds it

@@ -34,7 +34,13 @@ from ..engine.grad import grad, message_value, seed_message
 from ..engine.patch import patch
 from ..semirings.base import Semiring
 from ..semirings.registry import inherited_spec
-from .attribution import Attribution, _prediction, _reached, check_position, target_id
+from .token_scores import (
+    Attribution,
+    check_position,
+    prediction_at,
+    reached_elements,
+    target_id,
+)
 from .paths import Path, PathFinder
 
 #: the config attributes that hold a model's context length, by model family
@@ -347,7 +353,7 @@ def attribute_batch(
         raw = grad(y, x, raw=True, retain_graph=want_paths, compile=compile)
     values = semiring.sum(message_value(raw, semiring, x), -1)
     scores = semiring.readout(values).detach()
-    reached = _reached(semiring, values)
+    reached = reached_elements(semiring, values)
     if keep is not None:
         keep.append(BatchResult(scores, reached, padded))
     best = _batch_paths(y, x, semiring, "max") if want_paths else None
@@ -361,7 +367,7 @@ def attribute_batch(
         if best_path_only:
             shown = [span.start + int((own[0] if own.dim() == 2 else own).argmax())]
         tokens = [tokenizer.decode([i]) for i in p.ids]
-        prediction = _prediction(
+        prediction = prediction_at(
             rows[b].detach(), p.target, tokenizer, model_name, p.record.text, p.position, tokens
         )
         results.append(

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..semirings.registry import semiring_named
 from . import report
-from .attribution import Attribution, model_label
+from .token_scores import Attribution, model_label
 from .batched import (
     Prepared,
     as_record,
@@ -293,7 +293,7 @@ def attribute_dataset(
         merged = out / f"records.{format}"
         if rank == 0:
             merge(out)
-            write_report(out)
+            write_report(out, read_rows(merged) if merged.exists() else [])
         _barrier(world)
         return merged
     finally:

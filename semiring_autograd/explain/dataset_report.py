@@ -80,15 +80,11 @@ def histogram_svg(counts: Counter, width: int = 640, height: int = 160) -> str:
     )
 
 
-def write_report(out: str | os.PathLike) -> FilePath:
-    """``out/report.html`` from the merged table and the manifest of the run in ``out``;
-    its path."""
-    from .dataset import read_rows
-
+def write_report(out: str | os.PathLike, rows: list[dict[str, Any]]) -> FilePath:
+    """``out/report.html`` from the merged table's ``rows`` and the manifest of the run in
+    ``out``; its path."""
     out = FilePath(out)
     manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
-    merged = out / manifest["file"]
-    rows = read_rows(merged) if merged.exists() else []
     page = report_page(rows, manifest, pages=out / "pages")
     target = out / "report.html"
     staging = out / ".report.html.tmp"

@@ -31,7 +31,7 @@ except ImportError as exc:  # the optional extra
     raise ImportError("sa.captum needs captum: pip install 'semiring-autograd[captum]'") from exc
 
 from ..engine.grad import grad
-from ..explain.attribution import Attribution as TokenScores
+from ..explain.token_scores import Attribution as TokenScores
 from ..explain.report import Scale
 from ..engine.patch import patch
 from ..semirings.base import Semiring

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from ..explain import report
-from ..explain.attribution import attribute, check_position, read_texts, target_hint, target_id
+from ..explain.attribution import attribute, read_texts
+from ..explain.token_scores import check_position, target_hint, target_id
 from ..explain.batched import as_record, prepare
 from ..explain.dataset import read_records
 from ..semirings.registry import cli_names, semiring_named, spec_of

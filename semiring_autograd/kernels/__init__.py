@@ -46,7 +46,6 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..semirings.batching import transformed
 from . import build, checks, operators
 from .build import available, built, mode
 from .operators import op
@@ -55,10 +54,16 @@ _FLOATS = (torch.float32, torch.float64)
 CPU = torch.device("cpu")
 
 
+def _transformed() -> bool:
+    """Whether a functorch transform (``torch.vmap``) is active: the fused kernels, custom
+    ops without a batching rule, do not run under it."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def enabled() -> bool:
     """Whether the fused kernels may run: ``SEMIRING_AUTOGRAD_KERNELS`` is not ``off`` and no
     ``torch.vmap`` is active (the kernels have no batching rule: the torch formulas run)."""
-    return build.enabled() and not transformed()
+    return build.enabled() and not _transformed()
 
 
 def _ready(how: str, name: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -82,7 +87,7 @@ def _cpu_ready(name: str, *tensors: Tensor) -> bool:
 def _cpu_kernel(name: str, dtype: torch.dtype) -> bool:
     """Whether CPU kernel ``name`` may compute for ``dtype``: enabled, built and ready."""
     how = mode()
-    return how != "off" and not transformed() and built() and _ready(how, name, CPU, dtype)
+    return how != "off" and not _transformed() and built() and _ready(how, name, CPU, dtype)
 
 
 def _nonempty_ready(name: str, *tensors: Tensor) -> bool:

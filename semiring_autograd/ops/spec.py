@@ -10,6 +10,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+#: the key of a backward node's ``metadata`` under which ``sa.patch`` stores what it recorded
+#: about the op call (``engine.graph.NodeInfo``)
+NODE_INFO_KEY = "semiring_autograd"
+
 
 @dataclass(frozen=True)
 class ParamSpec:

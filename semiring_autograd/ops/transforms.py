@@ -45,10 +45,10 @@ from torch._functorch.pyfunctorch import (
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..engine.graph import node_info
 from ..errors import SemiringAutogradError
 from ..semirings.base import Semiring, message_dtype
 from .message import Message, wrap
+from .spec import NODE_INFO_KEY
 
 #: grad-tracking leaf → (semiring, the output of its ReadoutBoundary)
 _BOUNDARIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -85,7 +85,8 @@ def _refuse_ops_before(semiring: Semiring, op: str, t: Any) -> None:
     if not isinstance(t, Tensor) or not is_gradtrackingtensor(t) or t.grad_fn is None:
         return
     node = t.grad_fn
-    if node_info(node) is not None or isinstance(node, ReadoutBoundary._backward_cls):
+    recorded = node.metadata.get(NODE_INFO_KEY) is not None  # recorded by sa.patch
+    if recorded or isinstance(node, ReadoutBoundary._backward_cls):
         return
     raise SemiringAutogradError(
         f"torch.func: op '{op}' under {semiring!r} reads a tensor of shape {tuple(t.shape)} "

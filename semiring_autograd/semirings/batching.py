@@ -17,12 +17,6 @@ def batched(*tensors: Tensor) -> bool:
     return any(torch._C._functorch.is_batchedtensor(t) for t in tensors)
 
 
-def transformed() -> bool:
-    """Whether a functorch transform (``torch.vmap``) is active: the fused kernels, custom
-    ops without a batching rule, do not run under it."""
-    return torch._C._functorch.maybe_current_level() is not None
-
-
 _layer: list = []  # the torch.vmap layer of the batched backward running, with its depth
 
 
