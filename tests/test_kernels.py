@@ -8,6 +8,7 @@ block), empty-entry markers, batches and the multi-threaded split.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -689,11 +690,23 @@ def test_nan_weight_shows_in_log_space_matmul(semiring):
 
 def test_openmp_build_shares_torch_runtime():
     """Built with OpenMP, the library must not load a second OpenMP runtime next to torch's
-    (two teams would compete for the cores)."""
+    (two teams would compete for the cores). Checked in a fresh process that imports torch
+    and loads the kernels alone: other packages a test process imports (sentencepiece, say)
+    may bring their own runtime."""
     if not kernels.build.uses_openmp():
         pytest.skip("the kernels were built without OpenMP on this machine")
-    with open("/proc/self/maps") as f:
-        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    script = (
+        "import json, torch\n"
+        "from semiring_autograd.kernels import build\n"
+        "assert build.uses_openmp()\n"
+        "with open('/proc/self/maps') as f:\n"
+        "    print(json.dumps(sorted({l.split()[-1] for l in f if 'gomp' in l or 'iomp' in l})))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    runtimes = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(runtimes) == 1, runtimes
 
 
