@@ -18,7 +18,7 @@ from ..ops.message import Message, wrap
 from ..semirings import batching
 from ..semirings.base import Semiring, message_dtype
 from ..semirings.signed_max_product import SignedMaxProduct
-from ..semirings.registry import plain_messages, records_torch_graph
+from ..semirings.registry import defined_by_library, plain_messages, records_torch_graph
 
 
 def recorded_semiring(outputs: Tensor | Sequence[Tensor]) -> Semiring:
@@ -282,12 +282,8 @@ def vmappable(semiring: Semiring) -> bool:
     own semirings (a user-defined semiring's ⊕ and ⊗ may branch on values) but
     SignedMaxProduct, whose matmul without the fused kernel builds every corner product
     (measured 1.2-25x slower than one backward per row, benchmarks/batched_seeds.py)."""
-    return type(semiring).__module__.startswith(_LIBRARY) and not isinstance(
-        semiring, SignedMaxProduct
-    )
+    return defined_by_library(semiring) and not isinstance(semiring, SignedMaxProduct)
 
-
-_LIBRARY = __name__.split(".")[0] + "."
 
 #: the seed rows one backward under torch.vmap takes at most
 VMAP_ROWS = 16

@@ -47,7 +47,7 @@ from .recorded_call import RecordedCall
 from .wrapped_models import module_of
 from ..semirings.base import Semiring
 from ..semirings.laws import check_semiring
-from ..semirings.registry import records_torch_graph
+from ..semirings.registry import defined_by_library, records_torch_graph
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 #: each patched model → the handle that patched it (read and written under _PATCHED_LOCK)
@@ -750,20 +750,13 @@ _LAWS_CHECKED_LIMIT = 256
 #: a copy of it as checked and its verdict; the entry goes with the semiring, and counts
 #: while the semiring equals the copy
 _LAWS_CHECKED_BY_ID: dict[int, tuple[weakref.ref, Semiring, _Verdict]] = {}
-#: the modules of this library's own classes (its semirings' laws are tested with it)
-_LIBRARY_PREFIX = __name__.rsplit(".", 2)[0] + "."
-
-
-def _is_builtin(semiring: Semiring) -> bool:
-    """Whether this library defines ``semiring``'s class (its laws are tested with it)."""
-    return type(semiring).__module__.startswith(_LIBRARY_PREFIX)
 
 
 def _check_laws(semiring: Semiring) -> None:
     """Refuse a user semiring that violates a semiring law or the lift homomorphism (checked
     once per class and parameters, an unhashable one once per instance and parameters: the
     verdict is kept)."""
-    if _is_builtin(semiring):
+    if defined_by_library(semiring):
         return
     verdict = _remembered(semiring)
     if verdict is None:

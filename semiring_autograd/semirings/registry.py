@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .base import Semiring
+from .base import _LIBRARY_PREFIX, Semiring
 from .boolean import Boolean
 from .counting import Counting
 from .entropy import Entropy
@@ -174,6 +174,12 @@ def path_kind(semiring: Semiring) -> Literal["max", "signed", "witness"] | None:
         return "max"
     spec = inherited_spec(semiring)
     return None if spec is None else spec.top_paths
+
+
+def defined_by_library(semiring: Semiring) -> bool:
+    """Whether this library defines ``semiring``'s class (not a user's subclass): its laws
+    are tested with the library, and its rules branch on values only as the library knows."""
+    return type(semiring).__module__.startswith(_LIBRARY_PREFIX)
 
 
 def records_torch_graph(semiring: Semiring) -> bool:
