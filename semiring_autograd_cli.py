@@ -136,6 +136,12 @@ def parser() -> argparse.ArgumentParser:
         help="records per forward and backward (default: 8 with --out, else 1)",
     )
     explain.add_argument(
+        "--flow",
+        action="store_true",
+        help="--out: per record, the flow through each decoder layer's attention and MLP "
+        "(sa.module_flow; one backward per module), summed per layer and part in report.html",
+    )
+    explain.add_argument(
         "--part-size",
         type=int,
         default=256,
@@ -172,8 +178,8 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def check_dataset_options(args: argparse.Namespace) -> None:
-    """UsageError for --out, --resume, --batch-size or --part-size given where they do not
-    apply, or a --out that is a file."""
+    """UsageError for --out, --resume, --flow, --batch-size or --part-size given where they
+    do not apply, or a --out that is a file."""
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size {args.batch_size}: give a positive number of records")
     if args.part_size < 1:
@@ -181,6 +187,8 @@ def check_dataset_options(args: argparse.Namespace) -> None:
     if args.out is None:
         if args.resume:
             raise UsageError("--resume finishes the run in --out: give --out DIR")
+        if args.flow:
+            raise UsageError("--flow records module flow in --out's table: give --out DIR")
         return
     if args.file is None:
         raise UsageError("--out writes a row per record of --file: give --file, not TEXT")

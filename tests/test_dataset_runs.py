@@ -1,10 +1,12 @@
 """Dataset runs (explain/dataset.py): the table's rows against one-at-a-time attribution, two
 ranks under torchrun against one process, a run killed with SIGKILL and resumed, bad
-records as error rows, and the files pandas and ``datasets`` read."""
+records as error rows, the files pandas and ``datasets`` read, and each record's module
+flow against ``sa.module_flow`` of the record alone."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,7 +18,11 @@ import pytest
 import torch
 
 import semiring_autograd as sa
+import semiring_autograd_cli
 from semiring_autograd.explain.dataset import attribute_dataset, column, read_rows
+from semiring_autograd.explain.flow import capture
+from semiring_autograd.integrations.huggingface import load_causal_lm
+from semiring_autograd.semirings.registry import semiring_named
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dataset_worker  # noqa: E402
@@ -209,3 +215,105 @@ def test_pandas_and_datasets_read_the_table(lm, tmp_path, format, semiring, path
     inside = [s.module for s in alone.paths[best].steps if s.module != "(outside sa.patch)"]
     assert [s["module"] for s in steps if s["module"] != "(outside sa.patch)"] == inside
     assert steps[0]["index"][1:] == list(alone.paths[best].steps[0].index[1:])
+
+
+#: per semiring: ⊕ of readouts over all elements, by the semiring's definition, and the
+#: share of a flow in the total
+FLOW = {
+    "max-product": (torch.amax, lambda flow, total: flow / total),
+    "log": (torch.logsumexp, lambda flow, total: math.exp(flow - total)),
+    "real": (torch.sum, lambda flow, total: flow / total),
+}
+
+
+def _decoder_parts(model) -> list[tuple[str, int, str]]:
+    layers = model.config.num_hidden_layers
+    return [
+        (f"model.layers.{i}.{child}", i, part)
+        for i in range(layers)
+        for child, part in (("self_attn", "attention"), ("mlp", "mlp"))
+    ]
+
+
+def _alone_flow(model, tokenizer, row, name: str, modules: list[str]):
+    """(per module the record's flow, the readout over all paths): the record alone, no
+    padding, under ``name``, ⊕ over every element of its embeddings."""
+    reduce = lambda t: float(FLOW[name][0](t.reshape(-1), 0))  # noqa: E731
+    ids = torch.tensor([tokenizer(row["text"])["input_ids"]])
+    x = model.get_input_embeddings()(ids).detach().requires_grad_()
+    with sa.patch(model, semiring_named(name)), capture(model, modules) as seen:
+        y = model(inputs_embeds=x).logits[0, row["position"], row["target_id"]]
+    flows = sa.module_flow(y, x, seen)
+    return {m: reduce(flows[m]) for m in modules}, reduce(sa.grad(y, x))
+
+
+@pytest.mark.parametrize("format, side", [("parquet", "right"), ("jsonl", "left")])
+def test_flow_cells_are_each_records_own_module_flow(lm, tmp_path, format, side):
+    model, tokenizer = lm
+    records = dataset_worker.RECORDS[:7]  # record 4 is an error row
+    was = tokenizer.padding_side
+    tokenizer.padding_side = side
+    try:
+        merged = attribute_dataset(
+            model,
+            records,
+            tmp_path / "run",
+            tokenizer=tokenizer,
+            semirings=("max-product", "log", "real", "entropy"),
+            batch_size=3,
+            format=format,
+            progress=False,
+            flow=True,
+        )
+    finally:
+        tokenizer.padding_side = was
+    rows = read_rows(merged)
+    assert "flow_entropy" not in rows[0]  # entropy has no flow column
+    parts = _decoder_parts(model)
+    modules = [m for m, _, _ in parts]
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["flow"] == modules
+    for row in rows:
+        if row["error"] is not None:
+            assert row["flow_max_product"] is None and row["flow_log"] is None
+            continue
+        for name in FLOW:
+            cells = row["flow_" + name.replace("-", "_")]
+            assert [(c["module"], c["layer"], c["part"]) for c in cells] == parts
+            want, total = _alone_flow(model, tokenizer, row, name, modules)
+            for cell in cells:
+                flow = want[cell["module"]]
+                assert cell["flow"] == pytest.approx(flow, rel=1e-7, abs=1e-9), (name, cell)
+                share = FLOW[name][1](flow, total)
+                assert cell["share"] == pytest.approx(share, rel=1e-7, abs=1e-9), (name, cell)
+
+
+def test_flow_refusals(lm, tmp_path):
+    model, tokenizer = lm
+    common = dict(tokenizer=tokenizer, progress=False)
+    with pytest.raises(ValueError, match="flow is recorded under max-product, log"):
+        attribute_dataset(model, ["a"], tmp_path / "a", semirings=("entropy",), flow=True, **common)
+    with pytest.raises(ValueError, match=r"\['model.layers.9.mlp'\] names no submodule"):
+        attribute_dataset(model, ["a"], tmp_path / "b", flow=["model.layers.9.mlp"], **common)
+    with pytest.raises(ValueError, match="has no list of layers with an attention child"):
+        attribute_dataset(torch.nn.Linear(2, 2), ["a"], tmp_path / "c", flow=True, **common)
+
+
+def test_explain_flow_option_writes_the_flow_columns(lm, tmp_path, capsys):
+    model, tokenizer = lm
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in dataset_worker.RECORDS[:3]))
+    argv = ["explain", "--file", str(prompts), "--out", str(tmp_path / "run"), "--no-paths"]
+    argv += ["--model", str(folder), "--semiring", "log", "--flow", "--format", "jsonl"]
+    assert semiring_autograd_cli.main(argv) == 0, capsys.readouterr().err
+    rows = read_rows(tmp_path / "run" / "records.jsonl")
+    modules = [m for m, _, _ in _decoder_parts(model)]
+    loaded, _ = load_causal_lm(str(folder))  # the model as the command loads it
+    want, _ = _alone_flow(loaded, tokenizer, rows[1], "log", modules)
+    got = {c["module"]: c["flow"] for c in rows[1]["flow_log"]}
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    flow_off = ["explain", "--file", str(prompts), "--flow", "--target", " x"]
+    assert semiring_autograd_cli.main(flow_off) == 2
+    assert "--flow records module flow in --out's table: give --out DIR" in capsys.readouterr().err

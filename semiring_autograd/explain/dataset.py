@@ -24,7 +24,9 @@ signed-max-product), ``prediction`` (the most probable next token), ``target_log
 ``target_probability``, ``target_rank``, ``strongest_token`` and ``strongest_offset`` (the
 token with the largest score under the first semiring, and its position minus the read
 position), ``top_path`` (with ``paths``: the strongest token's MaxProduct path, its weight
-and steps) and ``error``.
+and steps), ``flow_<semiring>`` (with ``flow``, per semiring of
+:data:`.dataset_flow.SHARES`: per module its ``module``, ``layer``, ``part``, ``flow``
+and ``share``, :mod:`.dataset_flow`) and ``error``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path as FilePath
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -52,6 +54,7 @@ from .batched import (
     logit_count,
     prepare,
 )
+from .dataset_flow import SHARES, batch_flows, flow_cells, flow_column, flow_modules, named_module
 from .dataset_report import page_name, write_report
 
 FORMATS = ("parquet", "jsonl")
@@ -114,6 +117,7 @@ class Settings:
     position: int
     paths: bool
     format: str
+    flow: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -123,7 +127,12 @@ class Settings:
             "position": self.position,
             "paths": self.paths,
             "format": self.format,
+            "flow": list(self.flow),
         }
+
+    def flow_semirings(self) -> list[str]:
+        """The semirings whose flow the run records (none without ``flow``)."""
+        return [n for n in self.semirings if n in SHARES] if self.flow else []
 
 
 def write_atomic(path: FilePath, write) -> None:
@@ -168,6 +177,17 @@ def _schema(rows: list[dict[str, Any]]):
             ("local_derivative", pa.float64()),
         ]
     )
+    flow = pa.list_(
+        pa.struct(
+            [
+                ("module", pa.string()),
+                ("layer", pa.int64()),
+                ("part", pa.string()),
+                ("flow", pa.float64()),
+                ("share", pa.float64()),
+            ]
+        )
+    )
     fixed = {
         "index": pa.int64(),
         "id": pa.string(),
@@ -187,7 +207,10 @@ def _schema(rows: list[dict[str, Any]]):
         ),
         "error": pa.string(),
     }
-    return pa.schema([(n, fixed.get(n, pa.list_(pa.float64()))) for n in rows[0]])
+    default = pa.list_(pa.float64())
+    return pa.schema(
+        [(n, flow if n.startswith("flow_") else fixed.get(n, default)) for n in rows[0]]
+    )
 
 
 def read_rows(path: FilePath) -> list[dict[str, Any]]:
@@ -234,6 +257,7 @@ def attribute_dataset(
     progress: bool = True,
     model_name: str | None = None,
     pages: bool = False,
+    flow: bool | Sequence[str] = False,
 ) -> FilePath:
     """Attribute every record and write the table (see the module's docstring); the path of
     the merged file. ``records``: texts or mappings (``text``, optional ``target``,
@@ -241,7 +265,10 @@ def attribute_dataset(
     records, one forward and one backward per semiring; rows go to disk ``part_size`` at
     a time. Rank 0 merges once every rank is done and writes ``out/report.html``
     (:mod:`.dataset_report`); with ``pages``, each record also gets its own report page,
-    ``out/pages/NNNNNN.html``."""
+    ``out/pages/NNNNNN.html``. ``flow``: True records each decoder layer's attention and
+    MLP flow per record (a list of module names: those modules'), under every semiring of
+    the run that :data:`.dataset_flow.SHARES` names: one more patched forward and one
+    backward per module and batch (:mod:`.dataset_flow`)."""
     if format not in FORMATS:
         raise ValueError(f"format is one of {FORMATS}, got {format!r}")
     if batch_size < 1 or part_size < 1:
@@ -253,6 +280,12 @@ def attribute_dataset(
         records = read_records(records)
     records = list(records)
     out = FilePath(out)
+    through = tuple(m.name for m in flow_modules(model, flow))
+    if through and not any(n in SHARES for n in names):
+        raise ValueError(
+            f"flow is recorded under {', '.join(SHARES)}; the run's semirings are "
+            f"{', '.join(names)}: add one of them"
+        )
     settings = Settings(
         model_name or model_label(model),
         names,
@@ -260,6 +293,7 @@ def attribute_dataset(
         position,
         paths and _has_paths(names),
         format,
+        through,
     )
     rank, world, joined = distributed()
     try:
@@ -322,7 +356,8 @@ def _check_run(out: FilePath, settings: Settings, resume: bool, rank: int, world
         if recorded != settings.as_dict():
             raise ValueError(
                 f"{out} holds a run with other settings {recorded}; resume it with the same "
-                "model, semirings, target, position, paths and format, or give another folder"
+                "model, semirings, target, position, paths, format and flow, or give another "
+                "folder"
             )
     _barrier(world)
     if rank == 0:
@@ -463,6 +498,11 @@ def _batch_rows(
                 best_path_only=True,
             )
         )
+    modules = [named_module(n) for n in settings.flow]
+    flows = {
+        name: batch_flows(model, batch, semiring_named(name), tokenizer, modules)
+        for name in settings.flow_semirings()
+    }
     rows = []
     for b, p in enumerate(batch):
         found = [attributions[b] for attributions in per_semiring]
@@ -470,7 +510,13 @@ def _batch_rows(
             pages.mkdir(exist_ok=True)
             page = report.html_page([found])
             write_atomic(pages / page_name(p.index), lambda s: s.write_text(page, encoding="utf-8"))
-        rows.append(_row(p, settings, found))
+        row = _row(p, settings, found)
+        for name, per_record in flows.items():
+            attribution = found[settings.semirings.index(name)]
+            row[flow_column(name)] = flow_cells(
+                name, semiring_named(name), modules, per_record[b], attribution
+            )
+        rows.append(row)
     return rows
 
 
@@ -483,7 +529,8 @@ def columns(settings: Settings) -> list[str]:
             names.append(column(name) + "_min")
     names += ["prediction", "target_logit", "target_probability", "target_rank"]
     names += ["strongest_token", "strongest_offset"]
-    return names + (["top_path"] if settings.paths else []) + ["error"]
+    names += ["top_path"] if settings.paths else []
+    return names + [flow_column(n) for n in settings.flow_semirings()] + ["error"]
 
 
 def _row(p: Prepared, settings: Settings, found: list[Attribution]) -> dict[str, Any]:

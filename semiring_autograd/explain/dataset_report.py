@@ -3,9 +3,11 @@
 Sections: the run (model, semirings, records, error rows); where the strongest token lies
 relative to the read position (a histogram of ``strongest_offset``: 0 is the token read,
 -3 three tokens before it); the modules on the records' top paths (how many records' top
-path crosses each module, per layer and part); the most frequent top-path shapes (the
-modules a path crosses, in order); and one line per record, linked to its own page
-(``out/pages/NNNNNN.html``) where the run wrote one.
+path crosses each module, per layer and part); with a run's ``flow``, the flow through
+modules summed over records (per semiring, a layer × part table of the records' shares,
+coloured by their mean, with the sums also in a JSON block, ``<script id="flow-data">``);
+the most frequent top-path shapes (the modules a path crosses, in order); and one line per
+record, linked to its own page (``out/pages/NNNNNN.html``) where the run wrote one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import math
 import re
 from collections import Counter
 from pathlib import Path as FilePath
@@ -20,6 +23,8 @@ from typing import Any, Sequence
 
 #: the histogram's bar colour
 BAR = "#3b6ea8"
+#: the flow table's colours (r, g, b) of positive and negative mean shares
+FLOW_COLOURS = ((46, 139, 87), (192, 57, 43))
 #: steps that are not a module of the model
 _NOT_MODULES = {"input", "(outside sa.patch)", ""}
 
@@ -117,6 +122,7 @@ def report_page(
         + histogram_svg(offsets)
         + "</section>",
         _modules_section(crossed, len(good), bool(paths and any(paths))),
+        _flow_section(good, manifest),
         _shapes_section(shapes),
         _records_section(rows, pages),
     ]
@@ -158,6 +164,109 @@ def _modules_section(crossed: Counter, records: int, any_paths: bool) -> str:
         "<p>Per module, the records whose strongest path crosses it.</p>"
         f"<table><tr><th>module</th><th>records</th><th>share</th></tr>{rows}</table></section>"
     )
+
+
+def flow_sums(rows: Sequence[dict[str, Any]], column: str) -> list[dict[str, Any]]:
+    """Per module of the rows' ``column`` cells (in the cells' order): its ``module``,
+    ``layer``, ``part``, ``records`` (rows with a cell), ``flow_sum`` (Σ of their flows),
+    ``shares`` (rows with a share) and ``share_sum`` (Σ of their shares)."""
+    sums: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for cell in row.get(column) or []:
+            entry = sums.setdefault(
+                cell["module"],
+                {
+                    "module": cell["module"],
+                    "layer": cell["layer"],
+                    "part": cell["part"],
+                    "records": 0,
+                    "flow_sum": 0.0,
+                    "shares": 0,
+                    "share_sum": 0.0,
+                },
+            )
+            entry["records"] += 1
+            entry["flow_sum"] += cell["flow"]
+            if cell["share"] is not None:
+                entry["shares"] += 1
+                entry["share_sum"] += cell["share"]
+    return list(sums.values())
+
+
+def _flow_section(good: Sequence[dict[str, Any]], manifest: dict[str, Any]) -> str:
+    head = "<section id='flow'><h2>Flow through modules</h2>"
+    tables, data = [], {}
+    for name in manifest.get("semirings", []):
+        column = "flow_" + name.replace("-", "_")
+        sums = flow_sums(good, column)
+        if sums:
+            data[name] = sums
+            tables.append(f"<h3>{html.escape(name)}</h3>" + _flow_table(name, sums))
+    if not tables:
+        return head + "<p>The run recorded no flow (flow off).</p></section>"
+    blob = json.dumps({n: [_json_safe(e) for e in s] for n, s in data.items()})
+    return (
+        head + "<p>Per record and module (a decoder layer's attention or MLP output), the "
+        "readout over the paths from the record's tokens to its target that cross the "
+        "module (<code>sa.module_flow</code>, ⊕ over the record's embeddings), and its "
+        "share of the readout over all paths: the strongest path through the module over "
+        "the strongest path (max-product; 1: the record's strongest path crosses it), the "
+        "part of the total path weight through it (log, counting), the gradient through it "
+        "over the summed gradient (real). Each cell shows the mean share over the records; "
+        "its tooltip and data attributes hold the sums of the records' shares and flows."
+        "</p>"
+        + "".join(tables)
+        + "<script type='application/json' id='flow-data'>"
+        + blob.replace("</", "<\\/")
+        + "</script></section>"
+    )
+
+
+def _flow_table(name: str, sums: list[dict[str, Any]]) -> str:
+    """A layer × part table of ``sums``, each cell coloured by its mean share."""
+    parts = list(dict.fromkeys(e["part"] for e in sums))
+    layers = sorted({e["layer"] for e in sums}, key=lambda n: (n is None, n or 0))
+    cells = {(e["layer"], e["part"]): e for e in sums}
+    means = [e["share_sum"] / e["shares"] for e in sums if e["shares"]]
+    top = max((abs(m) for m in means if math.isfinite(m)), default=0.0) or 1.0
+    lines = []
+    for layer in layers:
+        tds = "".join(_flow_cell(cells.get((layer, part)), top) for part in parts)
+        label = "—" if layer is None else str(layer)
+        lines.append(f"<tr><th>{label}</th>{tds}</tr>")
+    header = "".join(f"<th>{html.escape(p)}</th>" for p in parts)
+    return (
+        f"<table class='flow' data-semiring='{html.escape(name)}'><tr><th>layer</th>"
+        f"{header}</tr>{''.join(lines)}</table>"
+    )
+
+
+def _flow_cell(entry: dict[str, Any] | None, top: float) -> str:
+    if entry is None:
+        return "<td></td>"
+    shares = entry["shares"]
+    mean = entry["share_sum"] / shares if shares else math.nan
+    style = ""
+    if math.isfinite(mean):
+        r, g, b = FLOW_COLOURS[mean < 0]
+        style = f" style='background: rgba({r}, {g}, {b}, {min(abs(mean) / top, 1.0):.3f})'"
+    title = (
+        f"{entry['module']}: Σ share {entry['share_sum']:.6g} over {shares} records, "
+        f"Σ flow {entry['flow_sum']:.6g} over {entry['records']} records"
+    )
+    return (
+        f"<td class='num flow' data-module='{html.escape(entry['module'])}' "
+        f"data-records='{entry['records']}' data-flow-sum='{entry['flow_sum']!r}' "
+        f"data-shares='{shares}' data-share-sum='{entry['share_sum']!r}'{style} "
+        f"title='{html.escape(title)}'>{mean:.3f}</td>"
+    )
+
+
+def _json_safe(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with each float that JSON cannot hold (inf, nan) as its name, a string."""
+    return {
+        k: repr(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in entry.items()
+    }
 
 
 def _module_order(module: str) -> tuple:

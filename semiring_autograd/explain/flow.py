@@ -50,8 +50,9 @@ class ConsumerFlow:
 @contextlib.contextmanager
 def capture(model: nn.Module, names: Sequence[str]) -> Iterator[dict[str, Tensor]]:
     """Record the outputs of ``model``'s submodules ``names`` (as in ``named_modules``)
-    during the forward inside the block: a dict name → output tensor (the last call's),
-    filled as the forward runs, for :func:`module_flow`."""
+    during the forward inside the block: a dict name → output tensor (the last call's;
+    of a tuple, its first element, as Hugging Face attention modules return (output,
+    weights)), filled as the forward runs, for :func:`module_flow`."""
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
@@ -64,10 +65,12 @@ def capture(model: nn.Module, names: Sequence[str]) -> Iterator[dict[str, Tensor
     for name in names:
 
         def hook(module, args, out, name=name):
+            if isinstance(out, tuple) and out:
+                out = out[0]
             if not isinstance(out, Tensor):
                 raise SemiringAutogradError(
                     f"capture: module {name!r} returned {type(out).__name__}, not a tensor; "
-                    "capture a submodule that returns one tensor"
+                    "capture a submodule that returns a tensor (or a tuple led by one)"
                 )
             seen[name] = out
 

@@ -277,8 +277,9 @@ def _explain_dataset(args: argparse.Namespace) -> int:
             format=args.format,
             resume=args.resume,
             compile=args.compile,
+            flow=args.flow,
         )
-    except ValueError as exc:  # a folder holding another run
+    except ValueError as exc:  # a folder holding another run, flow the model cannot give
         raise UsageError(_one_line(exc)) from None
     manifest = json.loads((Path(args.out) / "manifest.json").read_text(encoding="utf-8"))
     say(
