@@ -8,6 +8,10 @@ ranks vs one, and memory over a long run.
 * ``compiled``: the same with ``compile=True``: a first pass captures one program per
   (batch, length) shape, a second checks each program's first replay against eager, later
   passes replay (each pass is printed);
+* ``native``: torch.autograd's own forward and backward to the embeddings over the same
+  batches (padded, ``logits_to_keep``, the gradient of the target logits' sum), one text at a
+  time and ``--batch-size`` at a time: the throughput that no semiring can exceed on the same
+  GEMMs;
 * ``ranks``: ``attribute_dataset`` under ``torchrun --nproc_per_node 1`` and ``2``, one
   thread per rank, records/s of the whole run (model load excluded);
 * ``memory``: the resident set of one rank sampled during ``attribute_dataset`` over
@@ -67,6 +71,30 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def native_rate(model, tokenizer, batch: list[str], batch_size: int) -> float:
+    """Records/s of torch.autograd's forward and backward to the embeddings over the batches
+    ``sa.attribute`` forms (the same padding, read positions and projected positions)."""
+    from semiring_autograd.explain import batched as B
+
+    prepared = [B.prepare(i, B.Record(t), tokenizer, TARGET, -1) for i, t in enumerate(batch)]
+    start = time.perf_counter()
+    for chunk in B.buckets(prepared, batch_size, len(prepared)):
+        padded = B.pad(chunk, tokenizer, B.takes_position_ids(model))
+        with torch.no_grad():
+            emb = model.get_input_embeddings()(padded.ids)
+        x = emb.detach().requires_grad_()
+        y, _ = B._read_batch(
+            model,
+            x,
+            padded.mask,
+            padded.position_ids,
+            targets=padded.targets,
+            **B._kept(padded, model, every=False),
+        )
+        torch.autograd.grad(y.sum(), x)
+    return len(prepared) / (time.perf_counter() - start)
+
+
 def single_process(args: argparse.Namespace) -> None:
     import semiring_autograd as sa
     from semiring_autograd.integrations.huggingface import load_causal_lm
@@ -98,6 +126,12 @@ def single_process(args: argparse.Namespace) -> None:
         f"batched (batch {args.batch_size}):        {batched:7.2f} records/s ({s_b:.1f} s)  "
         f"{batched / loop:.2f}x the loop"
     )
+    for size in (1, args.batch_size):
+        native = native_rate(model, tokenizer, batch, size)
+        print(
+            f"native torch.autograd, batch {size}: {native:7.2f} records/s  "
+            f"{native / loop:.2f}x the loop; MaxProduct batched {batched / native:.2f}x it"
+        )
     # pass 1 captures a program per (batch, length) shape, pass 2 checks a shape's first
     # replay against eager (both run), later passes replay
     for label in ("capture", "check", "replay", "replay"):

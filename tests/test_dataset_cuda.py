@@ -1,0 +1,102 @@
+"""Batched and dataset-scale attribution on CUDA against the same runs on the CPU (which
+test_dataset_batched.py and test_dataset_runs.py check against one-at-a-time attribution):
+a float64 model, so CUDA and CPU agree to float64 rounding. ``scripts/gpu-check`` runs these
+(``pytest -m cuda``); without a CUDA device they skip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from model_zoo import llama_config, minilm
+
+import semiring_autograd as sa
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS]
+RECORDS = [
+    {"text": "the keys are here .", "target": 7},
+    {"text": "a cat sat", "target": "table", "position": 2},
+    {"text": "one two three four five six seven", "target": 9, "position": -3},
+    {"text": "hello", "target": 11},
+]
+#: float64 on both devices: reductions in another order round differently
+TOLERANCE = dict(rtol=1e-9, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A tiny random float64 Llama over MiniLM's vocabulary and tokenizer, on the CPU and
+    (the same weights) on CUDA."""
+    _, tokenizer = minilm()
+    torch.manual_seed(0)
+    config = llama_config(vocab_size=tokenizer.vocab_size)
+    cpu = transformers.LlamaForCausalLM(config).double().eval()
+    cuda = transformers.LlamaForCausalLM(config).double().eval()
+    cuda.load_state_dict(cpu.state_dict())
+    return cpu, cuda.cuda(), tokenizer
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("S", SEMIRINGS, ids=[type(s).__name__ for s in SEMIRINGS])
+def test_batched_attribution_on_cuda_equals_cpu(models, S, side, monkeypatch):
+    """Scores, reached tokens, predictions and (max semirings) top-path weights of a padded
+    batch on CUDA equal the CPU's."""
+    cpu, cuda, tokenizer = models
+    monkeypatch.setattr(tokenizer, "padding_side", side)
+    runs = [
+        sa.attribute(m, RECORDS, None, S, tokenizer=tokenizer, batch_size=4, progress=False)
+        for m in (cpu, cuda)
+    ]
+    for on_cpu, on_cuda in zip(*runs):
+        assert on_cuda.tokens == on_cpu.tokens
+        assert on_cuda.scores.device.type == "cuda"
+        torch.testing.assert_close(on_cuda.scores.cpu(), on_cpu.scores, **TOLERANCE)
+        assert on_cuda.prediction.token == on_cpu.prediction.token
+        assert on_cuda.prediction.target_logit == pytest.approx(
+            on_cpu.prediction.target_logit, rel=1e-9
+        )
+        assert len(on_cuda.paths) == len(on_cpu.paths)
+        for mine, theirs in zip(on_cuda.paths, on_cpu.paths):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert mine.weight == pytest.approx(theirs.weight, rel=1e-9)
+                assert [s.index for s in mine.steps] == [s.index for s in theirs.steps]
+
+
+def test_attribute_dataset_on_cuda_writes_the_cpu_rows(models, tmp_path):
+    """``sa.attribute_dataset`` with the model on CUDA writes the rows the CPU run writes
+    (JSONL, so the test needs no pyarrow), an error row included."""
+    cpu, cuda, tokenizer = models
+    records = RECORDS + [{"text": "", "target": 3}]
+    rows = {}
+    for name, model in (("cpu", cpu), ("cuda", cuda)):
+        out = sa.attribute_dataset(
+            model,
+            records,
+            tmp_path / name,
+            tokenizer=tokenizer,
+            semirings=("max-product", "log"),
+            batch_size=2,
+            format="jsonl",
+            progress=False,
+        )
+        rows[name] = [json.loads(line) for line in open(out)]
+    assert len(rows["cuda"]) == len(rows["cpu"]) == len(records)
+    for mine, theirs in zip(rows["cuda"], rows["cpu"]):
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if isinstance(value, float) or (
+                isinstance(value, list) and value and isinstance(value[0], float)
+            ):
+                assert mine[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+            else:
+                assert mine[key] == value, key
+    assert sum(row["error"] is not None for row in rows["cuda"]) == 1
