@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -38,7 +38,7 @@ from ..engine.grad import recorded_semiring, seed_message
 from ..engine.graph import NodeInfo, native_column, node_info, reachable_nodes
 from ..engine.patch import patch
 from ..engine.recorded_call import RecordedCall
-from ..ops.decompositions import DECOMPOSITIONS
+from ..ops.decompositions import CONSTANT_OUTPUTS, DECOMPOSITIONS
 from ..errors import SemiringAutogradError
 from ..ops.message import wrap
 from ..semirings.base import Semiring
@@ -159,6 +159,30 @@ class Path:
 
     def __str__(self) -> str:
         return self.format()
+
+
+def shift_attention(path: Path, offset: int) -> Path:
+    """``path`` with its attention edges' query and key positions less ``offset`` (a
+    left-padded example's padding: its text's own positions); its steps' indices stay those
+    of the tensors searched."""
+    if offset == 0:
+        return path
+    steps = tuple(
+        (
+            step
+            if step.attention is None
+            else replace(
+                step,
+                attention=replace(
+                    step.attention,
+                    query=step.attention.query - offset,
+                    key=step.attention.key - offset,
+                ),
+            )
+        )
+        for step in path.steps
+    )
+    return replace(path, steps=steps)
 
 
 def _is_residual(step: Step) -> bool:
@@ -596,10 +620,15 @@ class PathFinder:
         (seed,) = self.incoming[node][:1]
         if seed.semiring != self.semiring:
             raise SemiringAutogradError("mixed semirings in one graph")
+        value = seed.value
+        constant = CONSTANT_OUTPUTS.get(info.op)
+        where = None if constant is None else info.recorded.rerun(fn=constant)
+        if where is not None:
+            value = without_paths(self.semiring, value, where, out)
         return PathFinder(
             out,
             inputs[position],
-            wrap(self.semiring, seed.value, out),
+            wrap(self.semiring, value, out),
             which=which,
             _semiring=self.semiring,
         )
@@ -610,6 +639,15 @@ class PathFinder:
         entry = self._unravel(element, inner.input_shape)
         steps, element, which = inner._walk(inner.start, element, which)
         return composition_steps(node, steps, entry), element, which
+
+
+def without_paths(
+    semiring: Semiring, value: tuple[Tensor, ...], where: Tensor, like: Tensor
+) -> tuple[Tensor, ...]:
+    """The message ``value`` with the semiring's zero (no path) at the elements ``where``
+    (broadcast to ``like``'s shape): outputs of an op that depend on none of its inputs."""
+    zero = semiring.zero(like.shape, like)
+    return tuple(torch.where(where, z.to(v.dtype), v) for z, v in zip(zero, value))
 
 
 def composition_steps(node, steps: Sequence[Step], entry: tuple[int, ...]) -> list[Step]:

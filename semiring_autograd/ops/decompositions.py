@@ -116,13 +116,42 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> Tensor:
     """s = q·kᵀ·scale + mask (excluded positions −inf); p = softmax(s); o = p·v; with
-    enable_gqa, key and value heads are first copied to the query heads of their group."""
+    enable_gqa, key and value heads are first copied to the query heads of their group. A
+    query row whose keys are all excluded (a left-padded batch's padding) attends to every
+    key here, where softmax over no key is NaN; the op gives it 0 and no edges, and
+    :func:`excluded_queries` names it (see :data:`CONSTANT_OUTPUTS`)."""
+    rows = excluded_queries(query, key, attn_mask=attn_mask, is_causal=is_causal)
+    if rows is not None and bool(rows.any()):
+        attn_mask = (
+            attn_mask | rows if attn_mask.dtype == torch.bool else attn_mask.masked_fill(rows, 0.0)
+        )
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key, value = (_repeat_heads(t, groups) for t in (key, value))
     factor = attention_scale(query.shape, scale)
     s = mask_scores((query @ key.transpose(-2, -1)) * factor, attn_mask, is_causal)
     return s.softmax(-1) @ value
+
+
+def excluded_queries(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor | None:
+    """Per query row of ``scaled_dot_product_attention`` (a bool tensor (…, L, 1)), whether
+    ``attn_mask`` and ``is_causal`` exclude every key (None without a mask: causal masking
+    alone leaves each row its first key)."""
+    if attn_mask is None or key.shape[-2] == 0:
+        return None
+    with torch.no_grad():
+        blank = torch.zeros(query.shape[-2], key.shape[-2], device=query.device)
+        allowed = mask_scores(blank, attn_mask.detach(), is_causal)
+        return torch.isneginf(allowed.amax(-1, keepdim=True))
 
 
 def _repeat_heads(x: Tensor, groups: int) -> Tensor:
@@ -147,4 +176,12 @@ DECOMPOSITIONS: dict[str, Callable[..., Tensor]] = {
     "instance_norm": instance_norm,
     "rms_norm": rms_norm,
     "scaled_dot_product_attention": scaled_dot_product_attention,
+}
+
+
+#: per composite op, the output elements that depend on none of its inputs, where its
+#: composition computes them otherwise (a bool tensor broadcastable to the output, or None;
+#: the function takes the op's own arguments): a path search seeds them with no message
+CONSTANT_OUTPUTS: dict[str, Callable[..., Tensor | None]] = {
+    "scaled_dot_product_attention": excluded_queries,
 }
