@@ -41,7 +41,7 @@ from .token_scores import (
     reached_elements,
     target_id,
 )
-from .paths import Path, PathFinder
+from .paths import Path, PathFinder, shift_attention
 
 #: the config attributes that hold a model's context length, by model family
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -315,10 +315,10 @@ def attribute_batch(
 ) -> list[Attribution]:
     """One :class:`Attribution` per record of ``batch``, from one patched forward and one
     semiring backward seeded at each example's target logit (with top paths under the max
-    semirings: one more recorded backward, for all examples; the batch is then padded on
-    the right, so a path's positions are its text's own; ``best_path_only``: only the
-    best token's, None for the others). ``keep``: a list the padded readouts are appended
-    to."""
+    semirings: one more recorded backward, for all examples; a path's steps index the
+    padded batch, its attention edges the text's own positions; ``best_path_only``: only
+    the best token's, None for the others). ``keep``: a list the padded readouts are
+    appended to."""
     spec = inherited_spec(semiring)
     want_paths = paths and spec is not None and spec.top_paths in ("max", "signed")
     padded = pad(
@@ -327,7 +327,6 @@ def attribute_batch(
         takes_position_ids(model),
         size=batch_size if compile else 0,
         multiple=LENGTH_MULTIPLE if compile else 1,
-        side="right" if want_paths else None,
     )
     device = next(model.parameters()).device
     ids = padded.ids.to(device)
@@ -356,9 +355,9 @@ def attribute_batch(
     reached = reached_elements(semiring, values)
     if keep is not None:
         keep.append(BatchResult(scores, reached, padded))
-    best = _batch_paths(y, x, semiring, "max") if want_paths else None
+    best = _batch_paths(y, x, semiring, "max", padded.offsets) if want_paths else None
     signed = want_paths and spec.top_paths == "signed" and not best_path_only
-    low = _batch_paths(y, x, semiring, "min") if signed else None
+    low = _batch_paths(y, x, semiring, "min", padded.offsets) if signed else None
     results = []
     for b, p in enumerate(batch):
         span = slice(padded.offsets[b], padded.offsets[b] + len(p.ids))
@@ -393,17 +392,18 @@ def _paths_of(find, b: int, span: slice, shown) -> list[Path | None]:
     return [find(b, t) if t in shown else None for t in range(span.start, span.stop)]
 
 
-def _batch_paths(y: Tensor, x: Tensor, semiring: Semiring, which: str):
+def _batch_paths(y: Tensor, x: Tensor, semiring: Semiring, which: str, offsets: list[int]):
     """``path(b, t)``: example b's strongest path to its padded position t, from one
     recorded backward seeded at every example's logit (None where no path reaches). A
-    path's indices are the batch's: (example, padded position, ...)."""
+    path's indices are the batch's: (example, padded position, ...); its attention edges
+    name the text's own positions (less the example's left padding, ``offsets[b]``)."""
     finder = PathFinder(y, x, seed_message(semiring, y), which=which)
     values = finder.element_values()
 
     def path(b: int, t: int) -> Path | None:
         if not torch.isfinite(values[b, t]).any():
             return None
-        return finder.path((b, t, int(values[b, t].argmax())))
+        return shift_attention(finder.path((b, t, int(values[b, t].argmax()))), offsets[b])
 
     return path
 
