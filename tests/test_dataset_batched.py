@@ -11,6 +11,7 @@ from model_zoo import llama_config, minilm
 
 import semiring_autograd as sa
 from semiring_autograd.explain import batched
+from semiring_autograd.explain.paths import OUTSIDE
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS]
@@ -85,9 +86,99 @@ def test_batched_readouts_equal_one_at_a_time(llama_and_tokenizer, side, S, monk
         assert attribution.target == alone.target
 
 
-def test_sa_attribute_batches_records_with_top_paths(llama_and_tokenizer, monkeypatch):
+#: a path's weight and local derivatives, batched against one at a time (float64 model)
+PATH_REL = 1e-9
+PATH_SEMIRINGS = [sa.MaxProduct(), sa.SignedMaxProduct()]
+
+
+def _multiplying(path):
+    """The steps that multiply (not views, casts, copies; not the native read-out): where
+    the batch and a lone text differ in weight-1 steps only (the batch repeats key and
+    value heads before attention, a lone text inside it)."""
+    return [s for s in path.steps[1:] if not s.is_identity and s.module != OUTSIDE]
+
+
+def _assert_same_element(mine, alone, b, offset, padded, kept):
+    """Step ``mine`` of example b's batched path at the element of ``alone``: row b for the
+    lone text's 0, a padded position (a dim of the padded length) at the text's own
+    position + ``offset``, the logits' kept column at the read position."""
+    assert len(mine.shape) == len(alone.shape), (mine, alone)
+    for d, (m, a, i, j) in enumerate(zip(mine.shape, alone.shape, mine.index, alone.index)):
+        if d == 0:
+            assert (i, a, j) == (b, 1, 0), (mine, alone)
+        elif m == a:
+            assert i == j, (mine, alone)
+        elif m == padded:
+            assert i - offset == j, (mine, alone)
+        else:  # the read-out projects the kept read positions only
+            assert mine.module == "lm_head" and int(kept[i]) - offset == j, (mine, alone)
+
+
+def _assert_same_path(mine, alone, b, offset, padded, kept):
+    """The same input element, the same multiplying steps (module, op, note, element, local
+    derivative), the same attention edges in the text's positions, the same weight."""
+    _assert_same_element(mine.steps[0], alone.steps[0], b, offset, padded, kept)
+    assert mine.weight == pytest.approx(alone.weight, rel=PATH_REL)
+    ours, theirs = _multiplying(mine), _multiplying(alone)
+    assert len(ours) == len(theirs)
+    for s, t in zip(ours, theirs):
+        assert (s.module, s.op, s.note, s.attention) == (t.module, t.op, t.note, t.attention)
+        assert s.local_derivative == pytest.approx(t.local_derivative, rel=PATH_REL)
+        _assert_same_element(s, t, b, offset, padded, kept)
+
+
+def _padding_free(path, length):
+    """Whether no attention edge of ``path`` reads a position outside the text."""
+    edges = [s.attention for s in path.steps if s.attention is not None]
+    return all(0 <= e.query < length and 0 <= e.key < length for e in edges)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("S", PATH_SEMIRINGS, ids=[type(s).__name__ for s in PATH_SEMIRINGS])
+def test_batched_top_paths_equal_one_at_a_time(llama_and_tokenizer, side, S, monkeypatch):
+    """Every token's strongest path (and SignedMaxProduct's smallest) in a padded batch is
+    its one-at-a-time path: positions shifted by the example's left padding, its weight the
+    token's score; no path reaches or crosses a padding position."""
     model, tokenizer = llama_and_tokenizer
-    monkeypatch.setattr(tokenizer, "padding_side", "left")  # paths pad on the right anyway
+    monkeypatch.setattr(tokenizer, "padding_side", side)
+    limit, logits = batched.context_limit(model), batched.logit_count(model)
+    prepared = [
+        batched.prepare(i, batched.as_record(r), tokenizer, None, -1, limit, logits)
+        for i, r in enumerate(RECORDS)
+    ]
+    kept: list[batched.BatchResult] = []
+    found = batched.attribute_batch(model, prepared, S, tokenizer, paths=True, keep=kept)
+    padded = kept[0].padded
+    offsets, length = padded.offsets, padded.ids.shape[1]
+    assert any(offsets) == (side == "left")
+    columns = torch.unique(padded.positions)
+    for b, (record, attribution) in enumerate(zip(RECORDS, found)):
+        key = (type(S).__name__, b, "paths")
+        if key not in _ALONE:  # shared by the two padding sides
+            _ALONE[key] = _one(model, tokenizer, record, S, paths=True)
+        alone = _ALONE[key]
+        pairs = [(attribution.paths, alone.paths)]
+        if isinstance(S, sa.SignedMaxProduct):
+            pairs.append((attribution.min_paths, alone.min_paths))
+        for mine_paths, alone_paths in pairs:
+            assert len(mine_paths) == len(alone_paths) == len(alone.tokens)
+            for t, (mine, single) in enumerate(zip(mine_paths, alone_paths)):
+                assert (mine is None) == (single is None), t
+                if mine is None:
+                    continue
+                assert mine.steps[0].index[1] == t + offsets[b]
+                assert _padding_free(mine, len(alone.tokens))
+                _assert_same_path(mine, single, b, offsets[b], length, columns)
+        best = attribution.best_token()
+        assert attribution.paths[best].weight == pytest.approx(
+            float(attribution.display_scores()[best]), rel=PATH_REL
+        )
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_sa_attribute_batches_records_with_top_paths(llama_and_tokenizer, side, monkeypatch):
+    model, tokenizer = llama_and_tokenizer
+    monkeypatch.setattr(tokenizer, "padding_side", side)
     records = [RECORDS[1], RECORDS[3]]
     found = sa.attribute(model, records, None, "max-product", tokenizer=tokenizer, batch_size=2)
     assert len(found) == len(records)
@@ -98,9 +189,12 @@ def test_sa_attribute_batches_records_with_top_paths(llama_and_tokenizer, monkey
         for t, (path, single) in enumerate(zip(attribution.paths, alone.paths)):
             assert (path is None) == (single is None)
             if path is not None:
-                assert path.steps[0].index[1] == t  # the text's own position
                 assert path.weight == pytest.approx(single.weight, rel=1e-7)
                 assert path.weight == pytest.approx(float(attribution.scores[t]), rel=1e-9)
+                offset = path.steps[0].shape[1] - len(alone.tokens) if side == "left" else 0
+                assert path.steps[0].index[1] == t + offset
+                edges = [s.attention for s in path.steps if s.attention is not None]
+                assert edges == [s.attention for s in single.steps if s.attention is not None]
 
 
 def test_compiled_batches_replay_one_program_per_shape(llama_and_tokenizer):
