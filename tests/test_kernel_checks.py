@@ -92,27 +92,28 @@ def _kernel_warnings(record, name: str):
 
 
 def test_wrong_kernel_is_caught_once_and_the_formulas_take_over(monkeypatch):
-    """check mode: one warning naming max_times, the CPU and the dtype; the wrapper then
-    declines, and MaxProduct's gradient equals the one with the kernels off."""
+    """check mode: one warning naming max_times_finite (MaxProduct's CPU matmul), the CPU
+    and the dtype; the wrapper then declines, and MaxProduct's gradient equals the one with
+    the kernels off."""
     monkeypatch.setenv(ENV, "off")
     expected = _model_grad(sa.MaxProduct())
     monkeypatch.setenv(ENV, "check")
-    monkeypatch.setattr(kernels, "op", _wrong_op({"max_times"}))
+    monkeypatch.setattr(kernels, "op", _wrong_op({"max_times_finite"}))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         got = _model_grad(sa.MaxProduct())
         a, b = torch.rand(2, 5, 7), torch.rand(2, 7, 9)
-        assert kernels.max_times(a, b) is None
-    found = _kernel_warnings(record, "max_times")
+        assert kernels.max_times_finite(a, b) is None
+    found = _kernel_warnings(record, "max_times_finite")
     assert len(found) == 1, [str(w.message) for w in record]
     message = str(found[0].message)
-    assert f"max_times on {checks.device_name(CPU)}, torch.float32" in message
-    assert "failed its self-check (max_times" in message
+    assert f"max_times_finite on {checks.device_name(CPU)}, torch.float32" in message
+    assert "failed its self-check (max_times_finite" in message
     assert "the torch formulas are used for it from now on" in message
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    with pytest.warns(RuntimeWarning, match="max_times on .*, torch.float64, failed"):
-        assert kernels.max_times(a.double(), b.double()) is None  # float64: its own check
-    assert checks.failed(("max_times", CPU, torch.float64))
+    with pytest.warns(RuntimeWarning, match="max_times_finite on .*, torch.float64, failed"):
+        assert kernels.max_times_finite(a.double(), b.double()) is None  # float64: its own check
+    assert checks.failed(("max_times_finite", CPU, torch.float64))
 
 
 def test_trust_uses_the_kernel_unchecked(monkeypatch):
@@ -120,11 +121,11 @@ def test_trust_uses_the_kernel_unchecked(monkeypatch):
     monkeypatch.setenv(ENV, "off")
     expected = _model_grad(sa.MaxProduct())
     monkeypatch.setenv(ENV, "trust")
-    monkeypatch.setattr(kernels, "op", _wrong_op({"max_times"}))
+    monkeypatch.setattr(kernels, "op", _wrong_op({"max_times_finite"}))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         got = _model_grad(sa.MaxProduct())
-    assert not _kernel_warnings(record, "max_times")
+    assert not _kernel_warnings(record, "max_times_finite")
     assert not torch.equal(got, expected)
 
 

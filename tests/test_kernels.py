@@ -259,6 +259,61 @@ def test_semiring_matmul_fused_equals_eager(semiring, monkeypatch):
             torch.testing.assert_close(fc, ec, rtol=0, atol=0)
 
 
+NON_FINITE = [
+    ("a", (0, 0, 0), NAN),
+    ("a", (-1, -1, -1), INF),
+    ("b", (0, 1, 2), -INF),
+    ("b", (-1, -1, -1), NAN),  # the last real column: beside the block's padding
+    ("b", (-1, 0, 0), INF),  # the last batch only
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
+def test_max_times_finite_flags_non_finite_operands(shape, dtype):
+    """max_times_finite: the broadcast amax on finite operands (|b| with abs_b); None where
+    some entry of a or b is NaN or ±inf, wherever it sits (first or last batch, the last
+    real column next to the NaN padding, above the threading threshold)."""
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    batch, m, k, n = shape
+    a = torch.rand(batch, m, k, dtype=dtype, generator=gen)
+    b = torch.randn(batch, k, n, dtype=dtype, generator=gen)
+    a[a < 0.2] = 0.0
+    for abs_b, operand in ((True, b), (False, b.abs())):
+        got = kernels.max_times_finite(a, operand, abs_b=abs_b)
+        assert got is not None, "the fused kernel is unavailable on this machine"
+        torch.testing.assert_close(got, _eager_max(a, b.abs()), rtol=0, atol=0)
+    for which, at, value in NON_FINITE:
+        operands = {"a": a.clone(), "b": b.clone()}
+        operands[which][at] = value
+        assert kernels.max_times_finite(operands["a"], operands["b"], abs_b=True) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", NON_FINITE, ids=str)
+def test_max_product_non_finite_operands_follow_the_definition(where, dtype):
+    """MaxProduct's matmul and matmul_lift with a NaN, +inf or -inf operand entry equal the
+    definition max_k a·|w| as torch evaluates it: a NaN term (a NaN entry, ∞·0) gives NaN,
+    ∞ times a positive entry gives ∞."""
+    gen = torch.Generator().manual_seed(11)
+    a = torch.rand(2, 5, 40, dtype=dtype, generator=gen)
+    w = torch.randn(2, 40, 37, dtype=dtype, generator=gen)
+    a[a < 0.2] = 0.0
+    w[:, 3] = 0.0  # a row of w meeting an infinite a[..., 3] gives ∞·0 = NaN
+    which, at, value = where
+    operands = {"a": a, "b": w}
+    operands[which][at] = value
+    if which == "a":
+        a[1, 2, 3] = INF
+    expected = (a[..., :, None] * w.abs()[..., None, :, :]).amax(-2)
+    S = MaxProduct()
+    (lifted,) = S.matmul_lift((a,), w)
+    (plain,) = S.matmul((a,), (w.abs(),))
+    for got in (lifted, plain):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert bool(torch.isnan(expected).any() | torch.isinf(expected).any())
+
+
 def test_signed_infinite_ends_take_the_formulas(monkeypatch):
     """Where an infinite end of a non-empty pair (or an infinite weight) meets a 0, a
     corner product is NaN: the kernels would read it as no term, the formulas propagate it

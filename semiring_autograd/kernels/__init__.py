@@ -108,6 +108,17 @@ def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> T
     return op("max_times")(a, b, init, abs_b)
 
 
+def max_times_finite(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> Tensor | None:
+    """``max_times`` on the CPU where every entry of ``a`` and ``b`` is finite, with the
+    operands' test in the same pass (one operator call, one parallel region); None where
+    some entry is NaN or infinite, off the CPU, or without the kernels (the caller then
+    takes its torch formula)."""
+    if not _nonempty_ready("max_times_finite", a, b):
+        return None
+    out, nonfinite = op("max_times_finite")(a, b, init, abs_b)
+    return None if bool(nonfinite) else out
+
+
 def signed_times(
     a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None
 ) -> tuple[Tensor, Tensor] | None:
@@ -333,6 +344,7 @@ __all__ = [
     "mode",
     "operators",
     "max_times",
+    "max_times_finite",
     "signed_times",
     "pair_lift_matmul",
     "signed_mul_lift",

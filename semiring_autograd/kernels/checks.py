@@ -211,6 +211,30 @@ def _check_max_times(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def _check_max_times_finite(c: _Case) -> str | None:
+    """Finite operands: max_times to the value and no flag; a NaN or an infinity in a,
+    or in b (a real column, not the padding), raises the flag."""
+    problems = []
+    for batch, m, k, n in ((2, 5, 7, 9), (1, 6, 19, 37)):
+        a = c.randn(batch, m, k, zeros=0.2).abs()
+        b = c.randn(batch, k, n, zeros=0.2)
+        for init, abs_b in ((0.0, True), (0.0, False), (-INF, False)):
+            (got, flagged), _ = c.run(a, b, init, abs_b)
+            if bool(flagged):
+                return "max_times_finite flagged finite operands"
+            expected = max_times_formula(a, b, init, abs_b)
+            problems.append(
+                _differs(f"max_times_finite(init={init}, abs_b={abs_b})", got, expected)
+            )
+        for which, at, value in ((0, -1, NAN), (0, 4, INF), (1, -1, -INF), (1, 3, NAN)):
+            operands = [a.clone(), b.clone()]
+            operands[which].view(-1)[at] = value
+            (_, flagged), _ = c.run(*operands, 0.0, True)
+            if not bool(flagged):
+                return f"max_times_finite missed {value} in {'ab'[which]}"
+    return _first(*problems)
+
+
 def _signed_pair(c: _Case, shape, empty: float) -> tuple[Tensor, Tensor]:
     hi = c.randn(*shape, zeros=0.15)
     lo = hi - c.rand(*shape).masked_fill(hi == 0, 0.0)
@@ -514,6 +538,7 @@ def _tuple(result):
 
 _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "max_times": _check_max_times,
+    "max_times_finite": _check_max_times_finite,
     "signed_times": _check_signed_times,
     "lift_times": _check_lift_times,
     "signed_mul_lift": _check_signed_mul_lift,

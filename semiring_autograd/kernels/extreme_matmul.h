@@ -477,16 +477,49 @@ void for_blocks(int64_t b0, int64_t b1, int64_t c0, int64_t c1, int threads, Bod
 #endif
 }
 
+// Whether entries [0, count) of x are all finite (one pass on the calling thread).
+template <typename T>
+bool finite_entries(const T* x, int64_t count) {
+    const T largest = std::numeric_limits<T>::max();
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < count; ++i) bad |= !(x[i] >= -largest && x[i] <= largest);
+    return !bad;
+}
+
+// Whether the first `valid` columns of a packed k x W strip (the others are padding) are
+// all finite.
+template <typename T>
+bool finite_strip(const T* strip, int64_t k, int64_t valid) {
+    constexpr int W = C * Vec<T>::lanes;
+    if (valid >= W) return finite_entries(strip, k * W);
+    for (int64_t q = 0; q < k; ++q)
+        if (!finite_entries(strip + q * W, valid)) return false;
+    return true;
+}
+
+// max_times on contiguous a (batch, m, k) and b (batch, k, n padded with NaN from column
+// n_real on), see above. Given `nonfinite`, the operands' entries are tested too (b's
+// while packed, each a[bt] by the task of its first column block): where one is NaN or
+// infinite, *nonfinite is set to 1, the tasks still to run return at once, and out is left
+// unspecified (the caller then takes its torch formula).
 template <typename T>
 void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
-               int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads) {
+               int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads,
+               int* nonfinite = nullptr, int64_t n_real = 0) {
     constexpr int W = C * Vec<T>::lanes;
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
+        if (nonfinite && __atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
         const T* ab = a + bt * m * k;
         T* ob = out + bt * m * n;
         const int64_t j = cb * W;
         pack(b + bt * k * n, k, n, j, buffers[0], &buffers[1], abs_b);
+        if (nonfinite && !(finite_strip(buffers[0].data(), k, n_real - j) &&
+                           (cb != c0 || finite_entries(ab, m * k)))) {
+            __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+            return;
+        }
         const T* dead = buffers[1].data() + k;
         for (int64_t q0 = 0; q0 < k; q0 += KC) {
             const int64_t kc = std::min(KC, k - q0);

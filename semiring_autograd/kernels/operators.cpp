@@ -68,6 +68,9 @@ void check_operands(const char* name, const at::Tensor& a, const std::vector<at:
     }
 }
 
+// a 0-d bool tensor
+at::Tensor flag(bool value) { return at::scalar_tensor(value, at::TensorOptions(at::kBool)); }
+
 #define FLOATING(dtype, ...)                                           \
     [&] {                                                              \
         if ((dtype) == at::kDouble) {                                  \
@@ -93,6 +96,26 @@ at::Tensor max_times_op(const at::Tensor& a_, const at::Tensor& b_, double init,
                      0, blocks, T(init), abs_b, threads_for(batch * m * k * padded));
     });
     return trim(out, n);
+}
+
+// (out, nonfinite): max_times where every entry of a and b is finite; nonfinite (0-d bool)
+// is true, and out unspecified, where one is NaN or infinite.
+std::tuple<at::Tensor, at::Tensor> max_times_finite_op(const at::Tensor& a_, const at::Tensor& b_,
+                                                       double init, bool abs_b) {
+    const auto a = a_.contiguous();
+    const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b_.size(-1);
+    check_operands("max_times_finite", a, {b_}, {batch, k});
+    const auto b = pad_columns(b_, block_width(a.scalar_type()), NAN);
+    const int64_t padded = b.size(-1);
+    auto out = at::empty({batch, m, padded}, a.options());
+    int nonfinite = 0;
+    FLOATING(a.scalar_type(), [&] {
+        const int64_t blocks = padded / width<T>();
+        max_times<T>(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), m, k, padded, 0, batch,
+                     0, blocks, T(init), abs_b, threads_for(batch * m * k * padded), &nonfinite,
+                     n);
+    });
+    return {trim(out, n), flag(nonfinite != 0)};
 }
 
 std::tuple<at::Tensor, at::Tensor> signed_times_op(const at::Tensor& a_hi_,
@@ -332,8 +355,6 @@ void entropy_weights_op(const at::Tensor& w_, at::Tensor out) {
 // layout that does not fill its memory copied first); integer and bool tensors hold no NaN
 // or infinity; other dtypes go through the same tests as torch operators.
 
-at::Tensor flag(bool value) { return at::scalar_tensor(value, at::TensorOptions(at::kBool)); }
-
 bool scanned(const at::Tensor& t) {
     return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
 }
@@ -424,6 +445,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("log_gemm_finish_", &log_gemm_finish_op);
     m.impl("all_rows_live", &all_rows_live_op);
     m.impl("max_times", &max_times_op);
+    m.impl("max_times_finite", &max_times_finite_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);
     m.impl("signed_mul_lift", &signed_mul_lift_op);

@@ -9,6 +9,8 @@ one dtype.
 ======================== ==================================================================
 ``max_times``            max(init, max_k a[b, i, k]·b[b, k, j]), a (B, m, k), b (B, k, n);
                          NaN terms never win; |b| when ``abs_b``
+``max_times_finite``     (max_times, whether some entry of a or b is NaN or infinite: then
+                         the first is unspecified); CPU only
 ``signed_times``         (max_k, min_k) of the corner products of signed pairs; NaN = empty
 ``lift_times``           the signed pair a times lift(w): (max_k, min_k) of a_hi·w or a_lo·w
                          by the sign of w
@@ -47,6 +49,7 @@ NAMESPACE = "semiring_autograd"
 
 SCHEMAS = {
     "max_times": "(Tensor a, Tensor b, float init, bool abs_b) -> Tensor",
+    "max_times_finite": "(Tensor a, Tensor b, float init, bool abs_b) -> (Tensor, Tensor)",
     "signed_times": "(Tensor a_hi, Tensor a_lo, Tensor b_hi, Tensor? b_lo) -> (Tensor, Tensor)",
     "lift_times": "(Tensor a_hi, Tensor a_lo, Tensor w, bool zero_empty) -> (Tensor, Tensor)",
     "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
@@ -88,6 +91,10 @@ def _padded_result(a: Tensor, n: int) -> Tensor:
     return a.new_empty((batch, m, -(-n // width) * width))[..., :n]
 
 
+def _declined(x: Tensor) -> Tensor:
+    return x.new_empty((), dtype=torch.bool)
+
+
 def _fake(name: str):
     return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=_LIBRARY)
 
@@ -95,6 +102,11 @@ def _fake(name: str):
 @_fake("max_times")
 def _(a, b, init, abs_b):
     return _padded_result(a, b.shape[-1])
+
+
+@_fake("max_times_finite")
+def _(a, b, init, abs_b):
+    return _padded_result(a, b.shape[-1]), _declined(a)
 
 
 @_fake("signed_times")
@@ -126,10 +138,6 @@ def _(num, den):
 @_fake("entropy_weights")
 def _(w, out):
     return None
-
-
-def _declined(x: Tensor) -> Tensor:
-    return x.new_empty((), dtype=torch.bool)
 
 
 @_fake("loo_log")

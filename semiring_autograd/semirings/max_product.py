@@ -83,7 +83,7 @@ def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
     m, k, n = a3.shape[-2], a3.shape[-1], b3.shape[-1]
     if k == 0:
         return a.new_zeros((*batch, m, n))
-    fused = kernels.max_times(a3, b3, abs_b=abs_b) if all_finite(a3, b3) else None
+    fused = _fused(a3, b3, abs_b)
     if fused is not None:
         return fused.reshape(*batch, m, n)
     if abs_b:
@@ -101,3 +101,12 @@ def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
         else a3.new_zeros((a3.shape[0], 0, n))
     )
     return out.reshape(*batch, m, n)
+
+
+def _fused(a3: Tensor, b3: Tensor, abs_b: bool) -> Tensor | None:
+    """The fused max_times of 3-D operands whose entries are all finite, else None: on the
+    CPU the kernel tests the entries as it packs and reads them (no pass of its own); on
+    other devices a scan chooses."""
+    if a3.device.type == "cpu":
+        return kernels.max_times_finite(a3, b3, abs_b=abs_b)
+    return kernels.max_times(a3, b3, abs_b=abs_b) if all_finite(a3, b3) else None

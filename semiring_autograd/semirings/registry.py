@@ -84,7 +84,7 @@ SEMIRINGS: tuple[SemiringSpec, ...] = (
         "∂output/∂input",
         module="own",
         top_paths="max",
-        kernels=("max_times",),
+        kernels=("max_times_finite", "max_times"),
     ),
     SemiringSpec(
         SignedMaxProduct,
