@@ -18,6 +18,11 @@ ranks vs one, and memory over a long run.
   ``--memory-records`` records, per part written.
 
     python benchmarks/attribute_dataset.py [--batch-size 8] [--skip ranks memory]
+        [--device cuda] [--model DIR]
+
+``--device`` runs the single-process rows there; ``--model DIR`` takes a model of the
+config in DIR with random weights and DIR's tokenizer (where the embedded SmolLM2 is not
+installed: throughput does not depend on the weights' values).
 
 Ratios are of records/s measured in the same process (ranks: the same invocation).
 """
@@ -61,6 +66,8 @@ def rate(run, count: int) -> tuple[float, float]:
     """(records/s, seconds) of ``run()`` over ``count`` records."""
     start = time.perf_counter()
     run()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return count / seconds, seconds
 
@@ -77,9 +84,13 @@ def native_rate(model, tokenizer, batch: list[str], batch_size: int) -> float:
     from semiring_autograd.explain import batched as B
 
     prepared = [B.prepare(i, B.Record(t), tokenizer, TARGET, -1) for i, t in enumerate(batch)]
+    device = next(model.parameters()).device
     start = time.perf_counter()
     for chunk in B.buckets(prepared, batch_size, len(prepared)):
         padded = B.pad(chunk, tokenizer, B.takes_position_ids(model))
+        for name in ("ids", "mask", "positions", "targets", "position_ids"):
+            value = getattr(padded, name)
+            setattr(padded, name, None if value is None else value.to(device))
         with torch.no_grad():
             emb = model.get_input_embeddings()(padded.ids)
         x = emb.detach().requires_grad_()
@@ -92,19 +103,40 @@ def native_rate(model, tokenizer, batch: list[str], batch_size: int) -> float:
             **B._kept(padded, model, every=False),
         )
         torch.autograd.grad(y.sum(), x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return len(prepared) / (time.perf_counter() - start)
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer, name): the embedded SmolLM2-135M, or with ``--model DIR`` a model
+    of DIR's config with random weights and DIR's tokenizer; on ``--device``."""
+    if args.model:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        name = f"{config.model_type} of {args.model} (random weights)"
+    else:
+        from semiring_autograd.integrations.huggingface import load_causal_lm
+
+        model, tokenizer = load_causal_lm()
+        name = "SmolLM2-135M"
+    return model.to(args.device), tokenizer, name
 
 
 def single_process(args: argparse.Namespace) -> None:
     import semiring_autograd as sa
-    from semiring_autograd.integrations.huggingface import load_causal_lm
 
-    model, tokenizer = load_causal_lm()
+    model, tokenizer, name = load(args)
     batch = texts(tokenizer)
     lengths = [len(tokenizer(t)["input_ids"]) for t in batch]
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(
-        f"SmolLM2-135M, {len(batch)} texts of {min(lengths)}-{max(lengths)} tokens, target "
-        f"{TARGET!r}, MaxProduct scores, {torch.get_num_threads()} thread(s), CPU"
+        f"{name}, {len(batch)} texts of {min(lengths)}-{max(lengths)} tokens, target "
+        f"{TARGET!r}, MaxProduct scores, {torch.get_num_threads()} thread(s), {where}"
     )
 
     def run(**options):
@@ -134,6 +166,8 @@ def single_process(args: argparse.Namespace) -> None:
         )
     # pass 1 captures a program per (batch, length) shape, pass 2 checks a shape's first
     # replay against eager (both run), later passes replay
+    if "compiled" in args.skip:
+        return
     for label in ("capture", "check", "replay", "replay"):
         found, seconds = rate(run(batch_size=args.batch_size, compile=True), len(batch))
         print(
@@ -240,8 +274,12 @@ def memory(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["single", "ranks", "memory"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["single", "compiled", "ranks", "memory"]
+    )
     parser.add_argument("--memory-records", type=int, default=1000)
+    parser.add_argument("--device", default="cpu", help="where the single-process rows run")
+    parser.add_argument("--model", help="a folder with a config and a tokenizer")
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
