@@ -28,6 +28,7 @@ from torch import Tensor
 from ..semirings.base import Semiring
 from ..errors import SemiringAutogradError
 from . import transforms
+from .attention_helpers import blocked_rule
 from .demand import input_demand, input_used
 from .message import unwrap, unwrap_plain, wrap_meta, wrap_one
 
@@ -381,6 +382,7 @@ class SemiringFunction(torch.autograd.Function):
                 if name not in structural:
                     raise ImportError(f"{cls.__module__}: no rule for op {name!r}; run `generate`")
                 vjp = cls.componentwise(structural[name])
+            vjp = blocked_rule(name, vjp, cls.semiring)
             body = {
                 "plan": plan,
                 "rule": staticmethod(vjp),

@@ -1,0 +1,124 @@
+"""``scaled_dot_product_attention``'s backward rule run in blocks of query rows.
+
+The rule (derivatives/models.yaml) rebuilds the attention probabilities p = softmax(s) and
+the messages at s, heads × L × S each for L queries and S keys. Every query row of them
+depends on that query, the full key and value, and the mask's row alone, so the rule runs
+on ``rows`` queries at a time: the query's message is the blocks' messages side by side,
+the key's and value's (and a mask's broadcast over queries) the ⊕ of the blocks'. Peak
+memory is then heads × rows × S per layer, not heads × L × S. ``is_causal`` becomes the
+block's rows of the causal mask (key j ≤ query i), which the rule excludes as it excludes
+a boolean mask.
+
+Values: the message at each query row is the one the unblocked rule computes (the same
+row-local formulas); a ⊕ across blocks regroups a sum over queries, which changes the
+rounding of a float ⊕ (Real, Log, Entropy, Counting beyond 2^24 paths in float32) and
+leaves an idempotent ⊕ (MaxProduct, Boolean, KBest) exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ..semirings.base import Semiring
+
+#: elements of one heads × rows × S block (4 MiB a tensor in float32); fewer queries
+#: than that fill run unblocked
+BLOCK_ELEMENTS = 1 << 20
+
+_OP = "scaled_dot_product_attention"
+
+
+def query_rows(batch_heads: int, queries: int, keys: int) -> int:
+    """Queries per block: as many as fill :data:`BLOCK_ELEMENTS` (at least one)."""
+    return max(1, min(queries, BLOCK_ELEMENTS // max(1, batch_heads * keys)))
+
+
+def blocked_rule(name: str, rule: Callable, semiring: Semiring | None) -> Callable:
+    """``rule`` itself, except for scaled_dot_product_attention: its rule run in blocks of
+    query rows. ``semiring`` is the module's (None: the rule takes it first, generic) and
+    sets how values look: a tuple of components (generic) or one component tensor."""
+    if name != _OP:
+        return rule
+    signature = inspect.signature(rule)
+    generic = semiring is None
+
+    @functools.wraps(rule)
+    def blocked(*args: Any) -> Any:
+        bound = signature.bind(*args)
+        call = bound.arguments
+        query, key = call["query"], call["key"]
+        rows = query_rows(math.prod(query.shape[:-2]), query.shape[-2], key.shape[-2])
+        if rows >= query.shape[-2]:
+            return rule(*args)
+        S = call["S"] if generic else semiring
+        return _run_blocks(rule, call, rows, S, generic)
+
+    return blocked
+
+
+def _run_blocks(rule: Callable, call: dict, rows: int, S: Semiring, generic: bool) -> tuple:
+    """The rule on each block of ``rows`` queries; the blocks' messages joined as each
+    block ends (the query's, and a per-row mask's, side by side along queries; the key's,
+    the value's and a mask's broadcast over queries ⊕-accumulated in block order)."""
+    query, mask = call["query"], call["attn_mask"]
+    length, keys = query.shape[-2], call["key"].shape[-2]
+    per_row = mask is not None and mask.dim() >= 2 and mask.shape[-2] == length
+    shapes = (call["query__shape"], None, None, call["attn_mask__shape"] if per_row else None)
+    wrap = (lambda v: v) if generic else (lambda v: (v,))
+    joined: list[Any] = [None] * 4  # per target: a list of block values, or the ⊕ so far
+    for start in range(0, length, rows):
+        size = min(rows, length - start)
+        block = dict(call)
+        block["grad"] = _narrow_value(call["grad"], start, size, length, generic)
+        block["query"] = query.narrow(-2, start, size)
+        block["query__shape"] = block["query"].shape
+        if call["is_causal"]:
+            block["attn_mask"] = _causal_rows(start, size, keys, query.device)
+            block["is_causal"] = False
+        elif per_row:
+            block["attn_mask"] = mask.narrow(-2, start, size)
+            block["attn_mask__shape"] = block["attn_mask"].shape
+        for i, part in enumerate(rule(**block)):
+            if part is None:
+                continue
+            if shapes[i] is not None:
+                joined[i] = (joined[i] or []) + [_expanded(wrap(part), shapes[i], size)]
+            else:
+                joined[i] = wrap(part) if joined[i] is None else S.add(joined[i], wrap(part))
+    for i, shape in enumerate(shapes):
+        if shape is not None and joined[i] is not None:
+            joined[i] = tuple(torch.cat(components, -2) for components in zip(*joined[i]))
+    return tuple(v if v is None or generic else v[0] for v in joined)
+
+
+def _expanded(value: tuple, shape: torch.Size, rows: int) -> tuple:
+    """A block's value (a tuple of components) with every component at the block's shape:
+    ``shape`` with ``rows`` queries (a component may broadcast)."""
+    return tuple(c.expand(*shape[:-2], rows, shape[-1]) for c in value)
+
+
+def _narrow_value(value: Any, start: int, size: int, length: int, generic: bool) -> Any:
+    """Rows [start, start + size) of a message value along queries (components that
+    broadcast over queries stay whole)."""
+    if not generic:
+        return _narrow(value, start, size, length)
+    return tuple(_narrow(c, start, size, length) for c in value)
+
+
+def _narrow(c: Tensor, start: int, size: int, length: int) -> Tensor:
+    if c.dim() >= 2 and c.shape[-2] == length:
+        return c.narrow(-2, start, size)
+    return c
+
+
+def _causal_rows(start: int, size: int, keys: int, device: torch.device) -> Tensor:
+    """Rows [start, start + size) of the causal mask over ``keys`` keys: key j ≤ query i
+    (torch's ``is_causal``: the lower triangle, aligned at the top left)."""
+    queries = torch.arange(start, start + size, device=device).unsqueeze(-1)
+    return torch.arange(keys, device=device) <= queries
