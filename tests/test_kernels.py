@@ -314,6 +314,103 @@ def test_max_product_non_finite_operands_follow_the_definition(where, dtype):
     assert bool(torch.isnan(expected).any() | torch.isinf(expected).any())
 
 
+def _k_best_value(gen, k, *shape, dtype=torch.float64, signed=False):
+    """A KBest value: k components best first, on a grid of quarters (ties), some zero."""
+    x = (torch.randn((k, *shape), generator=gen, dtype=dtype) * 4).round() / 4
+    return tuple(x if signed else x.abs().sort(0, descending=True).values)
+
+
+K_BEST_CASES = [  # (k, a's shape (…, m, l), b's shape (…, l, n))
+    (1, (3, 40), (40, 7)),
+    (5, (2, 5, 37), (37, 4)),
+    (5, (6, 33), (2, 33, 70)),  # b batched, a broadcast
+    (3, (2, 1, 4, 9), (3, 9, 20)),  # batch dims broadcast on both sides
+    (7, (1, 16, 76), (76, 64)),  # fewer than k paths for some entries
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", K_BEST_CASES, ids=str)
+def test_k_best_kernel_equals_the_torch_formulas(case, dtype, monkeypatch):
+    """KBest's matmul_lift (a weight) and matmul (two values) with the fused kernel equal
+    the torch formulas (kernels off) to the bit, and the brute force over every term:
+    ties on a grid of quarters, indices without a path, batch broadcasting."""
+    k, a_shape, b_shape = case
+    gen = torch.Generator().manual_seed(k + len(a_shape))
+    a = _k_best_value(gen, k, *a_shape, dtype=dtype)
+    a = tuple(c.index_fill(-1, torch.arange(0, a_shape[-1], 3), 0.0) for c in a)
+    w = _k_best_value(gen, 1, *b_shape, dtype=dtype, signed=True)[0]
+    b = _k_best_value(gen, k, *b_shape, dtype=dtype)
+    S = sa.KBest(k)
+    ran = []
+    real = kernels.k_best_times
+    monkeypatch.setattr(kernels, "k_best_times", lambda *x, **kw: _noted(ran, real(*x, **kw)))
+    fused = [S.matmul_lift(a, w), S.matmul(a, b)]
+    assert ran == [True, True], "the fused kernel did not run"
+    brute = [_k_best_brute(a, (w.abs(),), k), _k_best_brute(a, b, k)]
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "off")
+    formulas = [S.matmul_lift(a, w), S.matmul(a, b)]
+    for got, torch_formula, every_term in zip(fused, formulas, brute):
+        torch.testing.assert_close(torch.stack(got), torch.stack(torch_formula), rtol=0, atol=0)
+        torch.testing.assert_close(torch.stack(got), every_term, rtol=0, atol=0)
+
+
+def _noted(ran: list, out):
+    ran.append(out is not None)
+    return out
+
+
+def _k_best_brute(a, b, k):
+    """(k, …, m, n): every term a[r][…, i, l] · b[s][…, l, j] listed, sorted, the k first
+    kept (0 where fewer)."""
+    a_ = torch.stack(torch.broadcast_tensors(*a), -1)  # (…, m, l, ka)
+    b_ = torch.stack(torch.broadcast_tensors(*b), -1)  # (…, l, n, kb)
+    terms = a_[..., :, :, None, :, None] * b_[..., None, :, :, None, :]  # (…, m, l, n, ka, kb)
+    terms = terms.movedim(-4, -3).flatten(-3)  # (…, m, n, l·ka·kb)
+    terms = torch.cat([terms, terms.new_zeros((*terms.shape[:-1], k))], -1)
+    return terms.sort(-1, descending=True).values[..., :k].movedim(-1, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+@pytest.mark.parametrize("kb", [1, 3])
+def test_k_best_times_is_the_brute_force_top_k(kb, order, dtype):
+    """The operator on lists in either order (its early stops assume none) and with more
+    columns than one vector, against every product listed and sorted."""
+    gen = torch.Generator().manual_seed(kb)
+    a = (torch.rand(4, 2, 6, 50, generator=gen, dtype=dtype) * 8).floor() / 8
+    b = (torch.randn(kb, 2, 50, 37, generator=gen, dtype=dtype) * 8).round() / 8
+    if order == "sorted":
+        a, b = a.sort(0, descending=True).values, b.abs().sort(0, descending=True).values
+    for k in (1, 4, 9):
+        got = kernels.k_best_times(a, b, k, abs_b=True)
+        assert got is not None, "the fused kernel is unavailable on this machine"
+        want = _k_best_brute(tuple(a), tuple(b.abs()), k)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=str)
+@pytest.mark.parametrize("where", ["a", "w", "b"])
+def test_k_best_non_finite_operands_take_the_formulas(where, value, monkeypatch):
+    """A NaN or an infinity in a value or a weight (∞ · 0 = NaN) gives the torch formulas'
+    result (the kernel declines), NaN included."""
+    gen = torch.Generator().manual_seed(5)
+    S = sa.KBest(3)
+    a = _k_best_value(gen, 3, 4, 9)
+    w = _k_best_value(gen, 1, 9, 6, signed=True)[0]
+    b = _k_best_value(gen, 3, 9, 6)
+    target = {"a": a[0], "w": w, "b": b[1]}[where]
+    target[2, 1] = value if where == "w" else abs(value)
+    a[1][0, 2] = 0.0
+    fused = [S.matmul_lift(a, w), S.matmul(a, b)]
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "off")
+    formulas = [S.matmul_lift(a, w), S.matmul(a, b)]
+    for got, want in zip(fused, formulas):
+        torch.testing.assert_close(
+            torch.stack(got), torch.stack(want), rtol=0, atol=0, equal_nan=True
+        )
+
+
 def test_signed_infinite_ends_take_the_formulas(monkeypatch):
     """Where an infinite end of a non-empty pair (or an infinite weight) meets a 0, a
     corner product is NaN: the kernels would read it as no term, the formulas propagate it

@@ -10,7 +10,8 @@ without a select; and per-row kernels in log space: the leave-one-out ⊕, Entro
 
 There is no BLAS for max-times. Two fused paths compute it exactly:
 
-- CPU: ``extreme_matmul.h``, register-blocked SIMD loops, registered as the operators' CPU
+- CPU: ``extreme_matmul.h``, register-blocked SIMD loops (and ``k_best.h``, KBest's
+  matmul: bounds tested a vector at a time, k-best lists kept per column), registered as the operators' CPU
   kernels by ``operators.cpp``, which ``build.py`` compiles on first use with
   ``torch.utils.cpp_extension`` (``-O3 -march=native -fno-trapping-math -fopenmp``) into a
   per-machine cache. With OpenMP the kernels share the libgomp torch loaded, so their team
@@ -116,6 +117,22 @@ def max_times_finite(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = Fals
     if not _nonempty_ready("max_times_finite", a, b):
         return None
     out, nonfinite = op("max_times_finite")(a, b, init, abs_b)
+    return None if bool(nonfinite) else out
+
+
+def k_best_times(
+    a: Tensor, b: Tensor, k: int, abs_b: bool = False, dead_count: bool = True
+) -> Tensor | None:
+    """The k-best matmul on the CPU: out[t, bt, i, j] = the t-th largest (best first) of
+    a[r, bt, i, q] · b[s, bt, q, j] over (q, r, s), 0 where fewer than k products are above 0,
+    for lists of non-negative weights a (ka, B, m, l) and b (kb, B or 1, l, n) (|b| when
+    ``abs_b``); (k, B, m, n). The same products as the torch formula, kept by comparisons:
+    its values to the bit. None where an entry is NaN or infinite (of b: at an index q
+    where some row of a has a weight, or at any q when ``dead_count``), off the CPU, for
+    empty operands or without the kernels."""
+    if not _nonempty_ready("k_best_times", a, b):
+        return None
+    out, nonfinite = op("k_best_times")(a, b, k, abs_b, dead_count)
     return None if bool(nonfinite) else out
 
 
@@ -345,6 +362,7 @@ __all__ = [
     "operators",
     "max_times",
     "max_times_finite",
+    "k_best_times",
     "signed_times",
     "pair_lift_matmul",
     "signed_mul_lift",

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "operators.cpp", _HERE / "extreme_matmul.h")
+_SOURCES = (_HERE / "operators.cpp", _HERE / "extreme_matmul.h", _HERE / "k_best.h")
 ENV = "SEMIRING_AUTOGRAD_KERNELS"
 MODES = ("off", "check", "trust")
 ALIASES = {"eager": "off"}

@@ -235,6 +235,49 @@ def _check_max_times_finite(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def k_best_formula(a: Tensor, b: Tensor, k: int, abs_b: bool) -> Tensor:
+    """(k, B, m, n): the k largest of a[r, ., i, q]·b'[s, ., q, j] over (q, r, s), best
+    first, 0 where fewer than k (b' = |b| when ``abs_b``)."""
+    b = b.abs() if abs_b else b
+    p = a[:, None, :, :, :, None] * b[None, :, :, None, :, :]  # (ka, kb, B, m, l, n)
+    lists = p.permute(2, 3, 5, 0, 1, 4).flatten(3)
+    lists = torch.cat([lists, lists.new_zeros((*lists.shape[:3], k))], -1)
+    return lists.topk(k, dim=-1).values.permute(3, 0, 1, 2)
+
+
+def _k_best_lists(c: _Case, *shape: int) -> Tensor:
+    """Lists of weights (shape[0] components, best first) with exact ties and zeros."""
+    x = (c.rand(*shape) * 4).floor() / 4
+    return x.sort(0, descending=True).values
+
+
+def _check_k_best_times(c: _Case) -> str | None:
+    problems = []
+    for (ka, batch, m, l), (kb, bb, n), k in (
+        ((3, 2, 5, 7), (1, 1, 9), 3),
+        ((2, 1, 6, 19), (2, 1, 37), 5),
+        ((1, 2, 3, 4), (3, 2, 17), 7),
+    ):
+        a = _k_best_lists(c, ka, batch, m, l)
+        a[:, :, :, 1] = 0.0  # a dead index
+        b = c.randn(kb, bb, l, n, zeros=0.2)
+        b = b if kb == 1 else b.abs().sort(0, descending=True).values
+        for abs_b in (True, False):
+            operand = b if abs_b else b.abs()
+            (got, flagged), _ = c.run(a, operand, k, abs_b, True)
+            if bool(flagged):
+                return "k_best_times flagged finite operands"
+            want = k_best_formula(a, operand, k, abs_b)
+            problems.append(_differs(f"k_best_times(k={k}, abs_b={abs_b})", got, want))
+        for which, at, value in ((0, -1, NAN), (1, 0, INF), (1, -1, NAN)):
+            operands = [a.clone(), b.clone()]
+            operands[which].view(-1)[at] = value
+            (_, flagged), _ = c.run(*operands, k, True, True)
+            if not bool(flagged):
+                return f"k_best_times missed {value} in {'ab'[which]}"
+    return _first(*problems)
+
+
 def _signed_pair(c: _Case, shape, empty: float) -> tuple[Tensor, Tensor]:
     hi = c.randn(*shape, zeros=0.15)
     lo = hi - c.rand(*shape).masked_fill(hi == 0, 0.0)
@@ -539,6 +582,7 @@ def _tuple(result):
 _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "max_times": _check_max_times,
     "max_times_finite": _check_max_times_finite,
+    "k_best_times": _check_k_best_times,
     "signed_times": _check_signed_times,
     "lift_times": _check_lift_times,
     "signed_mul_lift": _check_signed_mul_lift,

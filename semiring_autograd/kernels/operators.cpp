@@ -1,4 +1,4 @@
-// The CPU kernels of extreme_matmul.h as torch operators in the `semiring_autograd` namespace.
+// The CPU kernels of extreme_matmul.h and k_best.h as torch operators in the `semiring_autograd` namespace.
 //
 // Part of semiring_autograd. Built on first use by kernels/build.py through
 // torch.utils.cpp_extension (-O3 -march=native -fno-trapping-math -fopenmp). The schemas are
@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "extreme_matmul.h"
+#include "k_best.h"
 
 namespace {
 
@@ -116,6 +117,31 @@ std::tuple<at::Tensor, at::Tensor> max_times_finite_op(const at::Tensor& a_, con
                      n);
     });
     return {trim(out, n), flag(nonfinite != 0)};
+}
+
+// (out, nonfinite): the k-best matmul of k_best.h for a (ka, batch, m, l) and b (kb, batch
+// or 1, l, n); out (k, batch, m, n); nonfinite (0-d bool) true, and out unspecified, where
+// an entry that counts is NaN or infinite.
+std::tuple<at::Tensor, at::Tensor> k_best_times_op(const at::Tensor& a_, const at::Tensor& b_,
+                                                   int64_t k, bool abs_b, bool dead_count) {
+    TORCH_CHECK(a_.dim() == 4 && b_.dim() == 4 && a_.scalar_type() == b_.scalar_type(),
+                "k_best_times: a (ka, batch, m, l) and b (kb, batch or 1, l, n) of one dtype, "
+                "got ", a_.sizes(), " and ", b_.sizes());
+    const auto a = a_.contiguous(), b = b_.contiguous();
+    const int64_t ka = a.size(0), batch = a.size(1), m = a.size(2), l = a.size(3);
+    const int64_t kb = b.size(0), n = b.size(3);
+    TORCH_CHECK(k >= 1 && (b.size(1) == batch || b.size(1) == 1) && b.size(2) == l,
+                "k_best_times: b of shape ", b.sizes(), " does not fit a of shape ", a.sizes(),
+                " (k = ", k, ")");
+    auto out = at::empty({k, batch, m, n}, a.options());
+    int nonfinite = 0;
+    FLOATING(a.scalar_type(), [&] {
+        const int64_t b_batch = b.size(1) == batch && batch > 1 ? l * n : 0;
+        k_best_times<T>(a.data_ptr<T>(), ka, b.data_ptr<T>(), kb, b_batch, out.data_ptr<T>(), k,
+                        batch, m, l, n, abs_b, dead_count,
+                        threads_for(batch * m * l * n), &nonfinite);
+    });
+    return {out, flag(nonfinite != 0)};
 }
 
 std::tuple<at::Tensor, at::Tensor> signed_times_op(const at::Tensor& a_hi_,
@@ -446,6 +472,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("all_rows_live", &all_rows_live_op);
     m.impl("max_times", &max_times_op);
     m.impl("max_times_finite", &max_times_finite_op);
+    m.impl("k_best_times", &k_best_times_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);
     m.impl("signed_mul_lift", &signed_mul_lift_op);

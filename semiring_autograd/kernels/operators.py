@@ -11,6 +11,10 @@ one dtype.
                          NaN terms never win; |b| when ``abs_b``
 ``max_times_finite``     (max_times, whether some entry of a or b is NaN or infinite: then
                          the first is unspecified); CPU only
+``k_best_times``         (out, flag): out (k, B, m, n) the k largest products a[r]·b[s] over
+                         (l, r, s) of lists a (ka, B, m, l), b (kb, B or 1, l, n); |b| when
+                         ``abs_b``; the flag: a NaN or an infinity that counts (then out is
+                         unspecified); CPU only
 ``signed_times``         (max_k, min_k) of the corner products of signed pairs; NaN = empty
 ``lift_times``           the signed pair a times lift(w): (max_k, min_k) of a_hi·w or a_lo·w
                          by the sign of w
@@ -50,6 +54,7 @@ NAMESPACE = "semiring_autograd"
 SCHEMAS = {
     "max_times": "(Tensor a, Tensor b, float init, bool abs_b) -> Tensor",
     "max_times_finite": "(Tensor a, Tensor b, float init, bool abs_b) -> (Tensor, Tensor)",
+    "k_best_times": "(Tensor a, Tensor b, int k, bool abs_b, bool dead_count) -> (Tensor, Tensor)",
     "signed_times": "(Tensor a_hi, Tensor a_lo, Tensor b_hi, Tensor? b_lo) -> (Tensor, Tensor)",
     "lift_times": "(Tensor a_hi, Tensor a_lo, Tensor w, bool zero_empty) -> (Tensor, Tensor)",
     "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
@@ -107,6 +112,11 @@ def _(a, b, init, abs_b):
 @_fake("max_times_finite")
 def _(a, b, init, abs_b):
     return _padded_result(a, b.shape[-1]), _declined(a)
+
+
+@_fake("k_best_times")
+def _(a, b, k, abs_b, dead_count):
+    return a.new_empty((k, a.shape[1], a.shape[2], b.shape[3])), _declined(a)
 
 
 @_fake("signed_times")

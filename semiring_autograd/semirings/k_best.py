@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import kernels
 from .base import Semiring, Value, broadcast_value
 from .batching import across_rows
 from .tensor_ops import CHUNK_ELEMENTS, filled
@@ -35,6 +36,37 @@ def _best(lists: Tensor, k: int) -> Value:
         lists = torch.cat([lists, pad], -1)
     top = lists.topk(k, dim=-1, sorted=True).values if lists.shape[-1] > k else lists
     return tuple(top.unbind(-1))
+
+
+def _fused_matmul(a: Value, b: Value, k: int, abs_b: bool, dead_count: bool) -> Value | None:
+    """The k best of a[..., i, l, r] · b[..., l, j, s] over (l, r, s) from the fused kernel
+    (``kernels.k_best_times``; |b| when ``abs_b``; b's entries at an index l where no row
+    of a has a path are ignored unless ``dead_count``), else None (kernel unavailable, an
+    operand not finite: the torch formulas then run)."""
+    if a[0].dim() < 2 or b[0].dim() < 2:
+        return None
+    a_lists, b_lists = torch.stack(broadcast_value(a)), torch.stack(broadcast_value(b))
+    (m, l), n = a_lists.shape[-2:], b_lists.shape[-1]
+    if b_lists.shape[-2] != l:
+        return None
+    batch = torch.broadcast_shapes(a_lists.shape[1:-2], b_lists.shape[1:-2])
+    a4 = _batched(a_lists, batch)
+    if math.prod(b_lists.shape[1:-2]) > 1:
+        b4 = _batched(b_lists, batch)
+    else:  # one b for every batch entry (a weight)
+        b4 = b_lists.reshape(len(b), 1, l, n)
+    out = kernels.k_best_times(a4, b4, k, abs_b=abs_b, dead_count=dead_count)
+    if out is None:
+        return None
+    return tuple(c.reshape(*batch, m, n) for c in out.unbind(0))
+
+
+def _batched(lists: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """Lists (c, *batch dims, rows, cols) broadcast to ``batch`` and flattened to
+    (c, count, rows, cols)."""
+    c, rows, cols = lists.shape[0], lists.shape[-2], lists.shape[-1]
+    lists = lists.reshape(c, *[1] * (len(batch) + 3 - lists.dim()), *lists.shape[1:])
+    return lists.expand(c, *batch, rows, cols).reshape(c, math.prod(batch), rows, cols)
 
 
 class KBest(Semiring):
@@ -97,10 +129,12 @@ class KBest(Semiring):
         return merged
 
     def matmul(self, a, b):
-        return self._contract(_stacked(a), _stacked(b))
+        fused = _fused_matmul(a, b, self.k, abs_b=False, dead_count=True)
+        return fused if fused is not None else self._contract(_stacked(a), _stacked(b))
 
     def matmul_lift(self, a, w):
-        return self._contract_lift(_stacked(a), w.abs())
+        fused = _fused_matmul(a, (w,), self.k, abs_b=True, dead_count=False)
+        return fused if fused is not None else self._contract_lift(_stacked(a), w.abs())
 
     def _contract_lift(self, a: Tensor, w: Tensor) -> Value:
         """out[..., i, j] = the k best of a[..., i, l, r] · w[..., l, j] over (l, r), for

@@ -1,0 +1,200 @@
+// The k-best matmul for the CPU (semirings/k_best.py): for lists of non-negative weights
+//   a: ka components, each (batch, m, l), and b: kb components, each (batch or 1, l, n),
+//   out[t][bt, i, j] = the t-th largest (best first, t < k) of a[r][bt, i, q] · b[s][bt, q, j]
+//   over (q, r, s), 0 where fewer than k products are above 0,
+// with |b| in place of b when `abs_b`. Every product is the same floating-point multiply as
+// the torch formula's and the k largest are kept by comparisons only, so the values are
+// the formula's to the bit (ties keep equal values, whichever term they came from).
+//
+// Bounds: am[i, q] = max_r a[r][i, q] and bm[q, j] = max_s b[s][q, j]; rounding is monotone,
+// so every product of (i, q, j) is at most am·bm. One vector multiply and compare per (i, q)
+// and column vector tests those bounds against the k-th best so far; only a lane whose bound
+// passes it runs its ka·kb products. A row takes its indices q by am descending, and stops
+// where am · (the strip's largest bm per column) passes no k-th best: every later term is
+// below it. An index q where the row has no weight above 0 has only zero products, which
+// never enter a list: it is skipped, and so is a strip row q where no row of a has one.
+//
+// Non-finite operands (NaN, ±inf) are not computed: the torch formula gives NaN for
+// NaN and ∞·0 terms, which a list of comparisons would not. Where an entry of a, or of b
+// at a live index q (at any q when `dead_count`), is not finite, *nonfinite is set and
+// out is left unspecified (the caller then takes its formula).
+
+#pragma once
+
+#include "extreme_matmul.h"
+
+namespace {
+
+// The first `valid` entries at p as a vector (the other lanes 0).
+template <typename T, typename V = typename Vec<T>::type>
+inline V load_part(const T* p, int64_t valid) {
+    if (valid >= Vec<T>::lanes) return load<V>(p);
+    V v = V{} + T(0);
+    for (int64_t c = 0; c < valid; ++c) v[c] = p[c];
+    return v;
+}
+
+// Whether every lane of v is finite: v·0 is 0 for a finite lane, NaN otherwise.
+template <typename T, typename V = typename Vec<T>::type>
+inline bool finite_lanes(V v) {
+    const V z = v * T(0);
+    bool ok = true;
+    for (int c = 0; c < Vec<T>::lanes; ++c) ok = ok && z[c] == T(0);
+    return ok;
+}
+
+// The lanes where p > t, as bits.
+template <typename T, typename V = typename Vec<T>::type>
+inline uint32_t greater_lanes(V p, V t) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>)
+        return _mm512_cmp_ps_mask((__m512)p, (__m512)t, _CMP_GT_OQ);
+    else
+        return _mm512_cmp_pd_mask((__m512d)p, (__m512d)t, _CMP_GT_OQ);
+#else
+    uint32_t bits = 0;
+    for (int c = 0; c < Vec<T>::lanes; ++c) bits |= uint32_t(p[c] > t[c]) << c;
+    return bits;
+#endif
+}
+
+// Insert x into the descending list top[0..k) of one lane (stride L) if it beats the last;
+// whether it did.
+template <typename T>
+inline bool insert_best(T* top, int64_t k, int L, T x) {
+    if (!(x > top[(k - 1) * L])) return false;
+    int64_t t = k - 1;
+    for (; t > 0 && top[(t - 1) * L] < x; --t) top[t * L] = top[(t - 1) * L];
+    top[t * L] = x;
+    return true;
+}
+
+// am (batch, m, l) = max over a's components; live[bt * l + q]: some row of batch bt has
+// am > 0; *sorted: every list of a is in descending order (as the semiring keeps them).
+// False where an entry of a is not finite.
+template <typename T>
+bool k_best_bounds(const T* a, int64_t a_comp, int64_t ka, int64_t batch, int64_t m, int64_t l,
+                   T* am, uint8_t* live, bool* sorted) {
+    T check = T(0);
+    bool order = true;
+    for (int64_t e = 0; e < batch * m * l; ++e) {
+        T best = a[e];
+        check += a[e] * T(0);
+        for (int64_t r = 1; r < ka; ++r) {
+            const T v = a[r * a_comp + e];
+            check += v * T(0);
+            order = order && v <= a[(r - 1) * a_comp + e];
+            best = v > best ? v : best;
+        }
+        am[e] = best;
+    }
+    *sorted = order;
+    if (check != T(0)) return false;
+    for (int64_t bt = 0; bt < batch; ++bt)
+        for (int64_t q = 0; q < l; ++q) {
+            bool any = false;
+            for (int64_t i = 0; i < m; ++i) any = any || am[(bt * m + i) * l + q] > T(0);
+            live[bt * l + q] = any;
+        }
+    return true;
+}
+
+template <typename T>
+void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batch, T* out,
+                  int64_t k, int64_t batch, int64_t m, int64_t l, int64_t n, bool abs_b,
+                  bool dead_count, int threads, int* nonfinite) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const int64_t a_comp = batch * m * l, b_comp = (b_batch ? batch : 1) * l * n;
+    const int64_t out_comp = batch * m * n;
+    std::vector<T> am(batch * m * l);
+    std::vector<uint8_t> live(batch * l);
+    bool sorted = false;
+    if (!k_best_bounds(a, a_comp, ka, batch, m, l, am.data(), live.data(), &sorted)) {
+        *nonfinite = 1;
+        return;
+    }
+    // per row of a: its indices q with a path, by am descending (ties by q)
+    std::vector<int32_t> order(batch * m * l);
+    std::vector<int64_t> count(batch * m);
+    for (int64_t row = 0; row < batch * m; ++row) {
+        const T* ar = am.data() + row * l;
+        int32_t* qs = order.data() + row * l;
+        int64_t c = 0;
+        for (int64_t q = 0; q < l; ++q)
+            if (ar[q] > T(0)) qs[c++] = static_cast<int32_t>(q);
+        std::sort(qs, qs + c, [ar](int32_t x, int32_t y) {
+            return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
+        });
+        count[row] = c;
+    }
+    const int64_t blocks = (n + L - 1) / L;
+    for_blocks(0, batch, 0, blocks, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
+        if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
+        Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
+        const int64_t j = cb * L, valid = std::min<int64_t>(L, n - j);
+        const T* bb = b + bt * b_batch;
+        const uint8_t* lv = live.data() + bt * l;
+        // The strip of b's columns [j, j + L): per q, the bounds bm, then (for kb > 1) the
+        // kb components (|b| when abs_b), so the terms read it from cache; and the
+        // finiteness of the b entries that count.
+        const int64_t rs = (kb == 1 ? 1 : kb + 1) * L, first = kb == 1 ? 0 : L;
+        Buffer<T>& strip = buffers[0];
+        strip.resize(l * rs);
+        V check = V{} + T(0), colmax = V{} + T(0);
+        for (int64_t q = 0; q < l; ++q) {
+            if (!lv[q] && !dead_count) continue;
+            V big = V{} + T(0);
+            for (int64_t s = 0; s < kb; ++s) {
+                V v = load_part<T>(bb + s * b_comp + q * n + j, valid);
+                check += v * T(0);
+                if (abs_b) v = v < T(0) ? -v : v;
+                big = vmax(v, big);
+                if (kb > 1) store(&strip[q * rs + first + s * L], v);
+            }
+            store(&strip[q * rs], big);
+            if (lv[q]) colmax = vmax(big, colmax);
+        }
+        if (!finite_lanes<T>(check)) {
+            __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        Buffer<T>& top = buffers[1];
+        top.resize(k * L);
+        for (int64_t i = 0; i < m; ++i) {
+            std::fill(top.begin(), top.end(), T(0));
+            V kth = V{} + T(0);
+            const T* ai = am.data() + (bt * m + i) * l;
+            const int32_t* qs = order.data() + (bt * m + i) * l;
+            for (int64_t u = 0; u < count[bt * m + i]; ++u) {
+                const int64_t q = qs[u];
+                const T s = ai[q];
+                // every later term is at most s · colmax: none can enter a list
+                if (!greater_lanes<T>(colmax * s, kth)) break;
+                const T* row = &strip[q * rs];
+                uint32_t hits = greater_lanes<T>(load<V>(row) * s, kth);
+                while (hits) {
+                    const int c = __builtin_ctz(hits);
+                    hits &= hits - 1;
+                    const T* x = a + (bt * m + i) * l + q;
+                    if (kb == 1 && sorted) {  // descending terms: stop at the first that fails
+                        const T y = row[c];
+                        for (int64_t r = 0; r < ka && insert_best(&top[c], k, L, x[r * a_comp] * y);
+                             ++r) {
+                        }
+                    } else {
+                        for (int64_t r = 0; r < ka; ++r)
+                            for (int64_t s2 = 0; s2 < kb; ++s2)
+                                insert_best(&top[c], k, L, x[r * a_comp] * row[first + s2 * L + c]);
+                    }
+                    kth[c] = top[(k - 1) * L + c];
+                }
+            }
+            for (int64_t t = 0; t < k; ++t)
+                std::memcpy(out + t * out_comp + (bt * m + i) * n + j, &top[t * L],
+                            valid * sizeof(T));
+        }
+    });
+}
+
+}  // namespace
