@@ -50,6 +50,8 @@ from ..semirings.laws import check_semiring
 from ..semirings.registry import defined_by_library, records_torch_graph
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
+#: the innermost saved-tensor hooks (None: none, so no checkpointed region is running)
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 #: each patched model → the handle that patched it (read and written under _PATCHED_LOCK)
 _PATCHED: "weakref.WeakKeyDictionary[nn.Module, PatchHandle]" = weakref.WeakKeyDictionary()
 #: serializes claims and releases; re-entrant, so a finalizer or signal handler that patches
@@ -105,17 +107,31 @@ def _name_of(func: Any) -> str:
 def _requires_grad(tree: Any) -> bool:
     """Whether a tensor requiring grad sits in ``tree`` (nested tuples, lists and dicts:
     the containers torch functions take). Called on every torch call under the patch, so a
-    plain loop rather than a pytree flatten."""
+    plain loop rather than a pytree flatten, and no call per tensor."""
     if isinstance(tree, torch.Tensor):
         return tree.requires_grad
-    if isinstance(tree, (tuple, list)):
-        return any(_requires_grad(x) for x in tree)
     if isinstance(tree, dict):
-        return any(_requires_grad(x) for x in tree.values())
+        tree = tree.values()
+    elif not isinstance(tree, (tuple, list)):
+        return False
+    for x in tree:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                return True
+        elif isinstance(x, (tuple, list, dict)) and _requires_grad(x):
+            return True
     return False
 
 
+#: what a torch function returns that holds no tensor (``x.dim()``, ``x.shape``, ``x.dtype``)
+_NO_TENSORS = (int, float, bool, str, type(None), torch.Size, torch.dtype, torch.device)
+
+
 def _differentiable_output(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.requires_grad and (out.is_floating_point() or out.is_complex())
+    if type(out) in _NO_TENSORS:
+        return False
     leaves, _ = tree_flatten(out)
     return any(
         isinstance(x, torch.Tensor)
@@ -137,6 +153,24 @@ def _tensors(values: Any) -> list[torch.Tensor]:
             found.append(v)
         elif type(v) in (tuple, list):
             found += [t for t in v if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _inputs(values: Any) -> list[torch.Tensor] | None:
+    """:func:`_tensors` of ``values``, or None when one of them is complex (one loop: it
+    runs on every recorded call)."""
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.is_complex():
+                return None
+            found.append(v)
+        elif type(v) in (tuple, list):
+            for t in v:
+                if isinstance(t, torch.Tensor):
+                    if t.is_complex():
+                        return None
+                    found.append(t)
     return found
 
 
@@ -200,7 +234,10 @@ class _SemiringMode(TorchFunctionMode):
         self.handle = handle
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if not kwargs:  # most calls: no keywords to look at
+            if not torch.is_grad_enabled() or not _requires_grad(args):
+                return func(*args)
+            return self._record(func, types, args, {})
         if not torch.is_grad_enabled() or not (_requires_grad(args) or _requires_grad(kwargs)):
             return func(*args, **kwargs)
         if "out" in kwargs and kwargs["out"] is None:  # the default, spelled out
@@ -218,11 +255,13 @@ class _SemiringMode(TorchFunctionMode):
             if out is not complex_pairs.NOT_BOUND:
                 return out
         candidates = handle.op_table.candidates(func)
-        op, bound, rejected = _entry(candidates, args, kwargs)
-        if op is not None:
-            if handle.torch_graph:
-                return handle.record_torch_graph(func, args, kwargs, op, bound)
-            return self._run(func, args, kwargs, op, bound, UnpatchedCall(func, args, kwargs))
+        for op in candidates:  # _entry's search, inline: it runs on every recorded call
+            bound = op.bind(args, kwargs)
+            if bound is not None and (op.accepts is None or op.accepts(**bound)):
+                if handle.torch_graph:
+                    return handle.record_torch_graph(func, args, kwargs, op, bound)
+                call = UnpatchedCall(func, args, kwargs)
+                return self._run(func, args, kwargs, op, bound, call)
         if inplace.is_inplace(func, kwargs):
             return self._write(func, types, args, kwargs)
         out = func(*args, **kwargs)
@@ -232,32 +271,48 @@ class _SemiringMode(TorchFunctionMode):
             if handle.torch_graph:
                 return out  # view_as_complex, view_as_real …: torch's complex autograd
             raise handle.complex_refusal(func)
+        _, _, rejected = _entry(candidates, args, kwargs)
         raise handle.unsupported(func, _refusal(candidates, rejected))
 
     def _run(self, func: Any, args: tuple, kwargs: dict, op: OpSpec, bound: dict, call: Any) -> Any:
         """The call ``func(*args, **kwargs)`` under the generated Function of its entry
         ``op`` (``bound``: its arguments bound), whose forward is ``call()``."""
         handle = self.handle
-        inputs = _tensors(bound.values())
-        if any(t.is_complex() for t in inputs):
+        inputs = _inputs(bound.values())
+        if inputs is None:
             raise handle.complex_refusal(func)
-        frame = checkpoint_frame()
-        if frame is not None:  # a checkpointed region: recompute it under the semiring
-            recompute_under(frame, handle.run_in_mode)
+        if _top_saved_tensors_hooks(False) is not None:
+            frame = checkpoint_frame()
+            if frame is not None:  # a checkpointed region: recompute it under the semiring
+                recompute_under(frame, handle.run_in_mode)
         recorded = (
             RecordedCall.record(func, args, kwargs, op, bound, handle.parameter_name)
             if handle.paths
             else None
         )
-        fn, takes_semiring = handle.op_table.dispatcher(handle.semiring, op)
+        found = handle.functions.get(op.name)
+        if found is None:
+            found = handle.functions[op.name] = handle.op_table.dispatcher(handle.semiring, op)
+        fn, takes_semiring = found
         if takes_semiring:
             out = fn(handle.semiring, call, **bound)
         else:
             out = fn(call, **bound)
-        if _is_complex(out):  # a cast to a complex dtype
-            raise handle.complex_refusal(func)
-        inplace.release_views(out, inputs, op.multi_output)
-        handle.annotate(out, op, recorded)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no flatten
+            if out.is_complex():  # a cast to a complex dtype
+                raise handle.complex_refusal(func)
+            if out.requires_grad and out._is_view():
+                inplace.release_views(out, inputs, op.multi_output)
+            node = out.grad_fn
+        else:
+            if _is_complex(out):
+                raise handle.complex_refusal(func)
+            inplace.release_views(out, inputs, op.multi_output)
+            node = _output_node(out)
+        if node is not None:
+            stack = handle._stack  # handle.current_module, without the property's call
+            module = stack[-1][0] if stack else type(handle.model).__name__
+            set_node_info(node, NodeInfo(op.name, module, handle.semiring, recorded))
         return out
 
     def _einsum(
@@ -385,6 +440,9 @@ class PatchHandle:
         )
         #: torch records its own graph of each op (sa.Real(); see the semiring registry)
         self.torch_graph = records_torch_graph(semiring)
+        #: op name → the generated function that records it under this semiring, and
+        #: whether it takes the semiring first (the op table's dispatcher, read once per op)
+        self.functions: dict[str, tuple[Callable[..., Any], bool]] = {}
         #: complex tensors made from real pairs requiring grad, with those pairs
         self.complex_pairs = complex_pairs.ComplexPairs()
         #: the thread whose forwards record (the patching thread)
@@ -562,12 +620,6 @@ class PatchHandle:
                     f"{other.semiring!r}: one graph takes one semiring. Patch the outer model "
                     "only, or both with the same semiring."
                 )
-
-    def annotate(self, out: Any, op: OpSpec, recorded: "RecordedCall | None") -> None:
-        """Record a :class:`NodeInfo` on the backward node of ``out``."""
-        node = _output_node(out)
-        if node is not None:
-            set_node_info(node, NodeInfo(op.name, self.current_module, self.semiring, recorded))
 
     def record_torch_graph(
         self, func: Any, args: tuple, kwargs: dict, op: OpSpec, bound: dict[str, Any]

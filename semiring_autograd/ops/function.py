@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -36,6 +37,9 @@ from .message import unwrap, unwrap_plain, wrap_meta, wrap_one
 OUTPUT, AUX = -1, -2
 #: a tensor a ``torch.func`` transform left wrapped after it ended, as its plain tensor
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+#: ``map(isinstance, values, _TENSOR)``: which of ``values`` are tensors, without a call per
+#: value in Python
+_TENSOR = itertools.repeat(Tensor)
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ class SemiringFunction(torch.autograd.Function):
     def call(cls, *leading: Any, **bound: Any) -> Any:
         """Record the op: ``leading`` is (call,) or (semiring, call)."""
         plan = cls.plan
-        values = [bound[p] for p in plan.params]
+        values = list(map(bound.__getitem__, plan.params))
         if plan.list_at is not None:
             values += values.pop(plan.list_at)
         if torch._C._are_functorch_transforms_active():  # torch.func.grad, vjp, vmap …
@@ -199,9 +203,9 @@ class SemiringFunction(torch.autograd.Function):
         args = args[lead:]
         list_at = plan.list_at
         values = args if list_at is None else _values(plan, args)
-        ctx.set_materialize_grads(False)
+        ctx.materialize_grads = False  # ctx.set_materialize_grads(False), without its call
         ctx.semiring = S
-        ctx._tensor_args = (False,) * lead + tuple([isinstance(x, Tensor) for x in args])
+        ctx._tensor_args = (False,) * lead + tuple(map(isinstance, args, _TENSOR))
         if plan.has_aux:
             output, aux = outputs
             ctx.mark_non_differentiable(aux)

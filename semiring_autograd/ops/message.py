@@ -40,14 +40,7 @@ class Message(Tensor):
 
     @staticmethod
     def __new__(cls, semiring: Semiring, value: Value, shape, dtype, device) -> "Message":
-        shape = torch.Size(shape)
-        r = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        r.semiring = semiring
-        fitted = []  # a loop, not a generator: this runs for every message
-        for c in value:
-            fitted.append(c if c.shape == shape else c.expand(shape))
-        r.value = tuple(fitted)
-        return r
+        return _message(semiring, value, shape, dtype, device)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -78,6 +71,26 @@ class Message(Tensor):
         return batching.dispatch(handler, func, args, kwargs)
 
 
+def _message(semiring: Semiring, value: Value, shape, dtype, device) -> Message:
+    """``_message(semiring, value, shape, dtype, device)``: each component expanded to
+    ``shape`` where it is not of that shape. This module makes its messages here, without
+    the Python calls of the class's ``__new__`` and ``__init__`` (one per message)."""
+    if type(shape) is not torch.Size:
+        shape = torch.Size(shape)
+    r = _make_wrapper_subclass(Message, shape, dtype=dtype, device=device)
+    r.semiring = semiring
+    fitted = []  # a loop, not a generator: this runs for every message
+    for c in value:
+        fitted.append(c if c.shape == shape else c.expand(shape))
+    r.value = tuple(fitted)
+    return r
+
+
+_make_wrapper_subclass = Tensor._make_wrapper_subclass
+#: primal dtypes whose messages are of the same dtype (``message_dtype`` is the identity)
+_OWN_PRECISION = (torch.float32, torch.float64)
+
+
 def _in_precision(value: Value, dtype: torch.dtype) -> Value:
     """Floating components in the message precision of a ``dtype`` primal (an op whose output
     dtype differs from its input's, such as ``softmax(dtype=...)``, hands back components of
@@ -93,7 +106,7 @@ def wrap(semiring: Semiring, value: Value | None, like: Tensor) -> Message | Non
     """A message for ``value`` with ``like``'s metadata (None stays the symbolic zero)."""
     if value is None:
         return None
-    return Message(semiring, _in_precision(value, like.dtype), like.shape, like.dtype, like.device)
+    return _message(semiring, _in_precision(value, like.dtype), like.shape, like.dtype, like.device)
 
 
 def wrap_meta(semiring: Semiring, value: Value | None, meta) -> Message | None:
@@ -101,7 +114,7 @@ def wrap_meta(semiring: Semiring, value: Value | None, meta) -> Message | None:
     if value is None:
         return None
     shape, dtype, device = meta
-    return Message(semiring, _in_precision(value, dtype), shape, dtype, device)
+    return _message(semiring, _in_precision(value, dtype), shape, dtype, device)
 
 
 def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
@@ -129,10 +142,11 @@ def wrap_one(semiring: Semiring, component: Tensor | None, meta) -> Message | No
     if component is None:
         return None
     shape, dtype, device = meta
-    target = message_dtype(dtype)
-    if component.dtype != target and component.is_floating_point():
-        component = component.to(target)
-    return Message(semiring, (component,), shape, dtype, device)
+    if component.dtype != dtype or dtype not in _OWN_PRECISION:
+        target = message_dtype(dtype)
+        if component.dtype != target and component.is_floating_point():
+            component = component.to(target)
+    return _message(semiring, (component,), shape, dtype, device)
 
 
 # ----- structural aten ops on messages -------------------------------------------------
@@ -145,7 +159,7 @@ def _msg_args(args) -> tuple[Message, Semiring]:
 
 def _per_component(func, msg: Message, *args, **kwargs) -> Message:
     out = tuple(func(c, *args, **kwargs) for c in msg.value)
-    return Message(msg.semiring, out, out[0].shape, msg.dtype, msg.device)
+    return _message(msg.semiring, out, out[0].shape, msg.dtype, msg.device)
 
 
 def _map(func, msg, *args, **kwargs):
@@ -184,7 +198,7 @@ def _add(func, a, b, *, alpha=1):
         )
     value = a.semiring.merge(a.value, b.value)
     shape = a.shape if a.shape == b.shape else torch.broadcast_shapes(a.shape, b.shape)
-    return Message(a.semiring, value, shape, a.dtype, a.device)
+    return _message(a.semiring, value, shape, a.dtype, a.device)
 
 
 def _add_inplace(func, a, b, *, alpha=1):
@@ -195,7 +209,7 @@ def _add_inplace(func, a, b, *, alpha=1):
 
 def _sum(func, msg, dim=None, keepdim=False, *, dtype=None):
     value = msg.semiring.sum(msg.value, dim, keepdim)
-    return Message(msg.semiring, value, value[0].shape, dtype or msg.dtype, msg.device)
+    return _message(msg.semiring, value, value[0].shape, dtype or msg.dtype, msg.device)
 
 
 def _zero_fill(msg: Message, shape, place: Callable[[Tensor, Tensor], None]) -> Message:
@@ -205,7 +219,7 @@ def _zero_fill(msg: Message, shape, place: Callable[[Tensor, Tensor], None]) -> 
         z = z.to(c.dtype).clone()
         place(z, c)
         out.append(z)
-    return Message(msg.semiring, tuple(out), shape, msg.dtype, msg.device)
+    return _message(msg.semiring, tuple(out), shape, msg.dtype, msg.device)
 
 
 def _select_backward(func, msg, input_sizes, dim, index):
@@ -224,7 +238,7 @@ def _slice_backward(func, msg, input_sizes, dim, start, end, step):
 
 def _new_zeros(func, msg, size, **kwargs):
     value = msg.semiring.zero(size, msg.value[0])
-    return Message(msg.semiring, value, size, msg.dtype, msg.device)
+    return _message(msg.semiring, value, size, msg.dtype, msg.device)
 
 
 def _new_empty_strided(func, msg, size, stride, **kwargs):
@@ -249,7 +263,7 @@ def _zeros_like(func, msg, **kwargs):
 
 
 def _to_copy(func, msg, *, dtype=None, **kwargs):
-    return Message(msg.semiring, msg.value, msg.shape, dtype or msg.dtype, msg.device)
+    return _message(msg.semiring, msg.value, msg.shape, dtype or msg.dtype, msg.device)
 
 
 def _scatter_into(func, base, flat_positions: Tensor, values):
@@ -270,7 +284,7 @@ def _scatter_into(func, base, flat_positions: Tensor, values):
     spread = tuple(c.expand(flat_positions.shape).reshape(-1) for c in values.value)
     scattered = semiring.index_add(spread, flat, base.numel())
     value = semiring.add(base.value, tuple(c.reshape(base.shape) for c in scattered))
-    return Message(semiring, _in_precision(value, base.dtype), base.shape, base.dtype, base.device)
+    return _message(semiring, _in_precision(value, base.dtype), base.shape, base.dtype, base.device)
 
 
 def _index_put(func, base, indices, values, accumulate=False):
@@ -354,7 +368,7 @@ def _as_strided(func, msg, size, stride, storage_offset=None):
     out = tuple(
         c.as_strided(size, stride, c.storage_offset() + (storage_offset or 0)) for c in bases
     )
-    view = Message(msg.semiring, out, size, msg.dtype, msg.device)
+    view = _message(msg.semiring, out, size, msg.dtype, msg.device)
     view._aliases = True
     return view
 
@@ -398,7 +412,7 @@ def _relocated(op: Callable[..., Tensor]):
             torch.where(present, c.reshape(-1)[read].reshape(source.shape), z.to(c.dtype))
             for c, z in zip(msg.value, zero)
         )
-        return Message(msg.semiring, out, source.shape, msg.dtype, msg.device)
+        return _message(msg.semiring, out, source.shape, msg.dtype, msg.device)
 
     return handler
 

@@ -14,6 +14,12 @@ from torch import Tensor
 #: about the op call (``engine.graph.NodeInfo``)
 NODE_INFO_KEY = "semiring_autograd"
 
+#: where a parameter's value comes from in a call (:meth:`OpSpec._layout`): a positional
+#: argument, a keyword, its default
+_POSITIONAL, _KEYWORD, _DEFAULT = 0, 1, 2
+#: layouts of call shapes that no call fits, and of signatures bound per call
+_NO_FIT, _VARIADIC = object(), object()
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -46,7 +52,70 @@ class OpSpec:
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """Match a torch call to this signature; None when it does not fit. Runs on every
-        patched torch call, so the type checks are functions looked up once per type."""
+        patched torch call: where each parameter's value comes from depends only on how many
+        positional arguments and which keywords the call passes, so that is worked out once
+        per such shape (:meth:`_layout`) and only the values' types are checked per call."""
+        key = (len(args), tuple(kwargs)) if kwargs else len(args)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self._layout(len(args), tuple(kwargs))
+        if layout is _VARIADIC:
+            return self._bind_variadic(args, kwargs)
+        if layout is _NO_FIT:
+            return None
+        bound: dict[str, Any] = {}
+        for name, source, at, types, check in layout:
+            value = args[at] if source == _POSITIONAL else kwargs[at] if source == _KEYWORD else at
+            if types is not None:
+                if not isinstance(value, types):
+                    return None
+            elif check is not None and not check(value):
+                return None
+            bound[name] = value
+        return bound
+
+    @functools.cached_property
+    def _layouts(self) -> dict[Any, Any]:
+        """Call shape (positional count, keywords) → its :meth:`_layout`."""
+        return {}
+
+    def _layout(self, positional: int, keywords: tuple[str, ...]) -> Any:
+        """Where each parameter's value comes from in a call with ``positional`` arguments
+        and ``keywords``: (name, source, position or keyword or default, the classes its
+        value must be an instance of or None, else its type check or None) per parameter; :data:`_NO_FIT` when no call of that shape fits the signature (a
+        default that fails its own type counts so), :data:`_VARIADIC` for signatures with a
+        ``int...`` or ``Tensor...`` parameter (bound per call)."""
+        params = self.params
+        if any(p.type in ("int...", "Tensor...") for p in params):
+            return _VARIADIC
+        names = set(keywords)
+        layout = []
+        taken = 0
+        for p in params:
+            types = _INSTANCE_OF.get(p.type)
+            check = None if types is not None or p.type == "Any" else _checker(p.type)
+            if taken < positional and not p.kwonly:
+                if p.name in names:
+                    return _NO_FIT
+                layout.append((p.name, _POSITIONAL, taken, types, check))
+                taken += 1
+            elif p.name in names:
+                layout.append((p.name, _KEYWORD, p.name, types, check))
+            elif p.name == params[0].name and "input" in names and p.name != "input":
+                layout.append((p.name, _KEYWORD, "input", types, check))
+            elif p.has_default:
+                if not _checker(p.type)(p.default):
+                    return _NO_FIT
+                layout.append((p.name, _DEFAULT, p.default, None, None))
+            else:
+                return _NO_FIT
+        if taken < positional or names - {p.name for p in params} - {"input"}:
+            return _NO_FIT
+        return tuple(layout)
+
+    def _bind_variadic(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        """:meth:`bind` for a signature with an ``int...`` or ``Tensor...`` parameter (its
+        values are the remaining positional arguments, or one sequence of them)."""
         bound: dict[str, Any] = {}
         args = list(args)
         for p in self.params:
@@ -108,6 +177,21 @@ _CHECKS: dict[str, Callable[[object], bool]] = {
     "str": lambda v: isinstance(v, str),
     "ScalarType": lambda v: isinstance(v, torch.dtype),
     "MemoryFormat": lambda v: isinstance(v, torch.memory_format),
+}
+
+
+#: the parameter types whose check is an ``isinstance`` (bound without a call per value)
+_INSTANCE_OF: dict[str, tuple[type, ...]] = {
+    "Tensor": (Tensor,),
+    "Tensor?": (Tensor, type(None)),
+    "bool": (bool,),
+    "bool?": (bool, type(None)),
+    "str": (str,),
+    "str?": (str, type(None)),
+    "ScalarType": (torch.dtype,),
+    "ScalarType?": (torch.dtype, type(None)),
+    "MemoryFormat": (torch.memory_format,),
+    "MemoryFormat?": (torch.memory_format, type(None)),
 }
 
 
