@@ -95,6 +95,7 @@ def test_blocked_backward_matches_unblocked(S: Semiring, name: str, monkeypatch)
 
     monkeypatch.setattr(attention_helpers, "_run_blocks", counted)
     monkeypatch.setattr(attention_helpers, "BLOCK_ELEMENTS", SMALL_BLOCK)
+    monkeypatch.setattr(attention_helpers, "MIN_ROWS", 1)
     leaves, blocked, seed = _messages(S, name)
     assert blocks == [2], "the backward did not run in blocks of 2 queries"
     for k, (b, w) in enumerate(zip(blocked, whole)):
@@ -113,6 +114,8 @@ def test_blocked_backward_matches_unblocked(S: Semiring, name: str, monkeypatch)
 
 def test_query_rows_fill_the_block(monkeypatch):
     monkeypatch.setattr(attention_helpers, "BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(attention_helpers, "MIN_ROWS", 2)
     assert attention_helpers.query_rows(batch_heads=2, queries=9, keys=10) == 5
-    assert attention_helpers.query_rows(batch_heads=3, queries=9, keys=50) == 1
+    assert attention_helpers.query_rows(batch_heads=3, queries=9, keys=50) == 2
     assert attention_helpers.query_rows(batch_heads=1, queries=4, keys=10) == 4
+    assert attention_helpers.query_rows(batch_heads=1, queries=1, keys=1000) == 1

@@ -5,14 +5,15 @@ the messages at s, heads × L × S each for L queries and S keys. Every query ro
 depends on that query, the full key and value, and the mask's row alone, so the rule runs
 on ``rows`` queries at a time: the query's message is the blocks' messages side by side,
 the key's and value's (and a mask's broadcast over queries) the ⊕ of the blocks'. Peak
-memory is then heads × rows × S per layer, not heads × L × S. ``is_causal`` becomes the
-block's rows of the causal mask (key j ≤ query i), which the rule excludes as it excludes
-a boolean mask.
+memory is then batch × heads × rows × S per layer, not batch × heads × L × S, for rows
+set by :func:`query_rows`. ``is_causal`` becomes the block's rows of the causal mask
+(key j ≤ query i), which the rule excludes as it excludes a boolean mask.
 
-Values: the message at each query row is the one the unblocked rule computes (the same
-row-local formulas); a ⊕ across blocks regroups a sum over queries, which changes the
-rounding of a float ⊕ (Real, Log, Entropy, Counting beyond 2^24 paths in float32) and
-leaves an idempotent ⊕ (MaxProduct, Boolean, KBest) exact.
+Values: the message at each query row (query, a per-row mask) is the one the unblocked
+rule computes (the same row-local formulas; bit-identical on the CPU tested). The key's and value's regroup
+their ⊕ over queries by block: exact for a ⊕ that picks an operand (MaxProduct,
+SignedMaxProduct, Boolean, KBest), a few ulps of rounding for a float sum (Real, Log,
+Entropy, Counting).
 """
 
 from __future__ import annotations
@@ -27,16 +28,19 @@ from torch import Tensor
 
 from ..semirings.base import Semiring
 
-#: elements of one heads × rows × S block (4 MiB a tensor in float32); fewer queries
-#: than that fill run unblocked
+#: elements of one batch × heads × rows × S block (4 MiB a tensor in float32) …
 BLOCK_ELEMENTS = 1 << 20
+#: … but at least this many query rows: each block also reads the whole key and value
+#: (lifts, copies for GQA, the ⊕ into their messages), work that fewer rows do not repay
+MIN_ROWS = 128
 
 _OP = "scaled_dot_product_attention"
 
 
 def query_rows(batch_heads: int, queries: int, keys: int) -> int:
-    """Queries per block: as many as fill :data:`BLOCK_ELEMENTS` (at least one)."""
-    return max(1, min(queries, BLOCK_ELEMENTS // max(1, batch_heads * keys)))
+    """Queries per block: as many as fill :data:`BLOCK_ELEMENTS`, at least
+    :data:`MIN_ROWS`, at most ``queries`` (one block: the rule runs unblocked)."""
+    return min(queries, max(MIN_ROWS, BLOCK_ELEMENTS // max(1, batch_heads * keys), 1))
 
 
 def blocked_rule(name: str, rule: Callable, semiring: Semiring | None) -> Callable:
