@@ -15,10 +15,10 @@ from torch import Tensor
 NODE_INFO_KEY = "semiring_autograd"
 
 #: where a parameter's value comes from in a call (:meth:`OpSpec._layout`): a positional
-#: argument, a keyword, its default
-_POSITIONAL, _KEYWORD, _DEFAULT = 0, 1, 2
-#: layouts of call shapes that no call fits, and of signatures bound per call
-_NO_FIT, _VARIADIC = object(), object()
+#: argument, a keyword, its default, the positional arguments from one on
+_POSITIONAL, _KEYWORD, _DEFAULT, _REST = 0, 1, 2, 3
+#: the layout of call shapes that no call fits
+_NO_FIT = object()
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,20 @@ class OpSpec:
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = self._layout(len(args), tuple(kwargs))
-        if layout is _VARIADIC:
-            return self._bind_variadic(args, kwargs)
         if layout is _NO_FIT:
             return None
         bound: dict[str, Any] = {}
         for name, source, at, types, check in layout:
-            value = args[at] if source == _POSITIONAL else kwargs[at] if source == _KEYWORD else at
+            if source == _POSITIONAL:
+                value = args[at]
+            elif source == _KEYWORD:
+                value = kwargs[at]
+            elif source == _REST:
+                value = tuple(args[at:])
+                if len(value) == 1 and isinstance(value[0], (tuple, list, torch.Size)):
+                    value = tuple(value[0])
+            else:
+                value = at
             if types is not None:
                 if not isinstance(value, types):
                     return None
@@ -82,19 +89,24 @@ class OpSpec:
     def _layout(self, positional: int, keywords: tuple[str, ...]) -> Any:
         """Where each parameter's value comes from in a call with ``positional`` arguments
         and ``keywords``: (name, source, position or keyword or default, the classes its
-        value must be an instance of or None, else its type check or None) per parameter; :data:`_NO_FIT` when no call of that shape fits the signature (a
-        default that fails its own type counts so), :data:`_VARIADIC` for signatures with a
-        ``int...`` or ``Tensor...`` parameter (bound per call)."""
+        value must be an instance of or None, else its type check or None) per parameter;
+        :data:`_NO_FIT` when no call of that shape fits the signature (a default that fails
+        its own type counts so). An ``int...`` or ``Tensor...`` parameter not passed by
+        keyword takes the remaining positional arguments (or the one sequence among them)."""
         params = self.params
-        if any(p.type in ("int...", "Tensor...") for p in params):
-            return _VARIADIC
         names = set(keywords)
         layout = []
         taken = 0
         for p in params:
             types = _INSTANCE_OF.get(p.type)
             check = None if types is not None or p.type == "Any" else _checker(p.type)
-            if taken < positional and not p.kwonly:
+            if p.type in ("int...", "Tensor..."):
+                if p.name in names:
+                    layout.append((p.name, _KEYWORD, p.name, types, check))
+                else:
+                    layout.append((p.name, _REST, taken, types, check))
+                    taken = positional
+            elif taken < positional and not p.kwonly:
                 if p.name in names:
                     return _NO_FIT
                 layout.append((p.name, _POSITIONAL, taken, types, check))
@@ -112,40 +124,6 @@ class OpSpec:
         if taken < positional or names - {p.name for p in params} - {"input"}:
             return _NO_FIT
         return tuple(layout)
-
-    def _bind_variadic(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """:meth:`bind` for a signature with an ``int...`` or ``Tensor...`` parameter (its
-        values are the remaining positional arguments, or one sequence of them)."""
-        bound: dict[str, Any] = {}
-        args = list(args)
-        for p in self.params:
-            if p.type in ("int...", "Tensor..."):
-                if p.name in kwargs:
-                    value = kwargs[p.name]
-                else:
-                    value, args = tuple(args), []
-                    if len(value) == 1 and isinstance(value[0], (tuple, list, torch.Size)):
-                        value = tuple(value[0])
-                bound[p.name] = value
-                continue
-            if args and not p.kwonly:
-                if p.name in kwargs:
-                    return None
-                bound[p.name] = args.pop(0)
-            elif p.name in kwargs:
-                bound[p.name] = kwargs[p.name]
-            elif p.name == self.params[0].name and "input" in kwargs and p.name != "input":
-                bound[p.name] = kwargs["input"]
-            elif p.has_default:
-                bound[p.name] = p.default
-            else:
-                return None
-        if args or (kwargs and set(kwargs) - set(bound) - {"input"}):
-            return None
-        for p in self.params:
-            if not _checker(p.type)(bound[p.name]):
-                return None
-        return bound
 
     def accepted(self, bound: dict[str, Any]) -> bool:
         return self.accepts is None or bool(self.accepts(**bound))
