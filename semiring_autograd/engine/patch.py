@@ -254,7 +254,10 @@ class _SemiringMode(TorchFunctionMode):
             out = handle.complex_pairs.call(func, args, kwargs, self._einsum)
             if out is not complex_pairs.NOT_BOUND:
                 return out
-        candidates = handle.op_table.candidates(func)
+        try:  # op_table.candidates, inline
+            candidates = handle.op_table.by_function.get(func, ())
+        except TypeError:  # an unhashable callable is registered nowhere
+            candidates = ()
         for op in candidates:  # _entry's search, inline: it runs on every recorded call
             bound = op.bind(args, kwargs)
             if bound is not None and (op.accepts is None or op.accepts(**bound)):
