@@ -50,16 +50,17 @@ def blocked_rule(name: str, rule: Callable, semiring: Semiring | None) -> Callab
     if name != _OP:
         return rule
     signature = inspect.signature(rule)
+    names = list(signature.parameters)
+    at_query, at_key = names.index("query"), names.index("key")
     generic = semiring is None
 
     @functools.wraps(rule)
     def blocked(*args: Any) -> Any:
-        bound = signature.bind(*args)
-        call = bound.arguments
-        query, key = call["query"], call["key"]
+        query, key = args[at_query], args[at_key]
         rows = query_rows(math.prod(query.shape[:-2]), query.shape[-2], key.shape[-2])
         if rows >= query.shape[-2]:
             return rule(*args)
+        call = signature.bind(*args).arguments
         S = call["S"] if generic else semiring
         return _run_blocks(rule, call, rows, S, generic)
 
