@@ -165,10 +165,12 @@ def test_sigkill_then_resume_loses_and_duplicates_no_row(reference, lm, tmp_path
     "format, semiring, paths",
     [("parquet", "max-product", True), ("jsonl", "signed-max-product", False)],
 )
-def test_pandas_and_datasets_read_the_table(lm, tmp_path, format, semiring, paths):
+def test_pandas_and_datasets_read_the_table(lm, tmp_path, format, semiring, paths, monkeypatch):
     pandas = pytest.importorskip("pandas")
     datasets = pytest.importorskip("datasets")
     model, tokenizer = lm
+    # a left-padding tokenizer: a row's path still names its text's own positions
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
     records = dataset_worker.RECORDS[:6]
     merged = attribute_dataset(
         model,

@@ -312,13 +312,14 @@ def attribute_batch(
     batch_size: int = 0,
     keep: list[BatchResult] | None = None,
     best_path_only: bool = False,
+    side: str | None = None,
 ) -> list[Attribution]:
     """One :class:`Attribution` per record of ``batch``, from one patched forward and one
     semiring backward seeded at each example's target logit (with top paths under the max
     semirings: one more recorded backward, for all examples; a path's steps index the
     padded batch, its attention edges the text's own positions; ``best_path_only``: only
     the best token's, None for the others). ``keep``: a list the padded readouts are
-    appended to."""
+    appended to. ``side``: the padding side (default: the tokenizer's)."""
     spec = inherited_spec(semiring)
     want_paths = paths and spec is not None and spec.top_paths in ("max", "signed")
     padded = pad(
@@ -327,6 +328,7 @@ def attribute_batch(
         takes_position_ids(model),
         size=batch_size if compile else 0,
         multiple=LENGTH_MULTIPLE if compile else 1,
+        side=side,
     )
     device = next(model.parameters()).device
     ids = padded.ids.to(device)

@@ -85,9 +85,10 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
-def distributed() -> tuple[int, int, bool]:
+def distributed(device: torch.device) -> tuple[int, int, bool]:
     """(rank, world size, whether this call initialised the process group): joins
-    ``torch.distributed`` when a launcher set ``WORLD_SIZE`` > 1 and no group exists."""
+    ``torch.distributed`` when a launcher set ``WORLD_SIZE`` > 1 and no group exists, over
+    nccl where the model is on a CUDA ``device`` (bound to it), gloo elsewhere."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -95,8 +96,13 @@ def distributed() -> tuple[int, int, bool]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1, False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), True
 
 
@@ -295,7 +301,7 @@ def attribute_dataset(
         format,
         through,
     )
-    rank, world, joined = distributed()
+    rank, world, joined = distributed(next(model.parameters()).device)
     try:
         _check_run(out, settings, resume, rank, world)
         parts = out / "parts"
@@ -496,6 +502,7 @@ def _batch_rows(
                 compile=compile,
                 batch_size=batch_size,
                 best_path_only=True,
+                side="right" if settings.paths else None,  # paths in the text's positions
             )
         )
     modules = [named_module(n) for n in settings.flow]
