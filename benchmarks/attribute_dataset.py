@@ -94,13 +94,13 @@ def native_rate(model, tokenizer, batch: list[str], batch_size: int) -> float:
         with torch.no_grad():
             emb = model.get_input_embeddings()(padded.ids)
         x = emb.detach().requires_grad_()
-        y, _ = B._read_batch(
+        y, _ = B.read_batch(
             model,
             x,
             padded.mask,
             padded.position_ids,
             targets=padded.targets,
-            **B._kept(padded, model, every=False),
+            **B.kept_positions(padded, model, every=False),
         )
         torch.autograd.grad(y.sum(), x)
     if device.type == "cuda":

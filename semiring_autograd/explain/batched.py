@@ -227,7 +227,7 @@ def keeps_logits(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def _read_batch(
+def read_batch(
     model: nn.Module,
     x: Tensor,
     attention_mask: Tensor,
@@ -254,8 +254,8 @@ def _read_batch(
     return logits[rows, positions, targets], logits[rows, positions]
 
 
-def _kept(padded: Padded, model: nn.Module, every: bool) -> dict[str, Tensor | None]:
-    """``_read_batch``'s ``positions`` and ``kept``: where the model takes
+def kept_positions(padded: Padded, model: nn.Module, every: bool) -> dict[str, Tensor | None]:
+    """``read_batch``'s ``positions`` and ``kept``: where the model takes
     ``logits_to_keep``, the read positions (``every``: one per example, a shape that
     depends on the batch size only; else each distinct position once) and each example's
     index among them."""
@@ -271,13 +271,13 @@ def _kept(padded: Padded, model: nn.Module, every: bool) -> dict[str, Tensor | N
 def _compiled_batch(
     model: nn.Module, semiring: Semiring, x: Tensor, padded: Padded
 ) -> tuple[Any, Tensor]:
-    """``_read_batch``'s forward and the backward to ``x`` as one ``sa.compiled_step``
+    """``read_batch``'s forward and the backward to ``x`` as one ``sa.compiled_step``
     (one program per (batch, length) shape), kept among the library's own steps."""
     steps = compiled_backward.OWN_STEPS
     key = ("attribute-batch", id(model), semiring)
     step = steps.get(key)
     if step is None:
-        step = steps[key] = compiled_step(model, semiring, _read_batch, raw=True, has_aux=True)
+        step = steps[key] = compiled_step(model, semiring, read_batch, raw=True, has_aux=True)
         while len(steps) > compiled_backward.MAX_OWN_STEPS:
             steps.popitem(last=False)
     steps.move_to_end(key)
@@ -286,7 +286,7 @@ def _compiled_batch(
         attention_mask=padded.mask,
         position_ids=padded.position_ids,
         targets=padded.targets,
-        **_kept(padded, model, every=True),
+        **kept_positions(padded, model, every=True),
     )
 
 
@@ -340,11 +340,11 @@ def attribute_batch(
         emb = model.get_input_embeddings()(ids)
     x = emb.detach().requires_grad_()
     read = functools.partial(
-        _read_batch,
+        read_batch,
         attention_mask=padded.mask,
         position_ids=padded.position_ids,
         targets=padded.targets,
-        **_kept(padded, model, every=False),
+        **kept_positions(padded, model, every=False),
     )
     if compile and not want_paths:
         raw, rows = _compiled_batch(model, semiring, x, padded)

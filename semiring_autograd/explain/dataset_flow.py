@@ -27,7 +27,7 @@ from torch import nn
 
 from ..engine.patch import patch
 from ..semirings.base import Semiring
-from .batched import Prepared, _kept, _read_batch, pad, takes_position_ids
+from .batched import Prepared, kept_positions, read_batch, pad, takes_position_ids
 from .flow import capture, module_flow
 from .token_scores import Attribution
 
@@ -159,13 +159,13 @@ def batch_flows(
     x = emb.detach().requires_grad_()
     names = [m.name for m in modules]
     with patch(model, semiring), capture(model, names) as seen:
-        y, _ = _read_batch(
+        y, _ = read_batch(
             model,
             x,
             padded.mask,
             padded.position_ids,
             targets=padded.targets,
-            **_kept(padded, model, every=False),
+            **kept_positions(padded, model, every=False),
         )
     absent = [n for n in names if n not in seen]
     if absent:
