@@ -37,6 +37,14 @@ def _samples(dtype):
     rows = rand(4, 9)
     return {
         "max_times": [(a, b, 0.0, False), (a, b, -INF, True)],
+        "max_times_finite": [
+            (a.abs(), b, 0.0, True),
+            (a.abs(), b.abs(), -INF, False),
+        ],
+        "k_best_times": [
+            (rand(3, 2, 5, 7).abs(), rand(1, 1, 7, 19), 4, True, False),
+            (rand(3, 2, 5, 7).abs(), rand(2, 2, 7, 19).abs(), 2, False, True),
+        ],
         "signed_times": [(hi, lo, b, None), (hi, lo, b, b - 1)],
         "lift_times": [(hi, lo, b, True), (hi, lo, rand(1, 7, 3).transpose(1, 2).mT, False)],
         "signed_mul_lift": [(hi, lo, rand(7))],
@@ -211,6 +219,9 @@ def test_opcheck_cuda(name):
     [
         ("max_times", (torch.rand(2, 3, 4), torch.rand(1, 4, 5), 0.0, False)),
         ("max_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 5), 0.0, False)),
+        ("max_times_finite", (torch.rand(2, 3, 4), torch.rand(1, 4, 5), 0.0, False)),
+        ("k_best_times", (torch.rand(2, 2, 3, 4), torch.rand(1, 2, 3, 5), 2, False, True)),
+        ("k_best_times", (torch.rand(2, 2, 3, 4), torch.rand(1, 3, 4, 5), 2, False, True)),
         ("signed_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 3), torch.rand(2, 4, 5), None)),
         ("signed_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(1, 4, 5), None)),
         ("lift_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(3, 4, 5), True)),

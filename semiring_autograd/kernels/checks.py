@@ -214,10 +214,11 @@ def _check_max_times(c: _Case) -> str | None:
 def _check_max_times_finite(c: _Case) -> str | None:
     """Finite operands: max_times to the value and no flag; a NaN or an infinity in a,
     or in b (a real column, not the padding), raises the flag."""
-    problems = []
+    problems, operands = [], []
     for batch, m, k, n in ((2, 5, 7, 9), (1, 6, 19, 37)):
         a = c.randn(batch, m, k, zeros=0.2).abs()
         b = c.randn(batch, k, n, zeros=0.2)
+        operands.append((a, b))
         for init, abs_b in ((0.0, True), (0.0, False), (-INF, False)):
             (got, flagged), _ = c.run(a, b, init, abs_b)
             if bool(flagged):
@@ -226,13 +227,19 @@ def _check_max_times_finite(c: _Case) -> str | None:
             problems.append(
                 _differs(f"max_times_finite(init={init}, abs_b={abs_b})", got, expected)
             )
+    return _first(*problems) or _missed_flag(c, "max_times_finite", operands, (0.0, True))
+
+
+def _missed_flag(c: _Case, name: str, operands: list, rest: tuple) -> str | None:
+    """Where the kernel misses a NaN or an infinity put into one of its operands."""
+    for pair in operands:
         for which, at, value in ((0, -1, NAN), (0, 4, INF), (1, -1, -INF), (1, 3, NAN)):
-            operands = [a.clone(), b.clone()]
-            operands[which].view(-1)[at] = value
-            (_, flagged), _ = c.run(*operands, 0.0, True)
+            bent = [pair[0].clone(), pair[1].clone()]
+            bent[which].view(-1)[at] = value
+            (_, flagged), _ = c.run(*bent, *rest)
             if not bool(flagged):
-                return f"max_times_finite missed {value} in {'ab'[which]}"
-    return _first(*problems)
+                return f"{name} missed {value} in {'ab'[which]}"
+    return None
 
 
 def k_best_formula(a: Tensor, b: Tensor, k: int, abs_b: bool) -> Tensor:
@@ -269,13 +276,7 @@ def _check_k_best_times(c: _Case) -> str | None:
                 return "k_best_times flagged finite operands"
             want = k_best_formula(a, operand, k, abs_b)
             problems.append(_differs(f"k_best_times(k={k}, abs_b={abs_b})", got, want))
-        for which, at, value in ((0, -1, NAN), (1, 0, INF), (1, -1, NAN)):
-            operands = [a.clone(), b.clone()]
-            operands[which].view(-1)[at] = value
-            (_, flagged), _ = c.run(*operands, k, True, True)
-            if not bool(flagged):
-                return f"k_best_times missed {value} in {'ab'[which]}"
-    return _first(*problems)
+    return _first(*problems) or _missed_flag(c, "k_best_times", [(a, b)], (k, True, True))
 
 
 def _signed_pair(c: _Case, shape, empty: float) -> tuple[Tensor, Tensor]:

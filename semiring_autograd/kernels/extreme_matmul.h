@@ -502,7 +502,7 @@ bool finite_strip(const T* strip, int64_t k, int64_t valid) {
 // n_real on), see above. Given `nonfinite`, the operands' entries are tested too (b's
 // while packed, each a[bt] by the task of its first column block): where one is NaN or
 // infinite, *nonfinite is set to 1, the tasks still to run return at once, and out is left
-// unspecified (the caller then takes its torch formula).
+// unspecified (the operator fills it with NaN; the caller takes its torch formula).
 template <typename T>
 void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
                int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads,

@@ -17,7 +17,7 @@
 // Non-finite operands (NaN, ±inf) are not computed: the torch formula gives NaN for
 // NaN and ∞·0 terms, which a list of comparisons would not. Where an entry of a, or of b
 // at a live index q (at any q when `dead_count`), is not finite, *nonfinite is set and
-// out is left unspecified (the caller then takes its formula).
+// out is left unspecified (the operator fills it with NaN; the caller takes its formula).
 
 #pragma once
 

@@ -100,7 +100,7 @@ at::Tensor max_times_op(const at::Tensor& a_, const at::Tensor& b_, double init,
 }
 
 // (out, nonfinite): max_times where every entry of a and b is finite; nonfinite (0-d bool)
-// is true, and out unspecified, where one is NaN or infinite.
+// is true, and out all NaN, where one is NaN or infinite.
 std::tuple<at::Tensor, at::Tensor> max_times_finite_op(const at::Tensor& a_, const at::Tensor& b_,
                                                        double init, bool abs_b) {
     const auto a = a_.contiguous();
@@ -116,12 +116,13 @@ std::tuple<at::Tensor, at::Tensor> max_times_finite_op(const at::Tensor& a_, con
                      0, blocks, T(init), abs_b, threads_for(batch * m * k * padded), &nonfinite,
                      n);
     });
+    if (nonfinite) out.fill_(NAN);
     return {trim(out, n), flag(nonfinite != 0)};
 }
 
 // (out, nonfinite): the k-best matmul of k_best.h for a (ka, batch, m, l) and b (kb, batch
-// or 1, l, n); out (k, batch, m, n); nonfinite (0-d bool) true, and out unspecified, where
-// an entry that counts is NaN or infinite.
+// or 1, l, n); out (k, batch, m, n); nonfinite (0-d bool) true, and out all NaN, where an
+// entry that counts is NaN or infinite.
 std::tuple<at::Tensor, at::Tensor> k_best_times_op(const at::Tensor& a_, const at::Tensor& b_,
                                                    int64_t k, bool abs_b, bool dead_count) {
     TORCH_CHECK(a_.dim() == 4 && b_.dim() == 4 && a_.scalar_type() == b_.scalar_type(),
@@ -131,8 +132,8 @@ std::tuple<at::Tensor, at::Tensor> k_best_times_op(const at::Tensor& a_, const a
     const int64_t ka = a.size(0), batch = a.size(1), m = a.size(2), l = a.size(3);
     const int64_t kb = b.size(0), n = b.size(3);
     TORCH_CHECK(k >= 1 && (b.size(1) == batch || b.size(1) == 1) && b.size(2) == l,
-                "k_best_times: b of shape ", b.sizes(), " does not fit a of shape ", a.sizes(),
-                " (k = ", k, ")");
+                "k_best_times: an operand b of shape ", b.sizes(), " does not fit a of shape ",
+                a.sizes(), " (k = ", k, ")");
     auto out = at::empty({k, batch, m, n}, a.options());
     int nonfinite = 0;
     FLOATING(a.scalar_type(), [&] {
@@ -141,6 +142,7 @@ std::tuple<at::Tensor, at::Tensor> k_best_times_op(const at::Tensor& a_, const a
                         batch, m, l, n, abs_b, dead_count,
                         threads_for(batch * m * l * n), &nonfinite);
     });
+    if (nonfinite) out.fill_(NAN);
     return {out, flag(nonfinite != 0)};
 }
 

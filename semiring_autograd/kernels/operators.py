@@ -10,11 +10,11 @@ one dtype.
 ``max_times``            max(init, max_k a[b, i, k]·b[b, k, j]), a (B, m, k), b (B, k, n);
                          NaN terms never win; |b| when ``abs_b``
 ``max_times_finite``     (max_times, whether some entry of a or b is NaN or infinite: then
-                         the first is unspecified); CPU only
+                         the first is all NaN); CPU only
 ``k_best_times``         (out, flag): out (k, B, m, n) the k largest products a[r]·b[s] over
                          (l, r, s) of lists a (ka, B, m, l), b (kb, B or 1, l, n); |b| when
                          ``abs_b``; the flag: a NaN or an infinity that counts (then out is
-                         unspecified); CPU only
+                         all NaN); CPU only
 ``signed_times``         (max_k, min_k) of the corner products of signed pairs; NaN = empty
 ``lift_times``           the signed pair a times lift(w): (max_k, min_k) of a_hi·w or a_lo·w
                          by the sign of w
