@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from model_zoo import llama_config, minilm
+from model_zoo import llama_config
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
@@ -31,11 +31,25 @@ RECORDS = [
 TOLERANCE = dict(rtol=1e-9, atol=1e-12)
 
 
+def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the records' words (built in memory: the GPU machine
+    has no package that ships one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({w for r in RECORDS for w in r["text"].split()} | {"table"})
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]"
+    )
+
+
 @pytest.fixture(scope="module")
 def models():
-    """A tiny random float64 Llama over MiniLM's vocabulary and tokenizer, on the CPU and
-    (the same weights) on CUDA."""
-    _, tokenizer = minilm()
+    """A tiny random float64 Llama over a word-level tokenizer, on the CPU and (the same
+    weights) on CUDA."""
+    tokenizer = word_tokenizer()
     torch.manual_seed(0)
     config = llama_config(vocab_size=tokenizer.vocab_size)
     cpu = transformers.LlamaForCausalLM(config).double().eval()
@@ -69,6 +83,19 @@ def test_batched_attribution_on_cuda_equals_cpu(models, S, side, monkeypatch):
             if mine is not None:
                 assert mine.weight == pytest.approx(theirs.weight, rel=1e-9)
                 assert [s.index for s in mine.steps] == [s.index for s in theirs.steps]
+
+
+@pytest.mark.parametrize("S", [sa.MaxProduct(), sa.Log()], ids=repr)
+def test_one_text_on_cuda_equals_cpu(models, S):
+    """``sa.attribute`` of one text (the tokenizer's tensors on the CPU, the model on
+    CUDA) equals the CPU's, top paths included."""
+    cpu, cuda, tokenizer = models
+    found = [sa.attribute(m, "a cat sat", "table", S, tokenizer=tokenizer) for m in (cpu, cuda)]
+    torch.testing.assert_close(found[1].scores.cpu(), found[0].scores, **TOLERANCE)
+    for mine, theirs in zip(found[1].paths, found[0].paths):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert mine.weight == pytest.approx(theirs.weight, rel=1e-9)
 
 
 def test_attribute_dataset_on_cuda_writes_the_cpu_rows(models, tmp_path):

@@ -61,8 +61,10 @@ def _attribute_one(
     check_position(position, length)
     mask = encoding.get("attention_mask")
     index, label = target_id(target, tokenizer)
+    device = next(model.parameters()).device  # a tokenizer's tensors are on the CPU
+    mask = None if mask is None else mask.to(device)
     with torch.no_grad():
-        emb = model.get_input_embeddings()(ids)
+        emb = model.get_input_embeddings()(ids.to(device))
     x = emb.detach().requires_grad_()
     spec = inherited_spec(semiring)
     want_paths = paths and spec is not None and spec.top_paths in ("max", "signed")
