@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from model_zoo import llama_config
+from model_zoo import gpt2_config
 
 import semiring_autograd as sa
 from semiring_autograd.semirings import BUILTIN_SEMIRINGS
@@ -47,13 +47,14 @@ def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def models():
-    """A tiny random float64 Llama over a word-level tokenizer, on the CPU and (the same
-    weights) on CUDA."""
+    """A tiny random float64 GPT-2 (learned positions: no float32 tables, which a Llama's
+    rotary embedding holds and each device computes in its own rounding) over a word-level
+    tokenizer, on the CPU and (the same weights) on CUDA."""
     tokenizer = word_tokenizer()
     torch.manual_seed(0)
-    config = llama_config(vocab_size=tokenizer.vocab_size)
-    cpu = transformers.LlamaForCausalLM(config).double().eval()
-    cuda = transformers.LlamaForCausalLM(config).double().eval()
+    config = gpt2_config(vocab_size=tokenizer.vocab_size)
+    cpu = transformers.GPT2LMHeadModel(config).double().eval()
+    cuda = transformers.GPT2LMHeadModel(config).double().eval()
     cuda.load_state_dict(cpu.state_dict())
     return cpu, cuda.cuda(), tokenizer
 
