@@ -19,7 +19,7 @@ import torch
 
 import semiring_autograd as sa
 import semiring_autograd_cli
-from semiring_autograd.explain.dataset import attribute_dataset, column, read_rows
+from semiring_autograd.explain.dataset import attribute_dataset, column, read_rows, shard
 from semiring_autograd.explain.flow import capture
 from semiring_autograd.integrations.huggingface import load_causal_lm
 from semiring_autograd.semirings.registry import semiring_named
@@ -319,3 +319,19 @@ def test_explain_flow_option_writes_the_flow_columns(lm, tmp_path, capsys):
     flow_off = ["explain", "--file", str(prompts), "--flow", "--target", " x"]
     assert semiring_autograd_cli.main(flow_off) == 2
     assert "--flow records module flow in --out's table: give --out DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_shards_cover_every_record_once_with_balanced_text(world):
+    """Every record in exactly one rank's shard, each shard in index order; the texts'
+    lengths dealt so that two shards differ by at most the longest text."""
+    records = [{"text": "w" * ((7 * i) % 23)} for i in range(40)] + ["abc", {"text": None}]
+    shards = [shard(records, rank, world) for rank in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(len(records)))
+    assert all(s == sorted(s) for s in shards)
+    sizes = [
+        sum(len(records[i]["text"] or "") if isinstance(records[i], dict) else 3 for i in s)
+        for s in shards
+    ]
+    assert max(sizes) - min(sizes) <= 22
+    assert shards == [shard(records, rank, world) for rank in range(world)]

@@ -13,7 +13,7 @@ records and writes one row per record into ``out``:
 
 Under ``torchrun --nproc_per_node N`` (or any launcher that sets ``WORLD_SIZE`` and
 ``RANK``) the call joins ``torch.distributed`` (gloo on CPU, nccl on CUDA) and rank r takes
-the records whose index i has ``i % N == r``. With ``resume=True`` the records of every
+its :func:`shard`: the records ranked by text length and dealt to the ranks in turn. With ``resume=True`` the records of every
 part on disk are skipped, so a run killed at any point and resumed loses no row and
 duplicates none. A bad record (empty text, a target that is not one token, a position
 outside the text, a text over the context length) is an error row with its reason.
@@ -37,7 +37,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path as FilePath
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -104,6 +104,23 @@ def distributed(device: torch.device) -> tuple[int, int, bool]:
     else:
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), True
+
+
+def shard(records: Sequence[Any], rank: int, world: int) -> list[int]:
+    """Rank ``rank``'s record indices, in order: the records ranked by the length of their
+    text (ties by index) and dealt to the ``world`` ranks in turn, so each rank gets texts
+    of every length and about the same work. It depends on the records alone, so every
+    rank (and a resumed run) deals them alike."""
+    if world == 1:
+        return list(range(len(records)))
+    order = sorted(range(len(records)), key=lambda i: (_text_length(records[i]), i))
+    return sorted(order[rank::world])
+
+
+def _text_length(item: Any) -> int:
+    """The characters of a record's text (0 where it has none)."""
+    text = item.get("text") if isinstance(item, Mapping) else getattr(item, "text", item)
+    return len(text) if isinstance(text, str) else 0
 
 
 def _barrier(world: int) -> None:
@@ -306,7 +323,7 @@ def attribute_dataset(
         _check_run(out, settings, resume, rank, world)
         parts = out / "parts"
         done = {i for p in _parts(parts) for i in _indices(p)}
-        mine = [i for i in range(len(records)) if i % world == rank and i not in done]
+        mine = [i for i in shard(records, rank, world) if i not in done]
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
         try:
