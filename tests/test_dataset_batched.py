@@ -37,6 +37,15 @@ def llama_and_tokenizer():
     return transformers.LlamaForCausalLM(config).double().eval(), tokenizer
 
 
+def _prepared(model, tokenizer) -> list[batched.Prepared]:
+    """RECORDS tokenized and checked for ``model``."""
+    limit, logits = batched.context_limit(model), batched.logit_count(model)
+    return [
+        batched.prepare(i, batched.as_record(r), tokenizer, None, -1, limit, logits)
+        for i, r in enumerate(RECORDS)
+    ]
+
+
 def _one(model, tokenizer, record, semiring, paths=False):
     return sa.attribute(
         model,
@@ -54,11 +63,7 @@ def _one(model, tokenizer, record, semiring, paths=False):
 def test_batched_readouts_equal_one_at_a_time(llama_and_tokenizer, side, S, monkeypatch):
     model, tokenizer = llama_and_tokenizer
     monkeypatch.setattr(tokenizer, "padding_side", side)
-    limit, logits = batched.context_limit(model), batched.logit_count(model)
-    prepared = [
-        batched.prepare(i, batched.as_record(r), tokenizer, None, -1, limit, logits)
-        for i, r in enumerate(RECORDS)
-    ]
+    prepared = _prepared(model, tokenizer)
     kept: list[batched.BatchResult] = []
     found = batched.attribute_batch(model, prepared, S, tokenizer, paths=False, keep=kept)
     (result,) = kept
@@ -141,11 +146,7 @@ def test_batched_top_paths_equal_one_at_a_time(llama_and_tokenizer, side, S, mon
     token's score; no path reaches or crosses a padding position."""
     model, tokenizer = llama_and_tokenizer
     monkeypatch.setattr(tokenizer, "padding_side", side)
-    limit, logits = batched.context_limit(model), batched.logit_count(model)
-    prepared = [
-        batched.prepare(i, batched.as_record(r), tokenizer, None, -1, limit, logits)
-        for i, r in enumerate(RECORDS)
-    ]
+    prepared = _prepared(model, tokenizer)
     kept: list[batched.BatchResult] = []
     found = batched.attribute_batch(model, prepared, S, tokenizer, paths=True, keep=kept)
     padded = kept[0].padded

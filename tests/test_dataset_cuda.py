@@ -11,22 +11,15 @@ import pytest
 import torch
 import transformers
 from model_zoo import gpt2_config
+from test_dataset_batched import RECORDS, SEMIRINGS
 
 import semiring_autograd as sa
-from semiring_autograd.semirings import BUILTIN_SEMIRINGS
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 
-SEMIRINGS = [cls() for cls in BUILTIN_SEMIRINGS]
-RECORDS = [
-    {"text": "the keys are here .", "target": 7},
-    {"text": "a cat sat", "target": "table", "position": 2},
-    {"text": "one two three four five six seven", "target": 9, "position": -3},
-    {"text": "hello", "target": 11},
-]
 #: float64 on both devices: reductions in another order round differently
 TOLERANCE = dict(rtol=1e-9, atol=1e-12)
 
