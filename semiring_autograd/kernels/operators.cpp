@@ -84,40 +84,37 @@ at::Tensor flag(bool value) { return at::scalar_tensor(value, at::TensorOptions(
         return __VA_ARGS__();                                          \
     }()
 
-at::Tensor max_times_op(const at::Tensor& a_, const at::Tensor& b_, double init, bool abs_b) {
+// max_times of a (batch, m, k) and b (batch, k, n); given `nonfinite`, the operands'
+// entries are tested as they are read, and out is all NaN where one is NaN or infinite.
+static at::Tensor run_max_times(const char* name, const at::Tensor& a_, const at::Tensor& b_,
+                                double init, bool abs_b, int* nonfinite) {
     const auto a = a_.contiguous();
     const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b_.size(-1);
-    check_operands("max_times", a, {b_}, {batch, k});
+    check_operands(name, a, {b_}, {batch, k});
     const auto b = pad_columns(b_, block_width(a.scalar_type()), NAN);
     const int64_t padded = b.size(-1);
     auto out = at::empty({batch, m, padded}, a.options());
     FLOATING(a.scalar_type(), [&] {
         const int64_t blocks = padded / width<T>();
         max_times<T>(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), m, k, padded, 0, batch,
-                     0, blocks, T(init), abs_b, threads_for(batch * m * k * padded));
+                     0, blocks, T(init), abs_b, threads_for(batch * m * k * padded), nonfinite,
+                     n);
     });
+    if (nonfinite && *nonfinite) out.fill_(NAN);
     return trim(out, n);
+}
+
+at::Tensor max_times_op(const at::Tensor& a_, const at::Tensor& b_, double init, bool abs_b) {
+    return run_max_times("max_times", a_, b_, init, abs_b, nullptr);
 }
 
 // (out, nonfinite): max_times where every entry of a and b is finite; nonfinite (0-d bool)
 // is true, and out all NaN, where one is NaN or infinite.
 std::tuple<at::Tensor, at::Tensor> max_times_finite_op(const at::Tensor& a_, const at::Tensor& b_,
                                                        double init, bool abs_b) {
-    const auto a = a_.contiguous();
-    const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b_.size(-1);
-    check_operands("max_times_finite", a, {b_}, {batch, k});
-    const auto b = pad_columns(b_, block_width(a.scalar_type()), NAN);
-    const int64_t padded = b.size(-1);
-    auto out = at::empty({batch, m, padded}, a.options());
     int nonfinite = 0;
-    FLOATING(a.scalar_type(), [&] {
-        const int64_t blocks = padded / width<T>();
-        max_times<T>(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), m, k, padded, 0, batch,
-                     0, blocks, T(init), abs_b, threads_for(batch * m * k * padded), &nonfinite,
-                     n);
-    });
-    if (nonfinite) out.fill_(NAN);
-    return {trim(out, n), flag(nonfinite != 0)};
+    auto out = run_max_times("max_times_finite", a_, b_, init, abs_b, &nonfinite);
+    return {out, flag(nonfinite != 0)};
 }
 
 // (out, nonfinite): the k-best matmul of k_best.h for a (ka, batch, m, l) and b (kb, batch

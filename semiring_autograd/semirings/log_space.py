@@ -83,6 +83,13 @@ def _finish(
     return out, r, bad
 
 
+def _has_term(a3: Tensor, b3: Tensor) -> Tensor:
+    """Where the log-space product of a3 (count, m, k) and b3 (count, k, n) has a finite
+    term: some k with a3[., i, k] and b3[., k, j] both finite."""
+    dtype = a3.dtype
+    return (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
+
+
 def _exact_terms(
     a3: Tensor,
     b3: Tensor,
@@ -94,8 +101,7 @@ def _exact_terms(
 ) -> None:
     """Recompute the ``bad`` entries of ``out`` (and ``r``) that have a term, each by an
     exact logsumexp over its k terms (log-space a3 (count, m, k), b3 (count, k, n))."""
-    dtype = a3.dtype
-    reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
+    reach = _has_term(a3, b3)
     where = (bad & reach).nonzero()
     step = max(1, CHUNK_ELEMENTS // max(1, a3.shape[-1]))
     for s in range(0, where.shape[0], step):
@@ -120,8 +126,7 @@ def _exact_entries(
     """``_exact_terms`` out of place, for operands batched by ``torch.vmap`` (whose rows
     differ in which entries are bad): every entry's exact logsumexp over its k terms, in
     blocks of rows of a3, taken where ``bad`` has a term."""
-    dtype = a3.dtype
-    reach = (torch.isfinite(a3).to(dtype) @ torch.isfinite(b3).to(dtype)) > 0
+    reach = _has_term(a3, b3)
     step = max(1, CHUNK_ELEMENTS // max(1, a3.shape[-1] * b3.shape[-1]))
     totals, sums = [], []
     for s in range(0, a3.shape[-2], step):
