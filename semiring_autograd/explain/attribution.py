@@ -182,8 +182,9 @@ def attribute(
     ``batch_size`` at a time: padded on the tokenizer's padding side with its attention
     mask, one forward and one backward per batch seeded at each example's own target
     logit, which gives each example its one-at-a-time scores (padding dropped); top paths
-    then index the batch's tensors, (example, position, ...), the batch padded on the
-    right. The model runs in eval mode; every module's train/eval mode is restored after.
+    then index the batch's tensors, (example, padded position, ...), and their attention
+    edges the text's own positions. The model runs in eval mode; every module's
+    train/eval mode is restored after.
     """
     semiring = semiring_named(semiring)
     if isinstance(semiring, (TensorMaxProduct, TensorSignedMaxProduct)):

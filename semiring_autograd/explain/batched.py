@@ -351,15 +351,17 @@ def attribute_batch(
     else:
         with patch(model, semiring, paths=want_paths):
             y, rows = read(model, x)
-        raw = grad(y, x, raw=True, retain_graph=want_paths, compile=compile)
+        # with paths, the path search's own recorded backward gives the message at x
+        finder = _finder(y, x, semiring, "max") if want_paths else None
+        raw = finder.message if want_paths else grad(y, x, raw=True, compile=compile)
     values = semiring.sum(message_value(raw, semiring, x), -1)
     scores = semiring.readout(values).detach()
     reached = reached_elements(semiring, values)
     if keep is not None:
         keep.append(BatchResult(scores, reached, padded))
-    best = _batch_paths(y, x, semiring, "max", padded.offsets) if want_paths else None
+    best = _batch_paths(finder, padded.offsets) if want_paths else None
     signed = want_paths and spec.top_paths == "signed" and not best_path_only
-    low = _batch_paths(y, x, semiring, "min", padded.offsets) if signed else None
+    low = _batch_paths(_finder(y, x, semiring, "min"), padded.offsets) if signed else None
     results = []
     for b, p in enumerate(batch):
         span = slice(padded.offsets[b], padded.offsets[b] + len(p.ids))
@@ -394,12 +396,16 @@ def _paths_of(find, b: int, span: slice, shown) -> list[Path | None]:
     return [find(b, t) if t in shown else None for t in range(span.start, span.stop)]
 
 
-def _batch_paths(y: Tensor, x: Tensor, semiring: Semiring, which: str, offsets: list[int]):
-    """``path(b, t)``: example b's strongest path to its padded position t, from one
-    recorded backward seeded at every example's logit (None where no path reaches). A
-    path's indices are the batch's: (example, padded position, ...); its attention edges
-    name the text's own positions (less the example's left padding, ``offsets[b]``)."""
-    finder = PathFinder(y, x, seed_message(semiring, y), which=which)
+def _finder(y: Tensor, x: Tensor, semiring: Semiring, which: str) -> PathFinder:
+    """One recorded backward from the B read logits ``y`` to ``x``, seeded at each."""
+    return PathFinder(y, x, seed_message(semiring, y), which=which)
+
+
+def _batch_paths(finder: PathFinder, offsets: list[int]):
+    """``path(b, t)``: example b's strongest path (``finder``'s kind) to its padded
+    position t (None where no path reaches). A path's indices are the batch's: (example,
+    padded position, ...); its attention edges name the text's own positions (less the
+    example's left padding, ``offsets[b]``)."""
     values = finder.element_values()
 
     def path(b: int, t: int) -> Path | None:
