@@ -82,18 +82,14 @@ def native_rate(model, tokenizer, batch: list[str], batch_size: int) -> float:
     """Records/s of torch.autograd's forward and backward to the embeddings over the batches
     ``sa.attribute`` forms (the same padding, read positions and projected positions)."""
     from semiring_autograd.explain import batched as B
+    from semiring_autograd.explain.token_scores import input_leaf
 
     prepared = [B.prepare(i, B.Record(t), tokenizer, TARGET, -1) for i, t in enumerate(batch)]
     device = next(model.parameters()).device
     start = time.perf_counter()
     for chunk in B.buckets(prepared, batch_size, len(prepared)):
-        padded = B.pad(chunk, tokenizer, B.takes_position_ids(model))
-        for name in ("ids", "mask", "positions", "targets", "position_ids"):
-            value = getattr(padded, name)
-            setattr(padded, name, None if value is None else value.to(device))
-        with torch.no_grad():
-            emb = model.get_input_embeddings()(padded.ids)
-        x = emb.detach().requires_grad_()
+        padded = B.pad(chunk, tokenizer, B.takes_position_ids(model)).to(device)
+        x = input_leaf(model, padded.ids)
         y, _ = B.read_batch(
             model,
             x,

@@ -27,6 +27,7 @@ from .paths import Path, PathFinder
 from .token_scores import (
     Attribution,
     check_position,
+    input_leaf,
     model_label,
     prediction_at,
     reached_elements,
@@ -61,11 +62,8 @@ def _attribute_one(
     check_position(position, length)
     mask = encoding.get("attention_mask")
     index, label = target_id(target, tokenizer)
-    device = next(model.parameters()).device  # a tokenizer's tensors are on the CPU
-    mask = None if mask is None else mask.to(device)
-    with torch.no_grad():
-        emb = model.get_input_embeddings()(ids.to(device))
-    x = emb.detach().requires_grad_()
+    x = input_leaf(model, ids)
+    mask = None if mask is None else mask.to(x.device)  # a tokenizer's tensors: on the CPU
     spec = inherited_spec(semiring)
     want_paths = paths and spec is not None and spec.top_paths in ("max", "signed")
     if compile and not want_paths:

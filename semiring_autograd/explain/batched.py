@@ -37,6 +37,7 @@ from ..semirings.registry import inherited_spec
 from .token_scores import (
     Attribution,
     check_position,
+    input_leaf,
     prediction_at,
     reached_elements,
     target_id,
@@ -186,6 +187,15 @@ class Padded:
     targets: Tensor
     position_ids: Tensor | None
 
+    def to(self, device: torch.device) -> Padded:
+        """The batch with its tensors on ``device``."""
+        moved = {
+            name: None if value is None else value.to(device)
+            for name, value in vars(self).items()
+            if name != "offsets"
+        }
+        return Padded(offsets=self.offsets, **moved)
+
 
 def pad(
     batch: list[Prepared],
@@ -329,16 +339,8 @@ def attribute_batch(
         size=batch_size if compile else 0,
         multiple=LENGTH_MULTIPLE if compile else 1,
         side=side,
-    )
-    device = next(model.parameters()).device
-    ids = padded.ids.to(device)
-    for name in ("mask", "positions", "targets", "position_ids"):
-        value = getattr(padded, name)
-        if value is not None:
-            setattr(padded, name, value.to(device))
-    with torch.no_grad():
-        emb = model.get_input_embeddings()(ids)
-    x = emb.detach().requires_grad_()
+    ).to(next(model.parameters()).device)
+    x = input_leaf(model, padded.ids)
     read = functools.partial(
         read_batch,
         attention_mask=padded.mask,

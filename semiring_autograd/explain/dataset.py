@@ -12,10 +12,11 @@ records and writes one row per record into ``out``:
   record's own report page, ``out/pages/NNNNNN.html``.
 
 Under ``torchrun --nproc_per_node N`` (or any launcher that sets ``WORLD_SIZE`` and
-``RANK``) the call joins ``torch.distributed`` (gloo on CPU, nccl on CUDA) and rank r takes
-its :func:`shard`: the records ranked by text length and dealt to the ranks in turn. With ``resume=True`` the records of every
-part on disk are skipped, so a run killed at any point and resumed loses no row and
-duplicates none. A bad record (empty text, a target that is not one token, a position
+``RANK``) the call joins ``torch.distributed`` (gloo where the model is on the CPU, nccl
+where it is on a GPU) and rank r takes its :func:`shard`: the records ranked by text
+length and dealt to the ranks in turn. With ``resume=True`` the records of every part on
+disk are skipped, so a run killed at any point and resumed loses no row and duplicates
+none. A bad record (empty text, a target that is not one token, a position
 outside the text, a text over the context length) is an error row with its reason.
 
 Columns: ``index``, ``id``, ``text``, ``target``, ``target_id``, ``position`` (the read

@@ -29,7 +29,7 @@ from ..engine.patch import patch
 from ..semirings.base import Semiring
 from .batched import Prepared, kept_positions, read_batch, pad, takes_position_ids
 from .flow import capture, module_flow
-from .token_scores import Attribution
+from .token_scores import Attribution, input_leaf
 
 #: a decoder layer's child's whole name → its part (Llama's self_attn, GPT-2's attn,
 #: GPT-NeoX's attention, Falcon's self_attention; mlp, feed_forward, Mixtral's
@@ -148,15 +148,8 @@ def batch_flows(
 ) -> list[list[float]]:
     """Per record of ``batch``, per module, the record's flow (see the module's docstring)
     under ``semiring``: one patched forward and ``sa.module_flow`` for the whole batch."""
-    padded = pad(batch, tokenizer, takes_position_ids(model))
-    device = next(model.parameters()).device
-    for name in ("ids", "mask", "positions", "targets", "position_ids"):
-        value = getattr(padded, name)
-        if value is not None:
-            setattr(padded, name, value.to(device))
-    with torch.no_grad():
-        emb = model.get_input_embeddings()(padded.ids)
-    x = emb.detach().requires_grad_()
+    padded = pad(batch, tokenizer, takes_position_ids(model)).to(next(model.parameters()).device)
+    x = input_leaf(model, padded.ids)
     names = [m.name for m in modules]
     with patch(model, semiring), capture(model, names) as seen:
         y, _ = read_batch(

@@ -213,6 +213,15 @@ def check_position(position: int, length: int) -> None:
         )
 
 
+def input_leaf(model: nn.Module, ids: Tensor) -> Tensor:
+    """The model's input embeddings of the token ``ids`` (moved to the model's device) as
+    a fresh leaf that requires grad: where the semiring backward ends."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids.to(device))
+    return emb.detach().requires_grad_()
+
+
 def reached_elements(semiring: Semiring, values: Any) -> Tensor:
     """Per element of the semiring value ``values``, whether it differs from the zero (a
     path reaches it)."""
