@@ -43,8 +43,8 @@ def _fused_matmul(a: Value, b: Value, k: int, abs_b: bool, dead_count: bool) -> 
     (``kernels.k_best_times``; |b| when ``abs_b``; b's entries at an index l where no row
     of a has a path are ignored unless ``dead_count``), else None (kernel unavailable, an
     operand not finite: the torch formulas then run)."""
-    if a[0].dim() < 2 or b[0].dim() < 2:
-        return None
+    if a[0].dim() < 2 or b[0].dim() < 2 or a[0].device.type != "cpu":
+        return None  # the kernel is the CPU's: no lists stacked for it elsewhere
     a_lists, b_lists = torch.stack(broadcast_value(a)), torch.stack(broadcast_value(b))
     (m, l), n = a_lists.shape[-2:], b_lists.shape[-1]
     if b_lists.shape[-2] != l:
