@@ -119,3 +119,16 @@ def test_query_rows_fill_the_block(monkeypatch):
     assert attention_helpers.query_rows(batch_heads=3, queries=9, keys=50) == 2
     assert attention_helpers.query_rows(batch_heads=1, queries=4, keys=10) == 4
     assert attention_helpers.query_rows(batch_heads=1, queries=1, keys=1000) == 1
+
+
+def test_query_rows_on_an_accelerator_fill_its_larger_block(monkeypatch):
+    monkeypatch.setattr(attention_helpers, "BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(attention_helpers, "DEVICE_BLOCK_ELEMENTS", 1000)
+    monkeypatch.setattr(attention_helpers, "MIN_ROWS", 2)
+    assert (
+        attention_helpers.query_rows(batch_heads=2, queries=90, keys=10, device_type="cuda") == 50
+    )
+    assert attention_helpers.query_rows(batch_heads=2, queries=90, keys=10, device_type="cpu") == 5
+    # Llama-2-7B's 32 heads at 512 tokens: one block on a GPU
+    monkeypatch.undo()
+    assert attention_helpers.query_rows(32, 512, 512, "cuda") == 512

@@ -6,7 +6,8 @@ depends on that query, the full key and value, and the mask's row alone, so the 
 on ``rows`` queries at a time: the query's message is the blocks' messages side by side,
 the key's and value's (and a mask's broadcast over queries) the ⊕ of the blocks'. Peak
 memory is then batch × heads × rows × S per layer, not batch × heads × L × S, for rows
-set by :func:`query_rows`. ``is_causal`` becomes the block's rows of the causal mask
+set by :func:`query_rows`: blocks of a few MiB on the CPU, where caches set the cost, and of
+hundreds of MiB on an accelerator, where each block's kernel launches do. ``is_causal`` becomes the block's rows of the causal mask
 (key j ≤ query i), which the rule excludes as it excludes a boolean mask.
 
 Values: the message at each query row (query, a per-row mask) is the one the unblocked
@@ -28,8 +29,12 @@ from torch import Tensor
 
 from ..semirings.base import Semiring
 
-#: elements of one batch × heads × rows × S block (4 MiB a tensor in float32) …
+#: elements of one batch × heads × rows × S block on the CPU (4 MiB a tensor in float32) …
 BLOCK_ELEMENTS = 1 << 20
+#: … and on an accelerator (256 MiB a tensor in float32): each block launches the rule's
+#: few dozen kernels again, so blocks there stay few (Llama-2-7B's 32 heads: one block up
+#: to 1448 tokens) …
+DEVICE_BLOCK_ELEMENTS = 1 << 26
 #: … but at least this many query rows: each block also reads the whole key and value
 #: (lifts, copies for GQA, the ⊕ into their messages), work that fewer rows do not repay
 MIN_ROWS = 128
@@ -37,10 +42,12 @@ MIN_ROWS = 128
 _OP = "scaled_dot_product_attention"
 
 
-def query_rows(batch_heads: int, queries: int, keys: int) -> int:
-    """Queries per block: as many as fill :data:`BLOCK_ELEMENTS`, at least
-    :data:`MIN_ROWS`, at most ``queries`` (one block: the rule runs unblocked)."""
-    return min(queries, max(MIN_ROWS, BLOCK_ELEMENTS // max(1, batch_heads * keys), 1))
+def query_rows(batch_heads: int, queries: int, keys: int, device_type: str = "cpu") -> int:
+    """Queries per block: as many as fill :data:`BLOCK_ELEMENTS` on the CPU,
+    :data:`DEVICE_BLOCK_ELEMENTS` on another device, at least :data:`MIN_ROWS`, at most
+    ``queries`` (one block: the rule runs unblocked)."""
+    budget = BLOCK_ELEMENTS if device_type == "cpu" else DEVICE_BLOCK_ELEMENTS
+    return min(queries, max(MIN_ROWS, budget // max(1, batch_heads * keys), 1))
 
 
 def blocked_rule(name: str, rule: Callable, semiring: Semiring | None) -> Callable:
@@ -57,7 +64,8 @@ def blocked_rule(name: str, rule: Callable, semiring: Semiring | None) -> Callab
     @functools.wraps(rule)
     def blocked(*args: Any) -> Any:
         query, key = args[at_query], args[at_key]
-        rows = query_rows(math.prod(query.shape[:-2]), query.shape[-2], key.shape[-2])
+        shape = query.shape
+        rows = query_rows(math.prod(shape[:-2]), shape[-2], key.shape[-2], query.device.type)
         if rows >= query.shape[-2]:
             return rule(*args)
         call = signature.bind(*args).arguments
