@@ -67,6 +67,7 @@ from .semirings import (
     SignedMaxProduct,
     check_semiring,
 )
+from .semirings.frozen import frozen_weights
 
 __all__ = [
     "patch",
@@ -78,6 +79,7 @@ __all__ = [
     "top_paths",
     "attribute",
     "attribute_dataset",
+    "frozen_weights",
     "module_flow",
     "consumer_flow",
     "node_info",

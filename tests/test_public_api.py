@@ -19,6 +19,7 @@ PUBLIC = [
     "top_paths",
     "attribute",
     "attribute_dataset",
+    "frozen_weights",
     "module_flow",
     "consumer_flow",
     "node_info",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import InlineForms, message_dtype
+from .frozen import kept_operand
 from .log import Log
 from .tensor_ops import NEG_INF, nonzero_operand
 
@@ -25,7 +26,9 @@ class Counting(Log):
         return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)
 
     def linear_lift(self, w):
-        return nonzero_operand(w, message_dtype(w.dtype))
+        dtype = message_dtype(w.dtype)
+        kept = kept_operand(("nonzero", dtype), w, lambda w: torch.ne(w, 0).to(dtype))
+        return nonzero_operand(w, dtype) if kept is None else kept
 
     def mul_lift(self, a, w):
         return (torch.where(w == 0, NEG_INF, a[0]),)

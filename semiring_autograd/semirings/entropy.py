@@ -9,6 +9,7 @@ from .. import kernels
 from ..kernels.workspace import scratch
 from .base import Semiring, Value
 from .batching import batched
+from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
@@ -52,10 +53,26 @@ def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
 
 def _entropy_weights(w: Tensor) -> Tensor:
     """The Entropy GEMM operand of lift(w) (…, k, n): [|w|; |w|·(-log|w|)] stacked along the
-    rows (…, 2k, n), in scratch storage (valid for the calling matmul only). -|w|log|w| is
-    0 at w = 0 (where it is 0·inf = NaN) and at NaN, whose Z sums are NaN anyway."""
+    rows (…, 2k, n), kept per weight version inside ``sa.frozen_weights``, else in scratch
+    storage (valid for the calling matmul only)."""
+    kept = kept_operand("entropy", w, _fresh_entropy_weights)
+    if kept is not None:
+        return kept
     k, n = w.shape[-2:]
     out = scratch("entropy_weights", (*w.shape[:-2], 2 * k, n), w.dtype, w.device)
+    return _entropy_weights_into(w, out)
+
+
+def _fresh_entropy_weights(w: Tensor) -> Tensor:
+    """:func:`_entropy_weights` in a fresh tensor."""
+    k, n = w.shape[-2:]
+    return _entropy_weights_into(w, w.new_empty(*w.shape[:-2], 2 * k, n))
+
+
+def _entropy_weights_into(w: Tensor, out: Tensor) -> Tensor:
+    """[|w|; |w|·(-log|w|)] written into ``out`` (…, 2k, n). -|w|log|w| is 0 at w = 0 (where
+    it is 0·inf = NaN) and at NaN, whose Z sums are NaN anyway."""
+    k = w.shape[-2]
     if kernels.entropy_weights(w, out):
         return out
     magnitude = torch.abs(w, out=out[..., :k, :])

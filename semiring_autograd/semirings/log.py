@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring
+from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, log_loo
 from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
 
@@ -51,8 +52,11 @@ class Log(Semiring):
         return (LogSpaceGemm.run(a[0], b[0], None, None)[0],)
 
     def linear_lift(self, w: Tensor) -> Tensor:
-        """exp(lift(w)), computed without exp or log, in scratch storage (valid for the
-        calling matmul only)."""
+        """exp(lift(w)) = |w|, computed without exp or log: kept per weight version inside
+        ``sa.frozen_weights``, else in scratch storage (valid for the calling matmul only)."""
+        kept = kept_operand("abs", w, torch.abs)
+        if kept is not None:
+            return kept
         return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
