@@ -333,7 +333,8 @@ def test_inline_forms_equal_the_methods(cls):
         if form is None:
             continue
         names = {k: f"args[{k!r}]" for k in args}
-        got = eval(form.format(**names), {"torch": torch, "math": __import__("math"), "args": args})
+        scope = {"torch": torch, "math": __import__("math"), "args": args, "S": S}
+        got = eval(form.format(**names), scope)
         torch.testing.assert_close(got, methods[name](**args), rtol=0, atol=0, equal_nan=True)
         checked += 1
     assert checked >= 3

@@ -55,6 +55,8 @@ def _samples(dtype):
         "entropy_reduce_rows": [(rows, rows.abs())],
         "log_space_rows": [(rows, None, torch.empty_like(rows)), (rows, rows, rows.repeat(1, 2))],
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
+        "plus_log_abs": [(la, rand(3, 40)), (None, rand(2, 37))],
+        "log_add": [(la, rand(3, 40))],
         "any_nan_or_inf": [([la, r], [0, 0]), ([la.masked_fill(la > 1, INF), r], [-1, 1])],
         "all_rows_live": [(rows, None, 0.0), (hi, lo, 0.0)],
         "log_gemm_finish_": [

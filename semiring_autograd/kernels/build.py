@@ -53,7 +53,12 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "operators.cpp", _HERE / "extreme_matmul.h", _HERE / "k_best.h")
+_SOURCES = (
+    _HERE / "operators.cpp",
+    _HERE / "extreme_matmul.h",
+    _HERE / "k_best.h",
+    _HERE / "log_entries.h",
+)
 ENV = "SEMIRING_AUTOGRAD_KERNELS"
 MODES = ("off", "check", "trust")
 ALIASES = {"eager": "off"}

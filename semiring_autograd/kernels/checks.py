@@ -366,6 +366,41 @@ def _check_entropy_mul_lift(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def _check_plus_log_abs(c: _Case) -> str | None:
+    problems = []
+    for count in (5 * 9, 2 * 5 * 37):  # a vector tail; several vectors and a tail
+        a = c.randn(count) * 5
+        a[:3] = -INF  # no path
+        a[3] = NAN
+        w = c.randn(count, zeros=0.2) * 10.0 ** c.randn(count).clamp(-3, 3)
+        w[4], w[5], w[6], w[7] = -0.0, INF, -INF, NAN
+        w[8] = torch.finfo(c.dtype).tiny * c.eps  # subnormal
+        log_w = torch.log(w.double().abs())
+        for given in (a, None):
+            got, _ = c.run(given, w)
+            want = log_w if given is None else given.double() + log_w
+            scale = log_w.abs() + (0.0 if given is None else given.double().abs())
+            problems.append(_differs("plus_log_abs", got, want, _ulps(c, 8, scale)))
+    return _first(*problems)
+
+
+def _check_log_add(c: _Case) -> str | None:
+    problems = []
+    for count in (5 * 9, 2 * 5 * 37):
+        a, b = c.randn(count) * 30, c.randn(count) * 30
+        b[: count // 3] = a[: count // 3] + c.randn(count // 3) * 1e-3  # close: log1p near log 2
+        b[-3:] = a[-3:]  # ties
+        a[:4], b[2:6] = -INF, -INF  # one or both without a path
+        a[6], b[7], a[8], b[8] = INF, INF, INF, -INF
+        a[9], b[10], a[11], b[11] = NAN, NAN, INF, INF
+        b[12] = a[12] - 80.0  # t below the rounding of 1 + t
+        got, _ = c.run(a, b)
+        want = torch.logaddexp(a.double(), b.double())
+        scale = torch.maximum(a.double().abs(), b.double().abs()) + want.abs()
+        problems.append(_differs("log_add", got, want, _ulps(c, 8, scale)))
+    return _first(*problems)
+
+
 def _check_entropy_add(c: _Case) -> str | None:
     problems = []
     for a_shape, b_shape in (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1))):
@@ -594,6 +629,8 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "entropy_reduce_rows": _check_entropy_reduce_rows,
     "log_space_rows": _check_log_space_rows,
     "entropy_weights": _check_entropy_weights,
+    "plus_log_abs": _check_plus_log_abs,
+    "log_add": _check_log_add,
     "any_nan_or_inf": _check_any_nan_or_inf,
     "all_rows_live": _check_all_rows_live,
     "log_gemm_finish_": _check_log_gemm_finish,

@@ -18,6 +18,7 @@
 
 #include "extreme_matmul.h"
 #include "k_best.h"
+#include "log_entries.h"
 
 namespace {
 
@@ -482,4 +483,6 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("entropy_reduce_rows", &entropy_reduce_rows_op);
     m.impl("log_space_rows", &log_space_rows_op);
     m.impl("entropy_weights", &entropy_weights_op);
+    m.impl("plus_log_abs", &log_entries::plus_log_abs_op);
+    m.impl("log_add", &log_entries::log_add_op);
 }

@@ -26,6 +26,8 @@ one dtype.
 ``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
 ``log_space_rows``       the row shift, liveness and shifted exponentials of a log GEMM
 ``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
+``plus_log_abs``         a + log|w| (log|w| without a), elementwise, one shape; CPU only
+``log_add``              log(e^a + e^b), elementwise, one shape; CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
                          (+1, -1; 0: either) (0-d bool; CPU tensors of any dtype)
 ``all_rows_live``        every row (last dim) of x has a term: its maximum is not ``empty``
@@ -65,6 +67,8 @@ SCHEMAS = {
     "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
     "log_space_rows": "(Tensor a, Tensor? r, Tensor(a!) out) -> (Tensor, Tensor)",
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
+    "plus_log_abs": "(Tensor? a, Tensor w) -> Tensor",
+    "log_add": "(Tensor a, Tensor b) -> Tensor",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
     "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
@@ -138,6 +142,16 @@ def _broadcast_pair(*inputs: Tensor) -> tuple[Tensor, Tensor]:
 _fake("signed_mul_lift")(_broadcast_pair)
 _fake("entropy_mul_lift")(_broadcast_pair)
 _fake("entropy_add")(_broadcast_pair)
+
+
+@_fake("plus_log_abs")
+def _(a, w):
+    return w.new_empty(w.shape)
+
+
+@_fake("log_add")
+def _(a, b):
+    return a.new_empty(a.shape)
 
 
 @_fake("ratio_where_positive_")

@@ -18,7 +18,7 @@ class Counting(Log):
     inline = InlineForms(
         lift=None,  # where(w != 0, 0, -inf) needs w twice: the method's one call
         mul="{a} + {b}",
-        add="torch.logaddexp({a}, {b})",
+        add="S.log_add({a}, {b})",
         mul_lift="torch.where({w} == 0, -math.inf, {a})",
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels import log_entries
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring
 from .frozen import kept_operand
@@ -18,10 +19,10 @@ class Log(Semiring):
     name = "log"
     terms = LOG_TERMS
     inline = InlineForms(
-        lift="torch.log({w}.abs())",
+        lift="S.log_abs({w})",
         mul="{a} + {b}",
-        add="torch.logaddexp({a}, {b})",
-        mul_lift="{a} + torch.log({w}.abs())",
+        add="S.log_add({a}, {b})",
+        mul_lift="S.plus_log_abs({a}, {w})",
     )
 
     def zero(self, shape, like):
@@ -31,10 +32,32 @@ class Log(Semiring):
         return (filled(shape, 0.0, like),)
 
     def lift(self, w):
-        return (torch.log(w.abs()),)
+        return (self.log_abs(w),)
 
     def add(self, a, b):
-        return (torch.logaddexp(a[0], b[0]),)
+        return (self.log_add(a[0], b[0]),)
+
+    def mul_lift(self, a, w):
+        return (self.plus_log_abs(a[0], w),)
+
+    @staticmethod
+    def log_abs(w: Tensor) -> Tensor:
+        """log|w| (-inf at 0), one pass on the CPU kernel where it applies."""
+        fused = log_entries.plus_log_abs(None, w)
+        return torch.log(w.abs()) if fused is None else fused
+
+    @staticmethod
+    def plus_log_abs(a: Tensor, w: Tensor) -> Tensor:
+        """a + log|w| (a ⊗ lift(w)), one pass on the CPU kernel where it applies."""
+        fused = log_entries.plus_log_abs(a, w)
+        return a + torch.log(w.abs()) if fused is None else fused
+
+    @staticmethod
+    def log_add(a: Tensor, b: Tensor) -> Tensor:
+        """log(e^a + e^b) (a ⊕ b, torch.logaddexp), one pass on the CPU kernel where it
+        applies."""
+        fused = log_entries.log_add(a, b)
+        return torch.logaddexp(a, b) if fused is None else fused
 
     def mul(self, a, b):
         return (a[0] + b[0],)

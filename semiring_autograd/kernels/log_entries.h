@@ -1,0 +1,156 @@
+// The Log semiring's elementwise primitives in one pass each, as CPU operators:
+//
+//   plus_log_abs(a, w)  a + log|w| (a ⊗ lift(w)), or log|w| alone (lift(w)) without a
+//   log_add(a, b)       log(e^a + e^b) (a ⊕ b), torch.logaddexp's specials
+//
+// torch spells the first as three passes (abs, log, add) with two temporaries, and its
+// log and logaddexp take several times the time of these loops on AVX-512 (log_abs16 and
+// exp16_nonpositive of extreme_matmul.h, 16 floats at a time). Operands: contiguous, of
+// one shape and one dtype (float32 or float64); the Python wrappers (log_entries.py)
+// check that and take the torch formulas otherwise.
+//
+// Part of semiring_autograd; included by operators.cpp after extreme_matmul.h, whose
+// log_positive, exp_nonpositive, log_abs16 and exp16_nonpositive these use.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <optional>
+
+namespace log_entries {
+
+// one thread below this many entries (operators.cpp's PARALLEL_WORK / ENTRY_COST)
+constexpr int64_t PARALLEL_ENTRIES = int64_t(1) << 15;
+
+inline int threads_for(int64_t count) {
+    return count < PARALLEL_ENTRIES ? 1 : std::max(1, at::get_num_threads());
+}
+
+// log|w|: -inf at ±0, +inf at ±inf, NaN at NaN.
+template <typename T>
+inline T log_abs_entry(T w) {
+    const T x = std::fabs(w);
+    const bool finite = (x > T(0)) & (x <= std::numeric_limits<T>::max());
+    const T l = log_positive(finite ? x : T(1));
+    return finite ? l : (x == T(0) ? -T(__builtin_inf()) : x);
+}
+
+// log(e^a + e^b) = big + log(1 + t), t = e^(small - big), with the rounding of 1 + t
+// corrected; -inf for two -inf, +inf where either is +inf, NaN where either is NaN.
+template <typename T>
+inline T log_add_entry(T a, T b) {
+    const T inf = __builtin_inf();
+    const bool a_big = a >= b;
+    const T big = a_big ? a : b, small = a_big ? b : a;
+    const T d = small - big;  // ≤ 0; NaN for two equal infinities or a NaN
+    const T t = exp_nonpositive(d == d ? d : -inf);
+    const T u = T(1) + t;
+    const T log1p = log_positive(u) - ((u - T(1)) - t) / u;
+    const bool nan = (a != a) | (b != b);
+    return nan ? a + b : big + log1p;
+}
+
+// out = a + log|w| (a null: log|w|), entries [0, count).
+template <typename T>
+void plus_log_abs(const T* a, const T* w, T* out, int64_t count, int threads) {
+    (void)threads;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+        const int64_t vectors = count / 16;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t v = 0; v < vectors; ++v) {
+            const int64_t i = 16 * v;
+            const __m512 l = log_abs16(_mm512_loadu_ps(w + i));
+            _mm512_storeu_ps(out + i, a ? _mm512_add_ps(_mm512_loadu_ps(a + i), l) : l);
+        }
+        for (int64_t i = 16 * vectors; i < count; ++i)
+            out[i] = a ? a[i] + log_abs_entry(w[i]) : log_abs_entry(w[i]);
+        return;
+    }
+#endif
+    if (a) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+        for (int64_t i = 0; i < count; ++i) out[i] = a[i] + log_abs_entry(w[i]);
+    } else {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+        for (int64_t i = 0; i < count; ++i) out[i] = log_abs_entry(w[i]);
+    }
+}
+
+// out = log(e^a + e^b), entries [0, count).
+template <typename T>
+void log_add(const T* a, const T* b, T* out, int64_t count, int threads) {
+    (void)threads;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {  // log_add_entry, 16 entries at a time
+        const int64_t vectors = count / 16;
+        const __m512 one = _mm512_set1_ps(1.0f), none = _mm512_set1_ps(-__builtin_inff());
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t v = 0; v < vectors; ++v) {
+            const int64_t i = 16 * v;
+            const __m512 x = _mm512_loadu_ps(a + i), y = _mm512_loadu_ps(b + i);
+            const __mmask16 x_big = _mm512_cmp_ps_mask(x, y, _CMP_GE_OQ);
+            const __m512 big = _mm512_mask_blend_ps(x_big, y, x);
+            const __m512 small = _mm512_mask_blend_ps(x_big, x, y);
+            __m512 d = _mm512_sub_ps(small, big);
+            d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), none, d);
+            const __m512 t = exp16_nonpositive(d), u = _mm512_add_ps(one, t);
+            const __m512 fix = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(u, one), t), u);
+            const __m512 log1p = _mm512_sub_ps(log_abs16(u), fix);
+            const __mmask16 nan = _mm512_cmp_ps_mask(x, y, _CMP_UNORD_Q);
+            _mm512_storeu_ps(out + i, _mm512_mask_blend_ps(nan, _mm512_add_ps(big, log1p),
+                                                           _mm512_add_ps(x, y)));
+        }
+        for (int64_t i = 16 * vectors; i < count; ++i) out[i] = log_add_entry(a[i], b[i]);
+        return;
+    }
+#endif
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp for simd schedule(static)
+    for (int64_t i = 0; i < count; ++i) out[i] = log_add_entry(a[i], b[i]);
+}
+
+inline void check_entries(const char* name, const at::Tensor& x, const at::Tensor& y) {
+    TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && x.sizes() == y.sizes() &&
+                    x.scalar_type() == y.scalar_type() &&
+                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+                name, ": operands contiguous, of one shape and dtype (float32 or float64), got ",
+                x.sizes(), " ", x.scalar_type(), " and ", y.sizes(), " ", y.scalar_type());
+}
+
+template <typename Body>
+at::Tensor entries(const at::Tensor& like, Body body) {
+    auto out = at::empty_like(like, at::MemoryFormat::Contiguous);
+    const int64_t count = out.numel();
+    if (like.scalar_type() == at::kDouble)
+        body(static_cast<double*>(nullptr), out, count, threads_for(count));
+    else
+        body(static_cast<float*>(nullptr), out, count, threads_for(count));
+    return out;
+}
+
+inline at::Tensor plus_log_abs_op(const std::optional<at::Tensor>& a, const at::Tensor& w) {
+    if (a) check_entries("plus_log_abs", *a, w);
+    else check_entries("plus_log_abs", w, w);
+    return entries(w, [&](auto tag, at::Tensor& out, int64_t count, int threads) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        plus_log_abs<T>(a ? a->const_data_ptr<T>() : nullptr, w.const_data_ptr<T>(),
+                        out.data_ptr<T>(), count, threads);
+    });
+}
+
+inline at::Tensor log_add_op(const at::Tensor& a, const at::Tensor& b) {
+    check_entries("log_add", a, b);
+    return entries(a, [&](auto tag, at::Tensor& out, int64_t count, int threads) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        log_add<T>(a.const_data_ptr<T>(), b.const_data_ptr<T>(), out.data_ptr<T>(), count,
+                   threads);
+    });
+}
+
+}  // namespace log_entries

@@ -1,0 +1,129 @@
+"""The Log semiring's one-pass elementwise kernels (kernels/log_entries.h): a + log|w|,
+log|w| and log(e^a + e^b) against torch's formulas in float64, specials included, the
+fallbacks where a kernel does not apply, and Log's backward with the kernels on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import semiring_autograd as sa
+from semiring_autograd import kernels
+from semiring_autograd.kernels import log_entries
+from semiring_autograd.kernels.build import ENV
+
+NAN, INF = float("nan"), float("inf")
+DTYPES = [torch.float32, torch.float64]
+#: entries: enough for the kernels (MIN_ENTRIES), with a tail after the 16-float vectors
+COUNT = log_entries.MIN_ENTRIES + 21
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if not kernels.available():
+        pytest.skip("the CPU kernels are switched off or could not be built here")
+
+
+def _operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(COUNT, generator=gen, dtype=torch.float64) * 20
+    w = torch.randn(COUNT, generator=gen, dtype=torch.float64)
+    w = w * 10.0 ** (torch.rand(COUNT, generator=gen, dtype=torch.float64) * 60 - 30)
+    specials = torch.tensor([0.0, -0.0, INF, -INF, NAN, 1e-40, -1e-45, 3.4e38])
+    w[: len(specials)] = specials  # and again in the tail, after the last full vector
+    w[-len(specials) :] = specials
+    a[8:16] = torch.tensor([-INF, INF, NAN, -INF, 0.0, -INF, INF, 1.0])
+    a[-16:-8] = a[8:16]
+    return a.to(dtype), w.to(dtype)
+
+
+def _ulps(dtype: torch.dtype, n: float, scale: torch.Tensor) -> torch.Tensor:
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    return n * eps * scale.abs().nan_to_num(posinf=0.0) + tiny * eps
+
+
+def _assert_within(got, want, tol) -> None:
+    got, want = got.double(), want.double()
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    close = same | ((got - want).abs() <= tol)
+    assert bool(close.all()), (got[~close][:5], want[~close][:5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plus_log_abs_equals_the_formula(dtype):
+    """Within 2 ulp of the scale (|a| + |log|w||) of the float64 formula, and of the
+    same infinities and NaN; log|w| alone within 2 ulp of |log|w||."""
+    a, w = _operands(dtype)
+    log_w = torch.log(w.double().abs())
+    got = log_entries.plus_log_abs(a, w)
+    assert got is not None and got.dtype == dtype
+    _assert_within(got, a.double() + log_w, _ulps(dtype, 2, a.double().abs() + log_w.abs()))
+    alone = log_entries.plus_log_abs(None, w)
+    _assert_within(alone, log_w, _ulps(dtype, 2, log_w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_add_equals_torch_logaddexp(dtype):
+    """Within 3 ulp of max(|a|, |b|) + |result| of float64 torch.logaddexp, infinities and
+    NaN as torch's (two -inf: -inf; +inf with anything but NaN: +inf)."""
+    a, b = _operands(dtype)
+    b = b.clamp(-1e30, 1e30).nan_to_num(nan=NAN, posinf=INF, neginf=-INF) * 1e-28 * 30
+    b[20:40] = a[20:40]  # ties
+    b[40:60] = a[40:60] - 1e-3  # log1p near log 2
+    b[60:80] = a[60:80] - 90  # t below the rounding of 1 + t
+    b[80:84] = torch.tensor([-INF, INF, -INF, NAN])
+    a[80:84] = torch.tensor([-INF, INF, INF, 0.0])
+    want = torch.logaddexp(a.double(), b.double())
+    scale = torch.maximum(a.double().abs(), b.double().abs()) + want.abs()
+    got = log_entries.log_add(a, b)
+    assert got is not None
+    _assert_within(got, want, _ulps(dtype, 3, scale))
+
+
+def test_the_kernels_decline_what_they_do_not_take():
+    a, w = _operands(torch.float32)
+    small = a[: log_entries.MIN_ENTRIES - 1]
+    assert log_entries.plus_log_abs(small, small) is None
+    assert log_entries.plus_log_abs(a, w.double()) is None  # two dtypes
+    assert log_entries.log_add(a[::2], w[::2]) is None  # not contiguous
+    assert log_entries.log_add(a.reshape(-1, 1)[:, :1].expand(-1, 2), w[:1]) is None
+
+
+def test_log_methods_fall_back_to_the_formulas():
+    """Log's lift, ⊗ lift and ⊕ where the kernels do not apply (broadcast operands) equal
+    torch's formulas exactly."""
+    S = sa.Log()
+    a = torch.randn(300, 64)
+    w = torch.randn(64)
+    torch.testing.assert_close(S.plus_log_abs(a, w), a + torch.log(w.abs()), rtol=0, atol=0)
+    torch.testing.assert_close(S.log_add(a, w), torch.logaddexp(a, w), rtol=0, atol=0)
+    torch.testing.assert_close(S.mul_lift((a,), w)[0], a + torch.log(w.abs()), rtol=0, atol=0)
+
+
+def _log_grad(model, x):
+    leaf = x.clone().requires_grad_(True)
+    with sa.patch(model, sa.Log()):
+        out = model(leaf)
+    return sa.grad(out[:, 0].sum(), leaf)
+
+
+def test_log_backward_with_and_without_the_kernels(monkeypatch):
+    """A GELU MLP large enough for the kernels (GELU's ⊗ lift, the sum's ⊕): the backward
+    with the kernels equals the torch formulas' (kernels off) within float32 rounding, and
+    the path sums of its last two layers computed in float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)
+    ).eval()
+    x = torch.randn(64, 64)
+    fused = _log_grad(model, x)
+    monkeypatch.setenv(ENV, "off")
+    plain = _log_grad(model, x)
+    torch.testing.assert_close(fused, plain, rtol=2e-6, atol=2e-5)
+    # oracle: log Σ_j |W2[0, j]| · |gelu'(h_j)| · |W1[j, i]| per row
+    h = model[0](x).double()
+    cdf = 0.5 * (1 + torch.erf(h / 2**0.5))
+    gelu_d = cdf + h * torch.exp(-0.5 * h * h) / (2 * torch.pi) ** 0.5
+    w1, w2 = model[0].weight.double(), model[2].weight.double()
+    want = torch.log((w2[0].abs() * gelu_d.abs()) @ w1.abs())
+    torch.testing.assert_close(fused.double(), want, rtol=1e-5, atol=1e-5)
