@@ -40,8 +40,8 @@ from torch.utils._pytree import tree_flatten
 from ..errors import PatchError, SemiringLawError, SemiringMismatchError, UnsupportedOpError
 from . import complex_pairs, custom_functions, inplace
 from .checkpointing import checkpoint_frame, recompute_under
-from .graph import NodeInfo, set_node_info
-from ..ops.spec import OpSpec
+from .graph import NodeInfo
+from ..ops.spec import NODE_INFO_KEY, OpSpec
 from .dispatch import OpTable, default_op_table
 from .recorded_call import RecordedCall
 from .wrapped_models import module_of
@@ -141,6 +141,10 @@ def _differentiable_output(out: Any) -> bool:
     )
 
 
+#: ``NodeInfo(op, module, semiring, recorded)`` is ``_tuple_new(NodeInfo, (op, module,
+#: semiring, recorded, *_INFO_DEFAULTS))``, made without the namedtuple's Python ``__new__``
+_INFO_DEFAULTS = tuple(NodeInfo._field_defaults.values())[1:]
+_tuple_new = tuple.__new__
 #: this thread's patches whose model's forward is running, innermost last
 _running = custom_functions.running
 
@@ -203,24 +207,18 @@ def _substitute(value: Any, replace: dict[int, torch.Tensor]) -> Any:
     return value
 
 
-class UnpatchedCall:
-    """The torch call an op entry serves, as the generated Function receives it: ``call()``
-    computes it unpatched; ``call.substituted({id(t): u})`` with tensors swapped."""
+class UnpatchedCall(functools.partial):
+    """The torch call an op entry serves, as the generated Function receives it:
+    ``UnpatchedCall(func, *args, **kwargs)``; ``call()`` computes it unpatched (a
+    ``functools.partial``: made and called without a Python call of its own, once per
+    recorded op); ``call.substituted({id(t): u})`` with tensors swapped."""
 
-    __slots__ = ("func", "args", "kwargs")
-
-    def __init__(self, func: Any, args: tuple, kwargs: dict):
-        self.func = func
-        self.args = args
-        self.kwargs = kwargs
-
-    def __call__(self) -> Any:
-        return self.func(*self.args, **self.kwargs)
+    __slots__ = ()
 
     def substituted(self, replace: dict[int, torch.Tensor]) -> Any:
         return self.func(
             *(_substitute(a, replace) for a in self.args),
-            **{k: _substitute(v, replace) for k, v in self.kwargs.items()},
+            **{k: _substitute(v, replace) for k, v in self.keywords.items()},
         )
 
 
@@ -235,9 +233,14 @@ class _SemiringMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not kwargs:  # most calls: no keywords to look at
-            if not torch.is_grad_enabled() or not _requires_grad(args):
-                return func(*args)
-            return self._record(func, types, args, {})
+            if torch.is_grad_enabled():
+                for x in args:  # _requires_grad(args), its top level inline
+                    if isinstance(x, torch.Tensor):
+                        if x.requires_grad:
+                            return self._record(func, types, args, {})
+                    elif isinstance(x, (tuple, list, dict)) and _requires_grad(x):
+                        return self._record(func, types, args, {})
+            return func(*args)
         if not torch.is_grad_enabled() or not (_requires_grad(args) or _requires_grad(kwargs)):
             return func(*args, **kwargs)
         if "out" in kwargs and kwargs["out"] is None:  # the default, spelled out
@@ -250,20 +253,21 @@ class _SemiringMode(TorchFunctionMode):
         """The call under its entry's generated Function (torch's graph under sa.Real()),
         an in-place one written back; refused where no entry takes it."""
         handle = self.handle
-        if not handle.torch_graph and complex_pairs.binds(func):
+        try:  # op_table.candidates and complex_pairs.binds, inline
+            candidates = handle.op_table.by_function.get(func, ())
+            pairs = func in complex_pairs.FUNCTIONS and not handle.torch_graph
+        except TypeError:  # an unhashable callable is registered nowhere
+            candidates, pairs = (), False
+        if pairs:
             out = handle.complex_pairs.call(func, args, kwargs, self._einsum)
             if out is not complex_pairs.NOT_BOUND:
                 return out
-        try:  # op_table.candidates, inline
-            candidates = handle.op_table.by_function.get(func, ())
-        except TypeError:  # an unhashable callable is registered nowhere
-            candidates = ()
         for op in candidates:  # _entry's search, inline: it runs on every recorded call
             bound = op.bind(args, kwargs)
             if bound is not None and (op.accepts is None or op.accepts(**bound)):
                 if handle.torch_graph:
                     return handle.record_torch_graph(func, args, kwargs, op, bound)
-                call = UnpatchedCall(func, args, kwargs)
+                call = UnpatchedCall(func, *args, **kwargs)
                 return self._run(func, args, kwargs, op, bound, call)
         if inplace.is_inplace(func, kwargs):
             return self._write(func, types, args, kwargs)
@@ -315,7 +319,10 @@ class _SemiringMode(TorchFunctionMode):
         if node is not None:
             stack = handle._stack  # handle.current_module, without the property's call
             module = stack[-1][0] if stack else type(handle.model).__name__
-            set_node_info(node, NodeInfo(op.name, module, handle.semiring, recorded))
+            # set_node_info(node, NodeInfo(op.name, module, handle.semiring, recorded)), without
+            # the Python calls of either (the namedtuple's __new__ is one)
+            info = (op.name, module, handle.semiring, recorded, *_INFO_DEFAULTS)
+            node.metadata[NODE_INFO_KEY] = _tuple_new(NodeInfo, info)
         return out
 
     def _einsum(
@@ -326,7 +333,7 @@ class _SemiringMode(TorchFunctionMode):
         engine/complex_pairs.py)."""
         args = (complex_pairs.EQUATION, matrices, pairs)
         op, bound, _ = _entry(self.handle.op_table.candidates(torch.einsum), args, {})
-        call = UnpatchedCall(forward, (rest[0], pairs, *rest[1:]), {})
+        call = UnpatchedCall(forward, rest[0], pairs, *rest[1:])
         return self._run(torch.einsum, args, {}, op, bound, call)
 
     def _write(self, func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -459,14 +466,15 @@ class PatchHandle:
         #: (module, its own ``forward`` instance attribute before the patch, or _ABSENT)
         self._wrapped: list[tuple[nn.Module, Any]] = []
 
-    def _install(self) -> None:
+    def _install(self, named: list[tuple[str, nn.Module]]) -> None:
         """Claim the model and wrap every module's ``forward`` (an instance attribute): the
-        wrappers name the running module and, on the model, hold the semiring mode. Each
+        wrappers name the running module and, on the model, hold the semiring mode.
+        ``named``: the model's ``named_modules()`` (each module once, first name). Each
         module is recorded before its wrapper is set, so :meth:`_uninstall` undoes any
         prefix of this."""
-        self._claim()
+        self._claim({module for _, module in named})
         model = self.model
-        for name, module in model.named_modules():  # each module once, first name
+        for name, module in named:
             before = module.__dict__.get("forward", _ABSENT)
             forward = module.forward
             if module is model:
@@ -477,30 +485,30 @@ class PatchHandle:
             self._wrapped.append((module, before))
             module.__dict__["forward"] = wrapper
 
-    def _claim(self) -> None:
+    def _claim(self, mine: set[nn.Module]) -> None:
         """Record the model as patched by this handle; refuse a model that shares a module
         with a patched one. Under :data:`_PATCHED_LOCK` the overlap is checked and then the
         claim published, so of two threads claiming overlapping models one is refused, and
         a refused patch publishes nothing. The claim is one assignment, which
-        :meth:`_release` undoes whenever it took place."""
+        :meth:`_release` undoes whenever it took place. ``mine``: the model's modules."""
         with _PATCHED_LOCK:
-            if self._overlaps():
+            if self._overlaps(mine):
                 raise PatchError(
                     f"{type(self.model).__name__} is already patched (or shares modules with "
                     "a patched model); remove the existing patch first (handle.remove())"
                 )
             _PATCHED[self.model] = self
 
-    def _overlaps(self) -> bool:
-        """Whether another patch holds a module of this model or one of its models holds
-        this model (called under :data:`_PATCHED_LOCK`)."""
+    def _overlaps(self, mine: set[nn.Module]) -> bool:
+        """Whether another patch holds a module of this model (``mine``: its modules) or one
+        of its models holds this model (called under :data:`_PATCHED_LOCK`)."""
         while True:
             try:
                 others = [m for m, handle in list(_PATCHED.items()) if handle is not self]
                 break
             except RuntimeError:  # changed by a finalizer of this thread while copied
                 continue
-        model, mine = self.model, set(self.model.modules())
+        model = self.model
         return any(m in mine or model in set(m.modules()) for m in others)
 
     def _release(self) -> None:
@@ -629,23 +637,31 @@ class PatchHandle:
     ) -> Any:
         """Run the call as it is, with grad on (``sa.Real()``): torch records its own nodes,
         and the output's is named. No recorded call: top paths need (Signed)MaxProduct."""
-        inputs = _tensors(bound.values())
         # the nodes the op's edges lead to (only its differentiable inputs have edges), read
         # before the call: a view's node is (re)built on first read
-        edges = _tensors(bound[p] for p in op.differentiable)
-        input_nodes = tuple(n for n in [t.grad_fn for t in edges] if n is not None)
+        input_nodes = []
+        for t in _tensors([bound[p] for p in op.differentiable]):
+            node = t.grad_fn
+            if node is not None:
+                input_nodes.append(node)
         first = _next_sequence_nr()
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.requires_grad and any(out is t for t in inputs):
-            out = out.view_as(out)  # handed back its input: its own node, as Functions make
-        node = _output_node(out)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no flatten
+            if out.requires_grad:
+                for t in _tensors(bound.values()):
+                    if out is t:  # handed back its input: its own node, as Functions make
+                        out = out.view_as(out)
+                        break
+            node = out.grad_fn
+        else:
+            node = _output_node(out)
         if node is None or node._sequence_nr() < first:
             return out  # nothing recorded (a tensor handed back inside a tuple)
+        stack = self._stack  # self.current_module, without the property's call
+        module = stack[-1][0] if stack else type(self.model).__name__
         sequence_nrs = range(first, _next_sequence_nr())
-        info = NodeInfo(
-            op.name, self.current_module, self.semiring, None, sequence_nrs, input_nodes
-        )
-        set_node_info(node, info)
+        info = NodeInfo(op.name, module, self.semiring, None, sequence_nrs, tuple(input_nodes))
+        node.metadata[NODE_INFO_KEY] = info  # set_node_info(node, info), inline
         return out
 
     @property
@@ -762,7 +778,8 @@ def patch(
         raise PatchError(
             f"sa.patch expects a semiring instance (e.g. sa.MaxProduct()), got {semiring!r}"
         )
-    compiled = [(name, m) for name, m in model.named_modules() if _is_compiled(m)]
+    named = list(model.named_modules())  # walked once: the checks and the install read it
+    compiled = [(name, m) for name, m in named if _is_compiled(m)]
     if compiled:
         name, module = compiled[0]
         where = "the model" if name == "" else f"submodule '{name}'"
@@ -783,7 +800,7 @@ def patch(
     handle = PatchHandle(model, semiring, op_table or default_op_table(), paths)
     try:  # the undo runs twice: an interrupt inside the first leaves the second
         try:
-            handle._install()
+            handle._install(named)
         except BaseException:
             handle._uninstall()
             raise

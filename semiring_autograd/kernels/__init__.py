@@ -55,10 +55,14 @@ _FLOATS = (torch.float32, torch.float64)
 CPU = torch.device("cpu")
 
 
+#: the innermost active functorch transform's level (None: none)
+_functorch_level = torch._C._functorch.maybe_current_level
+
+
 def _transformed() -> bool:
     """Whether a functorch transform (``torch.vmap``) is active: the fused kernels, custom
     ops without a batching rule, do not run under it."""
-    return torch._C._functorch.maybe_current_level() is not None
+    return _functorch_level() is not None
 
 
 def enabled() -> bool:
@@ -80,20 +84,33 @@ def _cpu_ready(name: str, *tensors: Tensor) -> bool:
     """Whether CPU kernel ``name`` takes these operands: float32/float64 of one dtype on
     the CPU, with the kernels enabled, built and (in ``check`` mode) checked."""
     dtype = tensors[0].dtype
-    if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors) or dtype not in _FLOATS:
+    if dtype not in _FLOATS:
         return False
+    for t in tensors:  # a loop, not a generator: this runs on every kernel call
+        if t.dtype != dtype or t.device.type != "cpu":
+            return False
     return _cpu_kernel(name, dtype)
 
 
 def _cpu_kernel(name: str, dtype: torch.dtype) -> bool:
     """Whether CPU kernel ``name`` may compute for ``dtype``: enabled, built and ready."""
     how = mode()
-    return how != "off" and not _transformed() and built() and _ready(how, name, CPU, dtype)
+    if how == "off" or _functorch_level() is not None or not built():
+        return False
+    if how == "trust":  # _ready, inline
+        return not checks.failed((name, CPU, dtype))
+    return checks.verified(name, CPU, dtype, lambda *args: op(name)(*args))
 
 
 def _nonempty_ready(name: str, *tensors: Tensor) -> bool:
     """``_cpu_ready``, and no operand empty (the matmul and elementwise kernels)."""
-    return all(t.numel() for t in tensors) and _cpu_ready(name, *tensors)
+    dtype = tensors[0].dtype
+    if dtype not in _FLOATS:
+        return False
+    for t in tensors:
+        if not t.numel() or t.dtype != dtype or t.device.type != "cpu":
+            return False
+    return _cpu_kernel(name, dtype)
 
 
 def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> Tensor | None:

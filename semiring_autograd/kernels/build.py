@@ -79,23 +79,29 @@ OPENMP_FLAGS = ["-fopenmp"]
 
 def mode() -> str:
     """``off``, ``check`` or ``trust``: ``SEMIRING_AUTOGRAD_KERNELS`` (default ``check``;
-    ``eager`` is ``off``). An unknown value raises ValueError."""
-    raw = os.environ.get(ENV, "")
+    ``eager`` is ``off``), read on every call. An unknown value raises ValueError."""
+    raw = _ENVIRON.get(_KEY) if _ENVIRON is not None else os.environ.get(ENV)
     value = _PARSED.get(raw)
     if value is None:
-        value = raw.strip().lower() or "check"
+        text = os.environ.get(ENV, "")
+        value = text.strip().lower() or "check"
         value = ALIASES.get(value, value)
         if value not in MODES:
             raise ValueError(
-                f"{ENV}={raw!r} is not a kernel mode: use off (no fused kernels; eager is the "
+                f"{ENV}={text!r} is not a kernel mode: use off (no fused kernels; eager is the "
                 f"same), check (each kernel checked on first use; the default) or trust"
             )
         _PARSED[raw] = value
     return value
 
 
-#: the environment's value -> its mode
-_PARSED: dict[str, str] = {}
+#: the environment's value (as ``_ENVIRON`` holds it; None: unset) -> its mode
+_PARSED: dict = {}
+#: ``os.environ``'s own mapping (CPython's ``_data``, which every write to ``os.environ``
+#: updates) and the variable's key in it: a kernel call reads the mode with one dict lookup,
+#: without the three Python calls of ``os.environ.get``
+_ENVIRON: dict | None = getattr(os.environ, "_data", None)
+_KEY = os.environ.encodekey(ENV) if _ENVIRON is not None else None
 
 
 def enabled() -> bool:

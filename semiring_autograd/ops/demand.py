@@ -22,7 +22,7 @@ from torch import Tensor
 
 _LOCK = threading.Lock()
 #: graph task id -> ids of the leaf tensors its sa.grad call asked for
-_REQUESTED: dict[int, set[int]] = {}
+REQUESTED: dict[int, set[int]] = {}
 
 
 def _root_nodes(outputs: Sequence[Tensor]) -> list:
@@ -39,7 +39,7 @@ def requesting(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> Iterator[
     def register(grad_outputs):
         task = torch._C._current_graph_task_id()
         with _LOCK:
-            _REQUESTED.setdefault(task, set()).update(leaves)
+            REQUESTED.setdefault(task, set()).update(leaves)
             tasks.append(task)
 
     handles = [node.register_prehook(register) for node in _root_nodes(outputs)]
@@ -50,43 +50,36 @@ def requesting(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> Iterator[
             h.remove()
         with _LOCK:
             for task in tasks:
-                _REQUESTED.pop(task, None)
+                REQUESTED.pop(task, None)
 
 
 #: the node type of a leaf's gradient accumulator
-_LEAF = torch._C._functions.AccumulateGrad
-
-
-def _will_use(node, requested: set[int] | None) -> bool:
-    if node is None:
-        return False
-    if type(node) is _LEAF:
-        return requested is None or id(node.variable) in requested
-    return torch._C._will_engine_execute_node(node)
+LEAF = torch._C._functions.AccumulateGrad
+_graph_task_id = torch._C._current_graph_task_id
+_will_execute = torch._C._will_engine_execute_node
 
 
 def input_demand(ctx, tensor_args: Sequence[bool]) -> tuple[bool, ...]:
     """Per argument of the Function's ``apply``: does the running backward use its gradient?
 
     ``tensor_args[i]`` says whether argument i was a tensor (only tensors have an edge in
-    ``ctx.next_functions``)."""
-    requested = _REQUESTED.get(torch._C._current_graph_task_id()) if _REQUESTED else None
+    ``ctx.next_functions``). An edge to a leaf counts when the running ``sa.grad`` asked for
+    that leaf (or none registered its leaves), an edge to another node when the engine will
+    run that node. (``SemiringFunction.backward`` asks the same of its one input inline.)"""
+    requested = REQUESTED.get(_graph_task_id()) if REQUESTED else None
     edges = ctx.next_functions
     out = []
     edge = 0
     for is_tensor, needed in zip(tensor_args, ctx.needs_input_grad):
-        if is_tensor:
-            out.append(needed and _will_use(edges[edge][0], requested))
-            edge += 1
-        else:
+        if not is_tensor:
             out.append(False)
+            continue
+        node = edges[edge][0]
+        edge += 1
+        if not needed or node is None:
+            out.append(False)
+        elif type(node) is LEAF:
+            out.append(requested is None or id(node.variable) in requested)
+        else:
+            out.append(_will_execute(node))
     return tuple(out)
-
-
-def input_used(ctx, tensor_args: Sequence[bool], position: int) -> bool:
-    """Whether the running backward uses the gradient of ``apply``'s argument ``position``
-    (one entry of :func:`input_demand`)."""
-    if not ctx.needs_input_grad[position]:
-        return False
-    requested = _REQUESTED.get(torch._C._current_graph_task_id()) if _REQUESTED else None
-    return _will_use(ctx.next_functions[sum(tensor_args[:position])][0], requested)

@@ -30,8 +30,8 @@ from ..semirings.base import Semiring
 from ..errors import SemiringAutogradError
 from . import transforms
 from .attention_helpers import blocked_rule
-from .demand import input_demand, input_used
-from .message import unwrap, unwrap_plain, wrap_meta, wrap_one
+from .demand import LEAF, REQUESTED, input_demand
+from .message import Message, unwrap, unwrap_plain, wrap_meta, wrap_one
 
 #: plan sources that are not parameters: the op's output and a forward helper's extra output
 OUTPUT, AUX = -1, -2
@@ -40,6 +40,8 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 #: ``map(isinstance, values, _TENSOR)``: which of ``values`` are tensors, without a call per
 #: value in Python
 _TENSOR = itertools.repeat(Tensor)
+_graph_task_id = torch._C._current_graph_task_id
+_will_execute = torch._C._will_engine_execute_node
 
 
 @dataclass(frozen=True)
@@ -94,24 +96,6 @@ class Plan:
         """The index in ``saved`` of the tensor list, if it is saved."""
         sources = [source for source, _ in self.saved]
         return sources.index(self.list_at) if self.list_at in sources else None
-
-
-def _fresh(out: Any, inputs: tuple) -> Any:
-    """A custom Function may not hand back one of its inputs unchanged: return a view. A
-    view of a tensor the call made inside (``F.linear`` of a batch is a view of its 2-D
-    product) is returned detached from that tensor: torch refuses in-place writes into a
-    custom Function's view outputs, and torch's own output of the call takes them
-    (``nn.ReLU(inplace=True)`` after a linear layer). A view of an input stays a view."""
-    for t in inputs:
-        if out is t:
-            return out.view_as(out)
-    base = getattr(out, "_base", None)
-    if base is not None:
-        for t in inputs:
-            if isinstance(t, Tensor) and (base is t or base is t._base):
-                return out
-        return out.detach()
-    return out
 
 
 def _values(plan: Plan, args: tuple) -> tuple:
@@ -192,7 +176,22 @@ class SemiringFunction(torch.autograd.Function):
             return plan.forward(*(args if plan.list_at is None else _values(plan, args)))
         if plan.multi_output:
             return tuple(call())
-        return _fresh(call(), args)
+        out = call()
+        # a custom Function may not hand back one of its inputs unchanged: a view instead. A
+        # view of a tensor the call made inside (``F.linear`` of a batch is a view of its 2-D
+        # product) is detached from that tensor: torch refuses in-place writes into a custom
+        # Function's view outputs, and torch's own output of the call takes them
+        # (``nn.ReLU(inplace=True)`` after a linear layer). A view of an input stays a view.
+        for t in args:
+            if out is t:
+                return out.view_as(out)
+        base = getattr(out, "_base", None)
+        if base is not None:
+            for t in args:
+                if isinstance(t, Tensor) and (base is t or base is t._base):
+                    return out
+            return out.detach()
+        return out
 
     @classmethod
     def setup(cls, ctx: Any, args: tuple, outputs: Any) -> None:
@@ -229,7 +228,7 @@ class SemiringFunction(torch.autograd.Function):
                     tensors.append(value if live else None)
                 else:
                     tensors += value if live else [None] * len(value)
-            ctx.save_for_backward(*tensors)
+            ctx.to_save = tuple(tensors)  # ctx.save_for_backward(*tensors), without its call
         kept = []
         for kind, source, attr in plan.kept:
             value = output if source == OUTPUT else values[source]
@@ -313,16 +312,31 @@ class SemiringFunction(torch.autograd.Function):
             if all(g is None for g in incoming):
                 return none
         else:
-            incoming = cls.unwrap(S, grads[0], plan.name)
-            if incoming is None:
-                return none
+            grad = grads[0]
+            if type(grad) is Message and grad.semiring is S and not S.settles:
+                incoming = grad.value  # unwrap's common case, inline
+            else:
+                incoming = cls.unwrap(S, grad, plan.name)
+                if incoming is None:
+                    return none
             if cls.one_component:
                 incoming = incoming[0]
         lead = cls.lead
         list_at = plan.list_at
         single = plan.single
         if single is not None:  # one input with a formula, not a tensor list
-            if not input_used(ctx, tensor_args, lead + single):
+            position = lead + single
+            if not ctx.needs_input_grad[position]:
+                return none
+            node = ctx.next_functions[tensor_args[:position].count(True)][0]
+            if node is None:
+                return none
+            if type(node) is LEAF:
+                if REQUESTED:
+                    requested = REQUESTED.get(_graph_task_id())
+                    if requested is not None and id(node.variable) not in requested:
+                        return none
+            elif not _will_execute(node):
                 return none
         else:
             needs = input_demand(ctx, tensor_args)
@@ -393,7 +407,11 @@ class SemiringFunction(torch.autograd.Function):
                 "takes_ref": "_ref" in inspect.signature(vjp).parameters,
                 "__module__": cls.__module__,
             }
-            table[name] = type(_class_name(name), (cls,), body).call
+            function = type(_class_name(name), (cls,), body)
+            # the engine runs a node as ``ctx.apply(*grads)``: torch's ``apply`` picks
+            # between ``backward`` and ``vjp`` on every call; this goes to ``backward``
+            function._backward_cls.apply = SemiringFunction.backward
+            table[name] = function.call
         return table
 
     @staticmethod
@@ -459,7 +477,9 @@ def _each(rule: Callable) -> Callable:
 
     @functools.wraps(rule)
     def vjp(S: Semiring, grad: tuple, *args: Any) -> Any:
-        per_component = [rule(c, *args) for c in grad]
+        per_component = []  # a loop, not a comprehension: this runs for every structural node
+        for c in grad:
+            per_component.append(rule(c, *args))
         if isinstance(per_component[0], tuple):  # several inputs' messages
             return tuple(_gather(parts) for parts in zip(*per_component))
         return _gather(per_component)

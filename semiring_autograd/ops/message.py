@@ -114,7 +114,20 @@ def wrap_meta(semiring: Semiring, value: Value | None, meta) -> Message | None:
     if value is None:
         return None
     shape, dtype, device = meta
-    return _message(semiring, _in_precision(value, dtype), shape, dtype, device)
+    # _message(semiring, _in_precision(value, dtype), ...), inline: this runs for every
+    # message of a semiring of several components
+    target = dtype if dtype in _OWN_PRECISION else message_dtype(dtype)
+    if type(shape) is not torch.Size:
+        shape = torch.Size(shape)
+    fitted = []
+    for c in value:
+        if c.dtype != target and c.is_floating_point():
+            c = c.to(target)
+        fitted.append(c if c.shape == shape else c.expand(shape))
+    r = _make_wrapper_subclass(Message, shape, dtype=dtype, device=device)
+    r.semiring = semiring
+    r.value = tuple(fitted)
+    return r
 
 
 def unwrap(semiring: Semiring, grad: Tensor | None, op: str) -> Value | None:
@@ -146,7 +159,13 @@ def wrap_one(semiring: Semiring, component: Tensor | None, meta) -> Message | No
         target = message_dtype(dtype)
         if component.dtype != target and component.is_floating_point():
             component = component.to(target)
-    return _message(semiring, (component,), shape, dtype, device)
+    # _message's body, inline: this runs for every message of a one-component semiring
+    if type(shape) is not torch.Size:
+        shape = torch.Size(shape)
+    r = _make_wrapper_subclass(Message, shape, dtype=dtype, device=device)
+    r.semiring = semiring
+    r.value = (component if component.shape == shape else component.expand(shape),)
+    return r
 
 
 # ----- structural aten ops on messages -------------------------------------------------

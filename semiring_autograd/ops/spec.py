@@ -62,7 +62,7 @@ class OpSpec:
         if layout is _NO_FIT:
             return None
         bound: dict[str, Any] = {}
-        for name, source, at, types, check in layout:
+        for name, source, at, types, plain, check in layout:
             if source == _POSITIONAL:
                 value = args[at]
             elif source == _KEYWORD:
@@ -76,7 +76,7 @@ class OpSpec:
             if types is not None:
                 if not isinstance(value, types):
                     return None
-            elif check is not None and not check(value):
+            elif check is not None and type(value) not in plain and not check(value):
                 return None
             bound[name] = value
         return bound
@@ -89,7 +89,8 @@ class OpSpec:
     def _layout(self, positional: int, keywords: tuple[str, ...]) -> Any:
         """Where each parameter's value comes from in a call with ``positional`` arguments
         and ``keywords``: (name, source, position or keyword or default, the classes its
-        value must be an instance of or None, else its type check or None) per parameter;
+        value must be an instance of or None, the classes of values that pass without a
+        call, its type check or None) per parameter;
         :data:`_NO_FIT` when no call of that shape fits the signature (a default that fails
         its own type counts so). An ``int...`` or ``Tensor...`` parameter not passed by
         keyword takes the remaining positional arguments (or the one sequence among them)."""
@@ -100,25 +101,26 @@ class OpSpec:
         for p in params:
             types = _INSTANCE_OF.get(p.type)
             check = None if types is not None or p.type == "Any" else _checker(p.type)
+            checks = (types, _PLAIN.get(p.type, ()), check)
             if p.type in ("int...", "Tensor..."):
                 if p.name in names:
-                    layout.append((p.name, _KEYWORD, p.name, types, check))
+                    layout.append((p.name, _KEYWORD, p.name, *checks))
                 else:
-                    layout.append((p.name, _REST, taken, types, check))
+                    layout.append((p.name, _REST, taken, *checks))
                     taken = positional
             elif taken < positional and not p.kwonly:
                 if p.name in names:
                     return _NO_FIT
-                layout.append((p.name, _POSITIONAL, taken, types, check))
+                layout.append((p.name, _POSITIONAL, taken, *checks))
                 taken += 1
             elif p.name in names:
-                layout.append((p.name, _KEYWORD, p.name, types, check))
+                layout.append((p.name, _KEYWORD, p.name, *checks))
             elif p.name == params[0].name and "input" in names and p.name != "input":
-                layout.append((p.name, _KEYWORD, "input", types, check))
+                layout.append((p.name, _KEYWORD, "input", *checks))
             elif p.has_default:
                 if not _checker(p.type)(p.default):
                     return _NO_FIT
-                layout.append((p.name, _DEFAULT, p.default, None, None))
+                layout.append((p.name, _DEFAULT, p.default, None, (), None))
             else:
                 return _NO_FIT
         if taken < positional or names - {p.name for p in params} - {"input"}:
@@ -134,11 +136,21 @@ def _is_int(x: object) -> bool:
 
 
 def _is_tensor_list(v: object) -> bool:
-    return isinstance(v, (list, tuple)) and all(isinstance(x, Tensor) for x in v)
+    if not isinstance(v, (list, tuple)):
+        return False
+    for x in v:  # loops, not generators: these run on every call binding a list
+        if not isinstance(x, Tensor):
+            return False
+    return True
 
 
 def _is_int_list(v: object) -> bool:
-    return _is_int(v) or (isinstance(v, (list, tuple, torch.Size)) and all(_is_int(x) for x in v))
+    if not isinstance(v, (list, tuple, torch.Size)):
+        return _is_int(v)
+    for x in v:
+        if type(x) is not int and not _is_int(x):
+            return False
+    return True
 
 
 _CHECKS: dict[str, Callable[[object], bool]] = {
@@ -170,6 +182,18 @@ _INSTANCE_OF: dict[str, tuple[type, ...]] = {
     "ScalarType?": (torch.dtype, type(None)),
     "MemoryFormat": (torch.memory_format,),
     "MemoryFormat?": (torch.memory_format, type(None)),
+}
+
+
+#: per parameter type, the exact classes of values that pass its check, which ``bind``
+#: takes without calling it (``isinstance(v, Number)`` is an ABC's test: two Python calls)
+_PLAIN: dict[str, tuple[type, ...]] = {
+    "Scalar": (int, float, bool),
+    "Scalar?": (int, float, bool, type(None)),
+    "float": (float, int),
+    "float?": (float, int, type(None)),
+    "int": (int,),
+    "int?": (int, type(None)),
 }
 
 

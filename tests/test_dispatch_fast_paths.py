@@ -1,0 +1,128 @@
+"""The per-call shortcuts of the dispatch path keep their meaning: binding a call's values to
+a signature's types, the kernel mode read from the environment on every call, and the
+NodeInfo each recorded node carries."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import semiring_autograd as sa
+from semiring_autograd.engine.graph import NodeInfo
+from semiring_autograd.kernels import build
+from semiring_autograd.ops.spec import OpSpec, ParamSpec
+
+ENV = "SEMIRING_AUTOGRAD_KERNELS"
+
+
+def _spec(type_: str) -> OpSpec:
+    return OpSpec(
+        "probe", f"probe({type_} v)", (ParamSpec("v", type_, False, None, False),), (), "op", ""
+    )
+
+
+#: (parameter type, value, whether a call passing it binds), stated from the YAML types
+BINDINGS = [
+    ("Scalar", 2, True),
+    ("Scalar", 2.5, True),
+    ("Scalar", True, True),
+    ("Scalar", np.float64(0.5), True),
+    ("Scalar", np.int64(3), True),
+    ("Scalar", torch.tensor(1.0), False),
+    ("Scalar", "2", False),
+    ("Scalar", None, False),
+    ("Scalar?", None, True),
+    ("Scalar?", 1.0, True),
+    ("float", 0.5, True),
+    ("float", 3, True),
+    ("float", np.float32(0.5), True),
+    ("float", True, False),
+    ("float", torch.tensor(0.5), False),
+    ("float?", None, True),
+    ("int", 3, True),
+    ("int", True, False),
+    ("int", 3.0, False),
+    ("int", np.int64(3), False),
+    ("int?", None, True),
+    ("int?", False, False),
+    ("int[]", [1, 2], True),
+    ("int[]", (1,), True),
+    ("int[]", torch.Size([2, 3]), True),
+    ("int[]", 4, True),
+    ("int[]", [1, True], False),
+    ("int[]", [1, 2.0], False),
+    ("int[]", "12", False),
+    ("Tensor[]", [torch.zeros(1), torch.ones(2)], True),
+    ("Tensor[]", (torch.zeros(1),), True),
+    ("Tensor[]", [torch.zeros(1), 1.0], False),
+    ("Tensor[]", torch.zeros(2), False),
+]
+
+
+@pytest.mark.parametrize("type_,value,binds", BINDINGS)
+def test_bind_checks_each_value_against_its_type(type_, value, binds):
+    for _ in range(2):  # the first call works out the call shape's layout, the second reuses it
+        bound = _spec(type_).bind((value,), {})
+        assert (bound is not None) == binds
+        if binds:
+            assert bound["v"] is value
+
+
+def test_bind_by_keyword_checks_the_same_way():
+    spec = _spec("int")
+    assert spec.bind((), {"v": 3}) == {"v": 3}
+    assert spec.bind((), {"v": True}) is None
+
+
+@pytest.fixture
+def restore_env():
+    before = os.environ.get(ENV)
+    yield
+    if before is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = before
+
+
+@pytest.mark.usefixtures("restore_env")
+def test_mode_follows_every_write_to_the_environment():
+    os.environ.pop(ENV, None)
+    assert build.mode() == "check"
+    os.environ[ENV] = "trust"
+    assert build.mode() == "trust"
+    os.environ[ENV] = "eager"
+    assert build.mode() == "off"
+    os.environ[ENV] = " Check "
+    assert build.mode() == "check"
+    os.environ.update({ENV: "off"})
+    assert build.mode() == "off"
+    del os.environ[ENV]
+    assert build.mode() == "check"
+    os.environ[ENV] = "sometimes"
+    with pytest.raises(ValueError, match="'sometimes' is not a kernel mode"):
+        build.mode()
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2.0).exp()
+
+
+@pytest.mark.parametrize("semiring", [sa.MaxProduct(), sa.Entropy(), sa.Real()], ids=repr)
+def test_each_node_names_its_op_module_and_semiring(semiring):
+    model = torch.nn.Sequential(_Scaled())
+    x = torch.rand(3, requires_grad=True)
+    with sa.patch(model, semiring):
+        y = model(x)
+    info = sa.node_info(y.grad_fn)
+    assert type(info) is NodeInfo
+    assert (info.op, info.module, info.semiring) == ("exp", "0", semiring)
+    assert info.recorded is None
+    if semiring == sa.Real():  # torch's own nodes: the call's range of sequence numbers
+        assert info.sequence_nrs is not None and len(info.sequence_nrs) == 1
+        assert info.input_nodes == (y.grad_fn.next_functions[0][0],)
+    else:
+        assert (info.sequence_nrs, info.input_nodes) == (None, ())
