@@ -40,8 +40,6 @@ with one warning saying why.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import threading
 import warnings
 from collections import OrderedDict
@@ -51,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ...ops.message import Message
-from .program import Constant, GuardFailure, Program, Recorder
+from .program import Constant, GuardFailure, Program, Recorder, gc_paused
 from .signature import ProgramKey, Uncapturable, context, signature
 
 #: captured programs kept per signature (data-dependent branches taken differently)
@@ -195,21 +193,6 @@ class Captured:
             self.programs.append(program)
         _COUNTS["captures"] += 1
         return results
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cyclic garbage collector off for the block (where it was on): a capture
-    allocates tens of thousands of records, each allocation counting towards a collection
-    that walks every object the process holds (the model's included), and frees nearly all
-    of them by reference counting. Objects in cycles wait for the next collection."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
 
 
 def programs_for(key: ProgramKey) -> Captured | None:

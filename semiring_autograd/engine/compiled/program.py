@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...kernels.workspace import is_scratch
 from ...ops.message import Message
+from .rewrite import rewrite
 from .signature import AUTOCAST_DEVICES, Uncapturable
-
-_aten = torch.ops.aten
+from .steps import Constant, _aten, _Ref, _Step, _traits, _written, layout
 
 #: operators whose result shape depends on the data: replay checks the shape
 _DATA_SHAPED = {
@@ -52,31 +52,6 @@ class GuardFailure(Exception):
     """A replay read data that differs from what the capture read."""
 
 
-@dataclass(frozen=True)
-class _Ref:
-    """A value of the program: ``v<index>``."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class Constant:
-    """A tensor the program reads that neither a slot nor a step gives: ``k<index>``."""
-
-    index: int
-
-
-@dataclass
-class _Step:
-    func: Callable
-    args: tuple  # with tensors as _Ref or Constant
-    kwargs: dict
-    outputs: list  # flat: _Ref for a tensor, ("guard", number) for a number, None
-    sequence: bool  # the operator returns a tuple or list
-    shapes: list | None = None  # data-shaped outputs: the recorded shapes
-    view: tuple | None = None  # a view operator's result: (size, stride, storage offset)
-
-
 def _view_key(t: Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -84,6 +59,12 @@ def _view_key(t: Tensor) -> tuple:
 class Recorder(TorchDispatchMode):
     """Runs every operator and records it on plain tensors; an operator on messages runs its
     handler with this mode active, so the component operators it runs are recorded."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """``__torch_dispatch__`` as written, without torch's wrapper that keeps Dynamo out
+        of it (a capture runs no ``torch.compile``; the wrapper costs a call per operator)."""
+        return False
 
     def __init__(self, slots: list[Tensor], parameters: frozenset[int] = frozenset()) -> None:
         super().__init__()
@@ -140,12 +121,14 @@ class Recorder(TorchDispatchMode):
                 f"{func} draws random numbers (dropout in a model in train mode?), which a "
                 "replay would draw anew"
             )
-        template = self._template(args), (self._template(kwargs) if kwargs else {})
+        reads: list[int] = []
+        template = self._template(args, reads), (self._template(kwargs, reads) if kwargs else {})
         if traits.written:
             self._note_writes(func, *template)
         source = template[0][0] if template[0] else None
         if traits.inplace_view and getattr(source, "index", None) in self.aliased:
             raise Uncapturable(f"{func} changes the shape of a tensor in place")
+        layouts = _layouts(func, args)
         result = func(*args, **kwargs)
         if traits.view and self._identity_view(args, source, result):
             return result
@@ -171,7 +154,7 @@ class Recorder(TorchDispatchMode):
                 outputs.append(None)
             else:
                 raise Uncapturable(f"{func} returns a {type(t).__name__}")
-        step = _Step(func, template[0], template[1], outputs, sequence)
+        step = _Step(func, template[0], template[1], outputs, sequence, reads, layouts=layouts)
         if _data_shaped(traits.name, args):
             step.shapes = [tuple(t.shape) if isinstance(t, Tensor) else None for t in flat]
         if traits.view and isinstance(result, Tensor):
@@ -192,13 +175,18 @@ class Recorder(TorchDispatchMode):
         self.aliased.add(source.index)
         return True
 
-    def _template(self, tree: Any) -> Any:
+    def _template(self, tree: Any, reads: list[int]) -> Any:
+        """``tree`` with its tensors as program values; the values read appended to
+        ``reads``."""
         if isinstance(tree, Tensor):
-            return self.ref(tree)
+            found = self.ref(tree)
+            if isinstance(found, _Ref):
+                reads.append(found.index)
+            return found
         if isinstance(tree, (list, tuple)):
-            return type(tree)([self._template(x) for x in tree])
+            return type(tree)([self._template(x, reads) for x in tree])
         if isinstance(tree, dict):
-            return {k: self._template(v) for k, v in tree.items()}
+            return {k: self._template(v, reads) for k, v in tree.items()}
         return tree
 
     def _note_writes(self, func, args: tuple, kwargs: dict) -> None:
@@ -232,6 +220,16 @@ def _holds_message(values: Any) -> bool:
     return False
 
 
+def _layouts(func, args: tuple) -> tuple | None:
+    """What the rewrites of ``rewrite.py`` read of an operator's tensors: a ``copy_``'s
+    destination and source, the tensor a number is read from."""
+    if func is _aten.copy_.default and len(args) > 1 and isinstance(args[1], Tensor):
+        return layout(args[0]), layout(args[1])
+    if func is _aten._local_scalar_dense.default:
+        return (layout(args[0]),)
+    return None
+
+
 def _draws(func, args: tuple, kwargs: dict) -> bool:
     """Whether an operator tagged as seeded draws random numbers in this call: all do but
     attention with ``dropout_p`` 0."""
@@ -252,136 +250,22 @@ def _data_shaped(name: str, args) -> bool:
     return False
 
 
-def _refs(tree: Any) -> list[int]:
-    """The program values ``tree`` (args, kwargs or a result layout: lists, tuples and dicts
-    of templates) reads."""
-    found: list[int] = []
-    _collect_refs(tree, found)
-    return found
+def _deferrable(step: _Step) -> bool:
+    """Whether ``step`` reads a bool from a CPU tensor of one element as a guard (a test:
+    finiteness, rows alive): such guards are checked in batches (``_hold``), before any
+    write into state the program does not own and at the end, instead of one read each."""
+    if step.func is not _aten._local_scalar_dense.default or step.layouts is None:
+        return False
+    dtype, device, shape = step.layouts[0][:3]
+    return dtype is torch.bool and device.type == "cpu" and shape == () and len(step.outputs) == 1
 
 
-def _collect_refs(tree: Any, found: list[int]) -> None:
-    if isinstance(tree, _Ref):
-        found.append(tree.index)
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            _collect_refs(x, found)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            _collect_refs(x, found)
-
-
-@dataclass(frozen=True)
-class _Traits:
-    """What the recorder asks of an operator on every call, read from its schema once."""
-
-    name: str
-    seeded: bool  # tagged nondeterministic_seeded (may draw random numbers)
-    inplace_view: bool  # changes a tensor's shape or strides in place
-    aliases: bool  # its first output aliases its first input
-    view: bool  # one of ``_views()``
-    written: tuple  # ``_written(func)``
-
-
-#: id(operator) -> (the operator, kept so that its id is not reused; its traits)
-_TRAITS: dict[int, tuple[Any, _Traits]] = {}
-
-
-def _traits(func) -> _Traits:
-    """``func``'s traits, by id: an operator's own hash is a Python call."""
-    found = _TRAITS.get(id(func))
-    if found is not None and found[0] is func:
-        return found[1]
-    returns = func._schema.returns
-    traits = _Traits(
-        func._schema.name,
-        torch.Tag.nondeterministic_seeded in func.tags,
-        torch.Tag.inplace_view in func.tags,
-        bool(returns) and returns[0].alias_info is not None,
-        func in _views(),
-        _written(func),
-    )
-    _TRAITS[id(func)] = (func, traits)
-    return traits
-
-
-@functools.cache
-def _written(func) -> tuple[tuple[int, str], ...]:
-    """The position and name of each argument ``func`` writes into."""
-    return tuple(
-        (i, a.name)
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-
-
-def _live_steps(steps: list[_Step], results: list) -> list[_Step]:
-    """The steps a replay must run: those whose values are read later or returned, that
-    write into a tensor, or that hold a guard; the others are dropped."""
-    used = set(_refs(results))
-    kept = []
-    for step in reversed(steps):
-        outputs = [o.index for o in step.outputs if isinstance(o, _Ref)]
-        guarded = step.shapes is not None or any(isinstance(o, tuple) for o in step.outputs)
-        if guarded or _written(step.func) or any(o in used for o in outputs):
-            kept.append(step)
-            used.update(_refs((step.args, step.kwargs)))
-    kept.reverse()
-    return kept
-
-
-@functools.cache
-def _views() -> frozenset:
-    """Operators whose result views their first argument's storage, same dtype."""
-    return frozenset(
-        {
-            _aten.view.default,
-            _aten._unsafe_view.default,
-            _aten.expand.default,
-            _aten.transpose.int,
-            _aten.t.default,
-            _aten.permute.default,
-            _aten.unsqueeze.default,
-            _aten.squeeze.dim,
-            _aten.squeeze.dims,
-            _aten.squeeze.default,
-            _aten.select.int,
-            _aten.slice.Tensor,
-            _aten.alias.default,
-            _aten.detach.default,
-            _aten.as_strided.default,
-        }
-    )
-
-
-def _fold_views(steps: list[_Step], results: list) -> list[_Step]:
-    """A view of a view read nowhere else becomes one ``as_strided`` of the first one's
-    base, with the recorded size, strides and storage offset: the same view of the same
-    storage in one call (the base's layout is the same in every replay: the signature fixes
-    the inputs', and the operators before it are the same)."""
-    uses: dict[int, int] = {}
-    for index in _refs(results) + [r for st in steps for r in _refs((st.args, st.kwargs))]:
-        uses[index] = uses.get(index, 0) + 1
-    producer: dict[int, _Step] = {}
-    folded = []
-    for step in steps:
-        source = step.args[0] if step.view is not None and step.args else None
-        before = producer.get(source.index) if isinstance(source, _Ref) else None
-        if before is not None and before.view is not None and uses[source.index] == 1:
-            size, stride, offset = step.view
-            step = _Step(
-                _aten.as_strided.default,
-                (before.args[0], size, stride, offset),
-                {},
-                step.outputs,
-                False,
-                view=step.view,
-            )
-        for out in step.outputs:
-            if isinstance(out, _Ref):
-                producer[out.index] = step
-        folded.append(step)
-    return folded
+def _hold(found: list[Tensor], expected: Tensor, start: int, stop: int) -> bool:
+    """Whether the deferred guards ``found[start:stop]`` (bool tensors of no dimension) hold
+    the recorded ``expected[start:stop]``."""
+    if start >= stop:
+        return True
+    return torch.equal(torch.stack(found[start:stop]), expected[start:stop])
 
 
 def _same(got: Any, recorded: Any) -> bool:
@@ -464,26 +348,82 @@ def _fast_binding(func: Callable) -> Callable:
 
 class Program:
     """A recorded backward as one Python function ``run(slots)`` of the slots (seed
-    components, then saved tensors), returning each result's components."""
+    components, then saved tensors), returning each result's components. It is built
+    (``rewrite.py``, source generation, ``compile``) on its first replay, so a signature
+    called once costs no build."""
 
     def __init__(self, recorder: Recorder, results: list, slot_count: int) -> None:
         self.results = results  # per input: None, ("plain", ref) or ("message", refs, meta)
-        steps = _live_steps(_fold_views(recorder.steps, results), results)
-        self.steps = len(steps)
-        scratch = {i for i in recorder.written if is_scratch(recorder.constants[i])}
-        codegen = _Codegen(recorder.constants, slot_count, scratch)
-        self.source, namespace = codegen.generate(steps, results)
-        code = compile(self.source, "<semiring_autograd captured backward>", "exec")
-        exec(code, namespace)  # noqa: S102 -- the code is generated above from the record
-        self.run: Callable = namespace["program"]
+        self.record: tuple | None = (
+            recorder.steps,
+            recorder.constants,
+            # the capturing thread's scratch buffers written (``is_scratch`` is per thread)
+            {i for i in recorder.written if is_scratch(recorder.constants[i])},
+            set(recorder.outside),
+            slot_count,
+            threading.get_ident(),  # the capturing thread, whose scratch buffers it recorded
+        )
+        #: the program's function, its source and its number of steps, once built
+        self.built: list | None = None
+        self.building = threading.Lock()
         self.verified = False
+
+    def build(self) -> list:
+        """``[run, source, steps]``, built on the first call."""
+        with self.building:
+            if self.built is None:
+                with gc_paused():
+                    self.built = list(self._generate(*self.record))
+                self.record = None  # the record is no longer needed
+        return self.built
+
+    def _generate(self, steps, constants, scratch, outside, slot_count, thread) -> tuple:
+        steps, results, constants = rewrite(steps, self.results, constants)
+        codegen = _Codegen(constants, slot_count, scratch, outside, thread)
+        source, namespace = codegen.generate(steps, results)
+        code = compile(source, "<semiring_autograd captured backward>", "exec")
+        exec(code, namespace)  # noqa: S102 -- the code is generated above from the record
+        return namespace["program"], source, len(steps)
+
+    @property
+    def run(self) -> Callable:
+        return self.build()[0]
+
+    @run.setter
+    def run(self, function: Callable) -> None:
+        self.build()[0] = function
+
+    @property
+    def source(self) -> str:
+        return self.build()[1]
+
+    @property
+    def steps(self) -> int:
+        return self.build()[2]
 
     def replay(self, slots: list[Tensor]) -> tuple:
         """``run(slots)``: the recorded operators as recorded, so without grad, with no
         torch function mode (a patch) seeing them and no autocast casting them again (the
         recorder saw them after autocast's casts)."""
+        run = self.built[0] if self.built is not None else self.build()[0]
         with torch.no_grad(), torch._C.DisableTorchFunction(), _without_autocast():
-            return self.run(slots)
+            return run(slots)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (where it was on): a capture
+    or a build allocates tens of thousands of records, each allocation counting towards a
+    collection that walks every object the process holds (the model's included), and
+    frees nearly all of them by reference counting. Objects in cycles wait for the next
+    collection."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _without_autocast() -> contextlib.AbstractContextManager:
@@ -506,8 +446,8 @@ class _ThreadOwn:
     The copies are the program's: they go with it (a program evicted, ``backward.clear()``)
     or with their thread, whichever goes first."""
 
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
         self.local = threading.local()
 
     def __call__(self, shared: Tensor) -> Tensor:
@@ -532,18 +472,35 @@ def _same_layout(t: Tensor) -> Tensor:
 
 
 class _Codegen:
-    def __init__(self, constants: list[Tensor], slot_count: int, scratch: set[int]) -> None:
+    def __init__(
+        self,
+        constants: list[Tensor],
+        slot_count: int,
+        scratch: set[int],
+        outside: set[int],
+        thread: int,
+    ) -> None:
         self.slot_count = slot_count
+        #: values viewing a constant's storage: a step writing into one (or into a
+        #: constant) runs after the deferred guards are checked
+        self.outside = outside
+        #: the recorded bools of the guards checked in batches (``_deferrable``)
+        self.expected: list[bool] = []
+        self.checked = 0  # how many of them the code so far checks
         # constants are globals of the program, k<index> (a global read is cheaper than an
         # index into a list); the recorder's come first, as Constant(index) names them; a
         # scratch buffer the program writes into is a local k<index> = _own(shared<index>):
         # the running thread's own (_ThreadOwn)
-        self.namespace: dict[str, Any] = {"GuardFailure": GuardFailure, "_same": _same}
+        self.namespace: dict[str, Any] = {
+            "GuardFailure": GuardFailure,
+            "_same": _same,
+            "_hold": _hold,
+        }
         self.written = sorted(scratch)
         for index in self.written:
             self.namespace[f"shared{index}"] = constants[index]
         if self.written:
-            self.namespace["_own"] = _ThreadOwn()
+            self.namespace["_own"] = _ThreadOwn(thread)
         self.constant_count = 0
         for t in constants:
             self.constant(t)
@@ -579,6 +536,30 @@ class _Codegen:
         return name
 
     def step(self, step: _Step) -> list[str]:
+        if _deferrable(step):
+            self.expected.append(step.outputs[0][1])
+            return [f"A({self.expr(step.args[0])})"]
+        lines = self.check() if self._writes_outside(step) else []
+        return lines + self.call(step)
+
+    def check(self) -> list[str]:
+        """The line checking the deferred guards not yet checked (none if none)."""
+        start, self.checked = self.checked, len(self.expected)
+        if start == self.checked:
+            return []
+        return [f"if not _hold(T, E, {start}, {self.checked}): raise GuardFailure"]
+
+    def _writes_outside(self, step: _Step) -> bool:
+        """Whether ``step`` writes into a constant or a value viewing one (state the
+        program does not own: it must not change where a deferred guard fails)."""
+        for i, name in _written(step.func):
+            value = step.args[i] if i < len(step.args) else step.kwargs.get(name)
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, Constant) or (isinstance(v, _Ref) and v.index in self.outside):
+                    return True
+        return False
+
+    def call(self, step: _Step) -> list[str]:
         parts = [self.expr(a) for a in step.args]
         parts += [f"{k}={self.expr(v)}" for k, v in step.kwargs.items()]
         call = f"{self.function(step.func)}({', '.join(parts)})"
@@ -629,13 +610,26 @@ class _Codegen:
         for index, line in self.last_use.items():
             if line < len(bodies) and index >= self.slot_count:
                 frees.setdefault(line, []).append(index)
+        last = self.check()
+        deferred = bool(self.expected)
+        indent = "        " if deferred else "    "
         lines = ["def program(S):"]
         if self.slot_count:
             lines.append("    (" + "".join(f"v{i}, " for i in range(self.slot_count)) + ") = S")
         lines += [f"    k{i} = _own(shared{i})" for i in self.written]
+        if deferred:  # an operator failing where a deferred guard fails: that guard's failure
+            self.namespace["E"] = torch.tensor(self.expected, dtype=torch.bool)
+            lines += ["    T = []", "    A = T.append", "    try:"]
         for line, body in enumerate(bodies):
-            lines.extend("    " + code for code in body)
+            lines.extend(indent + code for code in body)
             if line in frees:
-                lines.append("    del " + ", ".join(f"v{v}" for v in sorted(frees[line])))
+                lines.append(indent + "del " + ", ".join(f"v{v}" for v in sorted(frees[line])))
+        if deferred:
+            lines += [
+                "    except Exception:",
+                "        if not _hold(T, E, 0, len(T)): raise GuardFailure from None",
+                "        raise",
+            ]
+        lines += ["    " + code for code in last]
         lines.append("    return (" + "".join(r + ", " for r in returned) + ")")
         return "\n".join(lines) + "\n", self.namespace

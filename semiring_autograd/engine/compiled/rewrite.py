@@ -1,0 +1,395 @@
+"""Rewriting a recorded program before its source is generated, each rewrite giving the same
+values bit for bit with fewer operator calls:
+
+- an identity operator (``lift_fresh``) is no step: its result stands for its argument;
+- a view of a view read nowhere else becomes one ``as_strided`` of the first one's base;
+- a view taken twice (same operator, same arguments) is taken once;
+- a copy into a fresh buffer from a fresh value of the same layout, neither read elsewhere,
+  is that value; a copy into a fresh buffer read nowhere else, filling it, is a ``clone``;
+- a tensor made from numbers alone (``full``, ``scalar_tensor``), and views of it, that the
+  program only reads is made once, when the program is built: a constant;
+- steps whose values nothing reads are dropped.
+
+The layouts these rules compare are the recorded ones, the same in every replay: the
+signature fixes the inputs', and the operators before a step are the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .steps import Constant, _aten, _Ref, _refs, _Step, _traits, _written
+
+#: operators whose result stands for their argument
+_IDENTITIES = frozenset({_aten.lift_fresh.default})
+#: operators giving a buffer whose contents are not set
+_ALLOCATIONS = frozenset(
+    {
+        _aten.new_empty.default,
+        _aten.empty.memory_format,
+        _aten.empty_like.default,
+    }
+)
+#: operators giving a new buffer, its contents set or not
+_FILLS = _ALLOCATIONS | {
+    _aten.full.default,
+    _aten.new_full.default,
+    _aten.zeros.default,
+    _aten.new_zeros.default,
+    _aten.ones.default,
+    _aten.new_ones.default,
+    _aten.zeros_like.default,
+    _aten.full_like.default,
+}
+#: operators making a tensor from numbers alone
+_FACTORIES = frozenset(
+    {
+        _aten.full.default,
+        _aten.scalar_tensor.default,
+        _aten.zeros.default,
+        _aten.ones.default,
+    }
+)
+#: the most elements of a tensor made once for the program (it holds it)
+HOISTED_NUMEL = 1 << 16
+
+
+def rewrite(
+    steps: list[_Step], results: list, constants: list[Tensor]
+) -> tuple[list[_Step], list, list[Tensor]]:
+    """The steps a replay runs, the results' layout and the constants (the recorded ones,
+    then those made once) after the rewrites of the module docstring."""
+    steps, results = _drop_identities(steps, results)
+    steps = _fold_views(steps, results)
+    steps, results = _merge_views(steps, results)
+    steps, results = _fill_from_fresh(steps, results)
+    steps, results = _clone_into_fresh(steps, results)
+    steps, constants = _hoist(steps, results, constants)
+    return _live_steps(steps, results), results, constants
+
+
+def _uses(steps: list[_Step], results: list) -> dict[int, int]:
+    """How many times each value is read (by a step's arguments or as a result)."""
+    uses: dict[int, int] = {}
+    for index in _refs(results):
+        uses[index] = uses.get(index, 0) + 1
+    for step in steps:
+        for index in step.reads:
+            uses[index] = uses.get(index, 0) + 1
+    return uses
+
+
+def _swap(tree: Any, subst: dict[int, Any]) -> Any:
+    """``tree`` (a template) with each value in ``subst`` replaced."""
+    if isinstance(tree, _Ref):
+        found = subst.get(tree.index)
+        return tree if found is None else found
+    if isinstance(tree, (list, tuple)):
+        return type(tree)([_swap(x, subst) for x in tree])
+    if isinstance(tree, dict):
+        return {k: _swap(v, subst) for k, v in tree.items()}
+    return tree
+
+
+def _substitute(steps: list[_Step], results: list, subst: dict[int, Any]) -> tuple[list, list]:
+    """Steps and results reading ``subst[v]`` (a value or a constant) where they read value
+    ``v``; chains (``a -> b -> c``) followed to their end."""
+    if not subst:
+        return steps, results
+    for index in list(subst):
+        target = subst[index]
+        while isinstance(target, _Ref) and target.index in subst:
+            target = subst[target.index]
+        subst[index] = target
+    swapped = []
+    for step in steps:
+        if any(r in subst for r in step.reads):
+            args, kwargs = _swap(step.args, subst), _swap(step.kwargs, subst)
+            step = dataclasses.replace(step, args=args, kwargs=kwargs, reads=_refs((args, kwargs)))
+        swapped.append(step)
+    layout = [None if r is None else (r[0], _swap(r[1], subst), *r[2:]) for r in results]
+    return swapped, layout
+
+
+def _outputs(step: _Step) -> list[int]:
+    return [o.index for o in step.outputs if isinstance(o, _Ref)]
+
+
+def _drop_identities(steps: list[_Step], results: list) -> tuple[list, list]:
+    """An identity operator's result (not a result of the program) is its argument."""
+    returned = set(_refs(results))
+    subst: dict[int, Any] = {}
+    kept = []
+    for step in steps:
+        if step.func in _IDENTITIES and isinstance(step.args[0], (_Ref, Constant)):
+            (out,) = _outputs(step)
+            if out not in returned:
+                subst[out] = step.args[0]
+                continue
+        kept.append(step)
+    return _substitute(kept, results, subst)
+
+
+def _fold_views(steps: list[_Step], results: list) -> list[_Step]:
+    """A view of a view read nowhere else becomes one ``as_strided`` of the first one's
+    base, with the recorded size, strides and storage offset: the same view of the same
+    storage in one call."""
+    uses = _uses(steps, results)
+    producer: dict[int, _Step] = {}
+    folded = []
+    for step in steps:
+        source = step.args[0] if step.view is not None and step.args else None
+        before = producer.get(source.index) if isinstance(source, _Ref) else None
+        if before is not None and before.view is not None and uses[source.index] == 1:
+            size, stride, offset = step.view
+            base = before.args[0]
+            step = _Step(
+                _aten.as_strided.default,
+                (base, size, stride, offset),
+                {},
+                step.outputs,
+                False,
+                [base.index] if isinstance(base, _Ref) else [],
+                view=step.view,
+            )
+        for out in _outputs(step):
+            producer[out] = step
+        folded.append(step)
+    return folded
+
+
+def _frozen(tree: Any) -> Any:
+    """A hashable form of a template."""
+    if isinstance(tree, (list, tuple)):
+        return tuple(_frozen(x) for x in tree)
+    if isinstance(tree, dict):
+        return tuple((k, _frozen(v)) for k, v in tree.items())
+    return tree
+
+
+def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
+    """A view operator run again on the same arguments gives the same view (it reads no
+    data): its result is the first one's. Not where a view's shape is changed in place
+    (``t_``): then every value such an operator touches keeps its own views."""
+    reshaped: set[int] = set()
+    for step in steps:
+        if _traits(step.func).inplace_view:
+            reshaped.update(step.reads)
+            reshaped.update(_outputs(step))
+    returned = set(_refs(results))
+    seen: dict[Any, int] = {}
+    subst: dict[int, Any] = {}
+    kept = []
+    for step in steps:
+        outs = _outputs(step)
+        if (
+            step.view is not None
+            and len(outs) == 1
+            and not reshaped.intersection(step.reads)
+            and outs[0] not in reshaped
+            and outs[0] not in returned
+        ):
+            try:
+                key = (step.func, _frozen(step.args), _frozen(step.kwargs))
+                first = seen.setdefault(key, outs[0])
+            except TypeError:  # an argument without a hash: the view is kept as it is
+                first = outs[0]
+            if first != outs[0]:
+                subst[outs[0]] = _Ref(first)
+                continue
+        kept.append(step)
+    return _substitute(kept, results, subst)
+
+
+def _producers(steps: list[_Step]) -> dict[int, _Step]:
+    return {out: step for step in steps for out in _outputs(step)}
+
+
+def _copy_parts(step: _Step) -> tuple[_Ref, Any] | None:
+    """A ``copy_``'s destination and source where the destination is a value and the
+    source another value or a constant; None for any other step."""
+    if step.func is not _aten.copy_.default or step.layouts is None or len(step.args) < 2:
+        return None
+    dst, src = step.args[0], step.args[1]
+    if not isinstance(dst, _Ref) or not isinstance(src, (_Ref, Constant)) or src == dst:
+        return None
+    return dst, src
+
+
+def _fill_from_fresh(steps: list[_Step], results: list) -> tuple[list, list]:
+    """``copy_(b, a)`` with ``b`` a fresh buffer read only there and ``a`` a fresh value (an
+    aten operator's new result) read only there, of the same dtype, device, shape, strides
+    and offset: ``b`` after the copy is ``a`` itself; the buffer and the copy are dropped."""
+    uses = _uses(steps, results)
+    producer = _producers(steps)
+    dropped: set[int] = set()  # ids of steps
+    subst: dict[int, Any] = {}
+    for step in steps:
+        parts = _copy_parts(step)
+        if parts is None or not isinstance(parts[1], _Ref):
+            continue
+        dst, src = parts
+        buffer, value = producer.get(dst.index), producer.get(src.index)
+        if (
+            buffer is not None
+            and value is not None
+            and buffer.func in _ALLOCATIONS
+            and not buffer.sequence
+            and not value.sequence
+            and _traits(value.func).fresh
+            and uses[dst.index] == 1
+            and uses[src.index] == 1
+            and step.layouts[0] == step.layouts[1]
+            and not step.layouts[0][0].is_complex
+        ):
+            dropped.update((id(buffer), id(step)))
+            subst[step.outputs[0].index] = src
+    kept = [s for s in steps if id(s) not in dropped]
+    return _substitute(kept, results, subst)
+
+
+def _contiguous(shape: tuple, stride: tuple) -> bool:
+    """Whether ``stride`` is the row-major strides of ``shape`` (as ``torch.empty`` gives)."""
+    expected, step = [], 1
+    for size in reversed(shape):
+        expected.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(expected)) == tuple(stride)
+
+
+def _clone_into_fresh(steps: list[_Step], results: list) -> tuple[list, list]:
+    """``copy_(b, y)`` with ``b`` a new row-major buffer read only there, of ``y``'s dtype,
+    device and shape: the copy fills all of ``b``, so the buffer and the copy are one
+    ``clone(y)`` (row-major, the same elements)."""
+    uses = _uses(steps, results)
+    producer = _producers(steps)
+    dropped: set[int] = set()
+    replaced: dict[int, _Step] = {}
+    for step in steps:
+        parts = _copy_parts(step)
+        if parts is None:
+            continue
+        dst, src = parts
+        buffer = producer.get(dst.index)
+        (dtype, device, shape, stride, offset), source = step.layouts
+        if (
+            buffer is not None
+            and buffer.func in _FILLS
+            and not buffer.sequence
+            and uses[dst.index] == 1
+            and source[:3] == (dtype, device, shape)
+            and offset == 0
+            and _contiguous(shape, stride)
+            and not dtype.is_complex
+        ):
+            dropped.add(id(buffer))
+            replaced[id(step)] = _Step(
+                _aten.clone.default,
+                (src,),
+                {"memory_format": torch.contiguous_format},
+                step.outputs,
+                False,
+                [src.index] if isinstance(src, _Ref) else [],
+            )
+    rewritten = [replaced.get(id(s), s) for s in steps if id(s) not in dropped]
+    return rewritten, results
+
+
+def _hoist(steps: list[_Step], results: list, constants: list[Tensor]) -> tuple[list, list]:
+    """Tensors made from numbers alone (and views of them) that the program only reads
+    (never writes, returns, or gives to an operator whose result aliases them) become
+    constants, made here once."""
+    made: dict[int, _Step] = {}  # value -> the step making it from numbers or a made value
+    for step in steps:
+        outs = _outputs(step)
+        if len(outs) != 1 or step.sequence or _holds_constant((step.args, step.kwargs)):
+            continue
+        if step.func in _FACTORIES and not step.reads:
+            made[outs[0]] = step
+        elif step.view is not None and step.reads == [getattr(step.args[0], "index", None)]:
+            if step.reads[0] in made:
+                made[outs[0]] = step
+    if not made:
+        return steps, constants
+    escapes = _escaping(steps, results, made)
+    values: dict[int, Tensor] = {}
+    with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
+        for out, step in made.items():
+            if out in escapes:
+                continue
+            if step.reads:
+                if step.reads[0] not in values:  # its source too large to hold
+                    continue
+                value = step.func(values[step.reads[0]], *step.args[1:], **step.kwargs)
+            else:
+                value = step.func(*step.args, **step.kwargs)
+            if value.numel() <= HOISTED_NUMEL:
+                values[out] = value
+    if not values:
+        return steps, constants
+    constants = list(constants)
+    subst: dict[int, Any] = {}
+    for out, value in values.items():
+        subst[out] = Constant(len(constants))
+        constants.append(value)
+    kept = [s for s in steps if not set(_outputs(s)) & values.keys()]
+    kept, _ = _substitute(kept, results, subst)
+    return kept, constants
+
+
+def _holds_constant(tree: Any) -> bool:
+    if isinstance(tree, Constant):
+        return True
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_constant(x) for x in tree)
+    if isinstance(tree, dict):
+        return any(_holds_constant(x) for x in tree.values())
+    return False
+
+
+def _escaping(steps: list[_Step], results: list, made: dict[int, _Step]) -> set[int]:
+    """The values of ``made`` that a step may write or alias, or a result is: those, the
+    values they view, and the views of those, stay steps."""
+    escapes = set(_refs(results)) & made.keys()
+    for step in steps:
+        read = made.keys() & set(step.reads)
+        if not read or set(_outputs(step)) <= made.keys() and step.view is not None:
+            continue
+        traits = _traits(step.func)
+        if traits.name == "aten::set_":  # its first argument takes another's storage
+            escapes.update(read)
+        for i, _ in traits.written:
+            if i < len(step.args):
+                escapes.update(made.keys() & set(_refs(step.args[i])))
+        for name in (n for _, n in traits.written if n in step.kwargs):
+            escapes.update(made.keys() & set(_refs(step.kwargs[name])))
+        if traits.aliases and isinstance(step.args[0], _Ref) and step.args[0].index in made:
+            escapes.add(step.args[0].index)
+    for out in reversed(list(made)):  # a view's escape is its source's
+        step = made[out]
+        if out in escapes and step.reads:
+            escapes.add(step.reads[0])
+    for out, step in made.items():  # a view of a value that stays a step stays a step
+        if step.reads and step.reads[0] in escapes:
+            escapes.add(out)
+    return escapes
+
+
+def _live_steps(steps: list[_Step], results: list) -> list[_Step]:
+    """The steps a replay must run: those whose values are read later or returned, that
+    write into a tensor, or that hold a guard; the others are dropped."""
+    used = set(_refs(results))
+    kept = []
+    for step in reversed(steps):
+        outputs = _outputs(step)
+        guarded = step.shapes is not None or any(isinstance(o, tuple) for o in step.outputs)
+        if guarded or _written(step.func) or any(o in used for o in outputs):
+            kept.append(step)
+            used.update(step.reads)
+    kept.reverse()
+    return kept

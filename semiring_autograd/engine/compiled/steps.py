@@ -1,0 +1,138 @@
+"""The record of a capture: program values, steps, and what the recorder and the program
+builder read of an operator."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A value of the program: ``v<index>``."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A tensor the program reads that neither a slot nor a step gives: ``k<index>``."""
+
+    index: int
+
+
+@dataclass
+class _Step:
+    func: Callable
+    args: tuple  # with tensors as _Ref or Constant
+    kwargs: dict
+    outputs: list  # flat: _Ref for a tensor, ("guard", number) for a number, None
+    sequence: bool  # the operator returns a tuple or list
+    reads: list  # the values its arguments read (indices, in order, repeated as read)
+    shapes: list | None = None  # data-shaped outputs: the recorded shapes
+    view: tuple | None = None  # a view operator's result: (size, stride, storage offset)
+    #: ``copy_``: its destination's and source's ``layout()``; a number read from a tensor
+    #: (``_local_scalar_dense``): the tensor's ``layout()``
+    layouts: tuple | None = None
+
+
+def layout(t: torch.Tensor) -> tuple:
+    """What the rewrites ask of a recorded tensor: dtype, device, shape, strides, offset."""
+    return (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _refs(tree: Any) -> list[int]:
+    """The program values ``tree`` (args, kwargs or a result layout: lists, tuples and dicts
+    of templates) reads."""
+    found: list[int] = []
+    _collect_refs(tree, found)
+    return found
+
+
+def _collect_refs(tree: Any, found: list[int]) -> None:
+    if isinstance(tree, _Ref):
+        found.append(tree.index)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _collect_refs(x, found)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _collect_refs(x, found)
+
+
+@dataclass(frozen=True)
+class _Traits:
+    """What the recorder asks of an operator on every call, read from its schema once."""
+
+    name: str
+    seeded: bool  # tagged nondeterministic_seeded (may draw random numbers)
+    inplace_view: bool  # changes a tensor's shape or strides in place
+    aliases: bool  # its first output aliases its first input
+    view: bool  # one of ``_views()``
+    written: tuple  # ``_written(func)``
+    fresh: bool  # an aten operator whose results are new tensors: no view, no alias, no write
+
+
+#: id(operator) -> (the operator, kept so that its id is not reused; its traits)
+_TRAITS: dict[int, tuple[Any, _Traits]] = {}
+
+
+def _traits(func) -> _Traits:
+    """``func``'s traits, by id: an operator's own hash is a Python call."""
+    found = _TRAITS.get(id(func))
+    if found is not None and found[0] is func:
+        return found[1]
+    returns = func._schema.returns
+    traits = _Traits(
+        func._schema.name,
+        torch.Tag.nondeterministic_seeded in func.tags,
+        torch.Tag.inplace_view in func.tags,
+        bool(returns) and returns[0].alias_info is not None,
+        func in _views(),
+        _written(func),
+        func._schema.name.startswith("aten::")
+        and func not in _views()
+        and all(r.alias_info is None for r in returns)
+        and not _written(func),
+    )
+    _TRAITS[id(func)] = (func, traits)
+    return traits
+
+
+@functools.cache
+def _written(func) -> tuple[tuple[int, str], ...]:
+    """The position and name of each argument ``func`` writes into."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+@functools.cache
+def _views() -> frozenset:
+    """Operators whose result views their first argument's storage, same dtype."""
+    return frozenset(
+        {
+            _aten.view.default,
+            _aten._unsafe_view.default,
+            _aten.expand.default,
+            _aten.transpose.int,
+            _aten.t.default,
+            _aten.permute.default,
+            _aten.unsqueeze.default,
+            _aten.squeeze.dim,
+            _aten.squeeze.dims,
+            _aten.squeeze.default,
+            _aten.select.int,
+            _aten.slice.Tensor,
+            _aten.alias.default,
+            _aten.detach.default,
+            _aten.as_strided.default,
+        }
+    )

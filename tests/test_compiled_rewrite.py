@@ -1,0 +1,256 @@
+"""The rewrites of a recorded program (``engine/compiled/rewrite.py``) and its guards checked
+in batches: each rewrite leaves fewer operators where it applies, and a replay on new
+inputs equals the same function run eagerly on them bit for bit; where a rewrite must not
+apply (a value read again, a buffer filled in part, a tensor written or returned), the
+replay still equals eager, which it would not if the rewrite applied."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import semiring_autograd as sa
+from semiring_autograd.engine.compiled import backward as compiled
+from semiring_autograd.engine.compiled.program import (
+    GuardFailure,
+    Program,
+    Recorder,
+    _fast_binding,
+)
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    compiled.clear()
+    yield
+    compiled.clear()
+
+
+def _record(fn, *inputs: Tensor) -> Program:
+    """The program of ``fn(*inputs)`` (one tensor result), captured on ``inputs``."""
+    recorder = Recorder(list(inputs))
+    with recorder:
+        out = fn(*inputs)
+    return Program(recorder, [("plain", recorder.ref(out))], len(inputs))
+
+
+def _calls(program: Program, op) -> int:
+    """How many times the program's source calls ``op``."""
+    names = [k for k, v in program.run.__globals__.items() if v is _fast_binding(op)]
+    return sum(len(re.findall(rf"\b{name}\(", program.source)) for name in names)
+
+
+def _replay(program: Program, fn, *inputs: Tensor) -> Tensor:
+    """The replay on ``inputs``, asserted identical to ``fn(*inputs)`` run eagerly."""
+    (got,) = program.replay(list(inputs))
+    expected = fn(*inputs)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+    return got
+
+
+def _randn(*shape: int, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_an_identity_operator_is_no_step():
+    def f(x):
+        return x * torch.tensor(2.0)
+
+    program = _record(f, _randn(3))
+    assert _calls(program, aten.lift_fresh.default) == 0
+    _replay(program, f, _randn(3, seed=1))
+
+
+def test_a_view_taken_twice_is_taken_once():
+    def f(x):
+        return x.t() * 2 + x.t()
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.t.default) == 1
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def test_views_whose_shape_changes_in_place_are_kept_apart():
+    """``b.t_()`` changes ``b`` alone: ``a`` (the same view before it) is still ``x.t()``."""
+
+    def f(x):
+        y = x * 1
+        a, b = y.t(), y.t()
+        b.t_()
+        return a * 1 + b
+
+    program = _record(f, _randn(3, 3))
+    assert _calls(program, aten.t.default) == 2
+    _replay(program, f, _randn(3, 3, seed=1))
+
+
+def test_a_fresh_buffer_filled_from_a_fresh_value_is_that_value():
+    def f(x):
+        return x.new_empty((3, 4)).copy_(x * 2) + 1
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.copy_.default) == 0
+    assert _calls(program, aten.new_empty.default) == 0
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def test_a_copy_of_a_value_read_again_stays_a_copy():
+    """Were the buffer the value, ``add_`` would change the value read after it (the copy
+    stays, as a ``clone``)."""
+
+    def f(x):
+        z = x * 2
+        b = x.new_empty((3, 4)).copy_(z)
+        b.add_(1)
+        return b + z
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.copy_.default) + _calls(program, aten.clone.default) == 1
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def test_a_new_buffer_filled_by_a_copy_is_a_clone():
+    def f(x):
+        return torch.zeros(4, 3).copy_(x.t()) * 2
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.copy_.default) == 0
+    assert _calls(program, aten.zeros.default) == 0
+    assert _calls(program, aten.clone.default) == 1
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def _read_before_the_copy(x):
+    b = torch.zeros(3, 4)
+    before = b * 1
+    b.copy_(x)
+    return b + before
+
+
+@pytest.mark.parametrize(
+    "f, shape",
+    [
+        (lambda r: torch.zeros(3, 4).copy_(r) * 2, (4,)),  # broadcast: a clone is (4,)
+        (lambda x: torch.zeros(4, 4).index_fill_(0, torch.tensor([0]), 1.0) + x, (4, 4)),
+        (_read_before_the_copy, (3, 4)),
+    ],
+    ids=["broadcast", "written-elsewhere", "read-before"],
+)
+def test_a_copy_that_fills_a_buffer_otherwise_stays(f, shape):
+    program = _record(f, _randn(*shape))
+    _replay(program, f, _randn(*shape, seed=1))
+
+
+def test_a_buffer_filled_in_part_keeps_its_other_elements():
+    def f(x):
+        b = torch.zeros(4, 4)
+        b[:2].copy_(x)
+        return b * 2
+
+    program = _record(f, _randn(2, 4))
+    assert _calls(program, aten.copy_.default) == 1
+    _replay(program, f, _randn(2, 4, seed=1))
+
+
+def test_tensors_made_from_numbers_are_made_once():
+    def f(x):
+        return x * torch.full((3, 4), 2.0) + torch.ones(4).expand(3, 4)
+
+    program = _record(f, _randn(3, 4))
+    for op in (aten.full.default, aten.ones.default, aten.expand.default):
+        assert _calls(program, op) == 0, op
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def _written_directly(x):
+    z = torch.zeros(3, 4)
+    z.add_(x)
+    return z * 1
+
+
+def _written_through_a_view(x):
+    z = torch.zeros(3, 4)
+    z.t().add_(x.t())
+    return z * 1
+
+
+@pytest.mark.parametrize("f", [_written_directly, _written_through_a_view], ids=["direct", "view"])
+def test_a_tensor_made_from_numbers_and_written_is_made_on_every_replay(f):
+    """Made once, the tensor would keep what each replay added to it."""
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.zeros.default) == 1
+    for seed in (1, 2):
+        _replay(program, f, _randn(3, 4, seed=seed))
+
+
+def test_a_returned_tensor_made_from_numbers_is_new_on_every_replay():
+    def f(x):
+        return torch.ones(3) if bool((x > -10).all()) else x
+
+    program = _record(f, _randn(3))
+    (first,) = program.replay([_randn(3, seed=1)])
+    first.add_(1)
+    (second,) = program.replay([_randn(3, seed=2)])
+    assert torch.equal(second, torch.ones(3))
+
+
+def _branch(x):
+    return x * 2 if bool((x > 0).all()) else x * 3
+
+
+def test_bool_guards_are_checked_in_one_batch():
+    program = _record(_branch, _randn(4).abs())
+    assert _calls(program, aten._local_scalar_dense.default) == 0
+    assert "_hold(" in program.source
+    _replay(program, _branch, _randn(4, seed=1).abs())
+    with pytest.raises(GuardFailure):
+        program.replay([-_randn(4, seed=1).abs()])
+
+
+def test_an_operator_failing_after_a_failed_guard_is_that_guard_failure():
+    """``y[i]`` with ``i`` out of range raises in a replay whose deferred guard (``i < 3``)
+    fails: the replay reports the guard."""
+
+    def f(x, y):
+        i = (x * 3).long()
+        return y[i] * 2 if bool((i < 3).all()) else y.sum()
+
+    program = _record(f, torch.rand(5), torch.randn(3))
+    with pytest.raises(GuardFailure):
+        program.replay([torch.full((5,), 5.0), torch.randn(3)])
+
+
+def test_guards_are_checked_before_a_write_into_a_tensor_from_outside():
+    """A replay whose guard fails leaves the tensors it does not own as they were."""
+    counter = torch.zeros(3)
+
+    def f(x):
+        if bool((x > 0).all()):
+            counter.add_(1)
+        return x * 2
+
+    program = _record(f, _randn(3).abs())
+    before = counter.clone()
+    with pytest.raises(GuardFailure):
+        program.replay([-_randn(3, seed=1).abs()])
+    assert torch.equal(counter, before)
+
+
+def test_a_program_is_built_on_its_first_replay():
+    """The capturing call only records; the next call (the checked first replay) builds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).eval()
+    step = sa.compiled_step(model, sa.MaxProduct(), lambda m, x: m(x)[:, 0].sum())
+    x = torch.randn(3, 4, requires_grad=True)
+    first = step(x)
+    (captured,) = compiled._CACHE.values()
+    assert captured.programs[0].built is None
+    second = step(x)
+    assert captured.programs[0].built is not None
+    assert torch.equal(first, second)
