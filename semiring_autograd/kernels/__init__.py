@@ -87,7 +87,7 @@ def _cpu_ready(name: str, *tensors: Tensor) -> bool:
     if dtype not in _FLOATS:
         return False
     for t in tensors:  # a loop, not a generator: this runs on every kernel call
-        if t.dtype != dtype or t.device.type != "cpu":
+        if t.dtype != dtype or not t.is_cpu:  # is_cpu: t.device makes an object per read
             return False
     return _cpu_kernel(name, dtype)
 
@@ -108,7 +108,7 @@ def _nonempty_ready(name: str, *tensors: Tensor) -> bool:
     if dtype not in _FLOATS:
         return False
     for t in tensors:
-        if not t.numel() or t.dtype != dtype or t.device.type != "cpu":
+        if not t.numel() or t.dtype != dtype or not t.is_cpu:
             return False
     return _cpu_kernel(name, dtype)
 
@@ -119,7 +119,7 @@ def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> T
     b); None when the fused path is unavailable (the caller falls back). NaN entries never
     win. On the CPU, terms whose bound |a|·max|b| cannot pass the row's accumulators are
     skipped (branch and bound; the result is the same to the bit)."""
-    if a.device.type == "cuda" and enabled():
+    if a.is_cuda and enabled():
         return _cuda_call("max_times", a, b, init, abs_b)
     if not _nonempty_ready("max_times", a, b):
         return None
@@ -159,7 +159,7 @@ def signed_times(
     """(max_k, min_k) over the corner products of signed pairs a (B, m, k) and b (B, k, n);
     ``b_lo=None`` when b is a point (hi == lo). NaN marks an empty entry; an output with no
     non-empty term is (-inf, +inf). None when the fused path is unavailable."""
-    if a_hi.device.type == "cuda" and enabled():
+    if a_hi.is_cuda and enabled():
         return _cuda_call("signed_times", a_hi, a_lo, b_hi, b_lo)
     parts = (a_hi, a_lo, b_hi) if b_lo is None else (a_hi, a_lo, b_hi, b_lo)
     if not _nonempty_ready("signed_times", *parts):
@@ -177,7 +177,7 @@ def pair_lift_matmul(
     ``zero_empty`` (lift(0) is no edge); an output with no non-empty term is (-inf, +inf).
     Any strides; None when the fused path is unavailable. On the CPU, terms that cannot
     pass either end's accumulators are skipped (branch and bound, exact)."""
-    if w.device.type == "cuda" and enabled():
+    if w.is_cuda and enabled():
         return _cuda_call("lift_times", a_hi, a_lo, w, zero_empty)
     if not _nonempty_ready("lift_times", w, a_hi, a_lo):
         return None
@@ -341,15 +341,16 @@ def log_gemm_finish(
         return None
     if num is not None and not num.is_contiguous():
         return None
-    if live.device.type != "cpu" or not _cpu_ready("log_gemm_finish_", *floats):
+    if not live.is_cpu or not _cpu_ready("log_gemm_finish_", *floats):
         return None
     return bool(op("log_gemm_finish_")(z, num, shift, shift_b, live, tiny, may_overflow))
 
 
 def _tests_ready(tensors: tuple[Tensor, ...]) -> bool:
     """The test operators take CPU tensors of any dtype (checked per the first's dtype)."""
-    if not all(t.device.type == "cpu" for t in tensors):
-        return False
+    for t in tensors:
+        if not t.is_cpu:
+            return False
     return _cpu_kernel("any_nan_or_inf", tensors[0].dtype)
 
 

@@ -87,6 +87,8 @@ def _message(semiring: Semiring, value: Value, shape, dtype, device) -> Message:
 
 
 _make_wrapper_subclass = Tensor._make_wrapper_subclass
+#: a CPU message's device: ``t.device`` makes a new object per read, ``t.is_cpu`` reads a flag
+_CPU = torch.device("cpu")
 #: primal dtypes whose messages are of the same dtype (``message_dtype`` is the identity)
 _OWN_PRECISION = (torch.float32, torch.float64)
 
@@ -178,7 +180,7 @@ def _msg_args(args) -> tuple[Message, Semiring]:
 
 def _per_component(func, msg: Message, *args, **kwargs) -> Message:
     out = tuple(func(c, *args, **kwargs) for c in msg.value)
-    return _message(msg.semiring, out, out[0].shape, msg.dtype, msg.device)
+    return _message(msg.semiring, out, out[0].shape, msg.dtype, _CPU if msg.is_cpu else msg.device)
 
 
 def _map(func, msg, *args, **kwargs):
@@ -217,7 +219,7 @@ def _add(func, a, b, *, alpha=1):
         )
     value = a.semiring.merge(a.value, b.value)
     shape = a.shape if a.shape == b.shape else torch.broadcast_shapes(a.shape, b.shape)
-    return _message(a.semiring, value, shape, a.dtype, a.device)
+    return _message(a.semiring, value, shape, a.dtype, _CPU if a.is_cpu else a.device)
 
 
 def _add_inplace(func, a, b, *, alpha=1):
