@@ -122,13 +122,13 @@ class Recorder(TorchDispatchMode):
                 "replay would draw anew"
             )
         reads: list[int] = []
-        template = self._template(args, reads), (self._template(kwargs, reads) if kwargs else {})
+        template = self._items(args, reads), (self._template(kwargs, reads) if kwargs else {})
         if traits.written:
             self._note_writes(func, *template)
         source = template[0][0] if template[0] else None
         if traits.inplace_view and getattr(source, "index", None) in self.aliased:
             raise Uncapturable(f"{func} changes the shape of a tensor in place")
-        layouts = _layouts(func, args)
+        layouts = _layouts(func, args) if traits.laid_out else None
         result = func(*args, **kwargs)
         if traits.view and self._identity_view(args, source, result):
             return result
@@ -180,14 +180,19 @@ class Recorder(TorchDispatchMode):
         ``reads``."""
         if isinstance(tree, Tensor):
             found = self.ref(tree)
-            if isinstance(found, _Ref):
+            if type(found) is _Ref:
                 reads.append(found.index)
             return found
         if isinstance(tree, (list, tuple)):
-            return type(tree)([self._template(x, reads) for x in tree])
+            return self._items(tree, reads)
         if isinstance(tree, dict):
             return {k: self._template(v, reads) for k, v in tree.items()}
         return tree
+
+    def _items(self, tree: list | tuple, reads: list[int]) -> list | tuple:
+        """``_template`` of a list or tuple: numbers kept without a call each."""
+        items = [x if type(x) in _PLAIN or x is None else self._template(x, reads) for x in tree]
+        return items if type(tree) is list else type(tree)(items)
 
     def _note_writes(self, func, args: tuple, kwargs: dict) -> None:
         """Refuse an operator writing into a slot's storage; note one writing into a
@@ -218,6 +223,10 @@ def _holds_message(values: Any) -> bool:
         if isinstance(value, (list, tuple)) and _holds_message(value):
             return True
     return False
+
+
+#: argument types a template keeps as they are
+_PLAIN = frozenset({int, float, bool, str, torch.dtype, torch.device})
 
 
 def _layouts(func, args: tuple) -> tuple | None:

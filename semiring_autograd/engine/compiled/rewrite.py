@@ -108,7 +108,7 @@ def _substitute(steps: list[_Step], results: list, subst: dict[int, Any]) -> tup
         subst[index] = target
     swapped = []
     for step in steps:
-        if any(r in subst for r in step.reads):
+        if not subst.keys().isdisjoint(step.reads):
             args, kwargs = _swap(step.args, subst), _swap(step.kwargs, subst)
             step = dataclasses.replace(step, args=args, kwargs=kwargs, reads=_refs((args, kwargs)))
         swapped.append(step)
@@ -117,7 +117,7 @@ def _substitute(steps: list[_Step], results: list, subst: dict[int, Any]) -> tup
 
 
 def _outputs(step: _Step) -> list[int]:
-    return [o.index for o in step.outputs if isinstance(o, _Ref)]
+    return [o.index for o in step.outputs if type(o) is _Ref]
 
 
 def _drop_identities(steps: list[_Step], results: list) -> tuple[list, list]:
@@ -186,7 +186,7 @@ def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
     subst: dict[int, Any] = {}
     kept = []
     for step in steps:
-        outs = _outputs(step)
+        outs = _outputs(step) if step.view is not None else ()
         if (
             step.view is not None
             and len(outs) == 1
@@ -206,8 +206,11 @@ def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
     return _substitute(kept, results, subst)
 
 
-def _producers(steps: list[_Step]) -> dict[int, _Step]:
-    return {out: step for step in steps for out in _outputs(step)}
+def _producers(steps: list[_Step], funcs: frozenset) -> dict[int, _Step]:
+    """The steps of ``funcs`` (and any step where ``funcs`` is empty) by value."""
+    return {
+        out: step for step in steps if not funcs or step.func in funcs for out in _outputs(step)
+    }
 
 
 def _copy_parts(step: _Step) -> tuple[_Ref, Any] | None:
@@ -226,7 +229,7 @@ def _fill_from_fresh(steps: list[_Step], results: list) -> tuple[list, list]:
     aten operator's new result) read only there, of the same dtype, device, shape, strides
     and offset: ``b`` after the copy is ``a`` itself; the buffer and the copy are dropped."""
     uses = _uses(steps, results)
-    producer = _producers(steps)
+    producer = _producers(steps, frozenset())
     dropped: set[int] = set()  # ids of steps
     subst: dict[int, Any] = {}
     for step in steps:
@@ -267,7 +270,7 @@ def _clone_into_fresh(steps: list[_Step], results: list) -> tuple[list, list]:
     device and shape: the copy fills all of ``b``, so the buffer and the copy are one
     ``clone(y)`` (row-major, the same elements)."""
     uses = _uses(steps, results)
-    producer = _producers(steps)
+    producer = _producers(steps, _FILLS)
     dropped: set[int] = set()
     replaced: dict[int, _Step] = {}
     for step in steps:
@@ -306,14 +309,17 @@ def _hoist(steps: list[_Step], results: list, constants: list[Tensor]) -> tuple[
     constants, made here once."""
     made: dict[int, _Step] = {}  # value -> the step making it from numbers or a made value
     for step in steps:
+        if step.func in _FACTORIES:
+            if step.reads:
+                continue
+        elif step.view is None or len(step.reads) != 1 or step.reads[0] not in made:
+            continue
         outs = _outputs(step)
         if len(outs) != 1 or step.sequence or _holds_constant((step.args, step.kwargs)):
             continue
-        if step.func in _FACTORIES and not step.reads:
-            made[outs[0]] = step
-        elif step.view is not None and step.reads == [getattr(step.args[0], "index", None)]:
-            if step.reads[0] in made:
-                made[outs[0]] = step
+        if step.reads and step.args[0] != _Ref(step.reads[0]):
+            continue
+        made[outs[0]] = step
     if not made:
         return steps, constants
     escapes = _escaping(steps, results, made)
@@ -337,7 +343,9 @@ def _hoist(steps: list[_Step], results: list, constants: list[Tensor]) -> tuple[
     for out, value in values.items():
         subst[out] = Constant(len(constants))
         constants.append(value)
-    kept = [s for s in steps if not set(_outputs(s)) & values.keys()]
+    kept = [
+        s for s in steps if not (s.func in _FACTORIES or s.view) or _outputs(s)[0] not in values
+    ]
     kept, _ = _substitute(kept, results, subst)
     return kept, constants
 

@@ -76,6 +76,7 @@ class _Traits:
     view: bool  # one of ``_views()``
     written: tuple  # ``_written(func)``
     fresh: bool  # an aten operator whose results are new tensors: no view, no alias, no write
+    laid_out: bool  # ``copy_`` or ``_local_scalar_dense``: the recorder notes its tensors' layouts
 
 
 #: id(operator) -> (the operator, kept so that its id is not reused; its traits)
@@ -99,6 +100,7 @@ def _traits(func) -> _Traits:
         and func not in _views()
         and all(r.alias_info is None for r in returns)
         and not _written(func),
+        func in (_aten.copy_.default, _aten._local_scalar_dense.default),
     )
     _TRAITS[id(func)] = (func, traits)
     return traits
