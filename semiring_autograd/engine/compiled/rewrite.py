@@ -3,7 +3,9 @@ values bit for bit with fewer operator calls:
 
 - an identity operator (``lift_fresh``) is no step: its result stands for its argument;
 - a view of a view read nowhere else becomes one ``as_strided`` of the first one's base;
-- a view taken twice (same operator, same arguments) is taken once;
+- every other view is one ``as_strided`` of its base (a call through torch's Python binding,
+  cheaper than a view operator without one, ``slice``, and than ``view`` itself);
+- a view taken twice (the same ``as_strided`` of the same base) is taken once;
 - a copy into a fresh buffer from a fresh value of the same layout, neither read elsewhere,
   is that value; a copy into a fresh buffer read nowhere else, filling it, is a ``clone``;
 - a tensor made from numbers alone (``full``, ``scalar_tensor``), and views of it, that the
@@ -65,7 +67,7 @@ def rewrite(
     """The steps a replay runs, the results' layout and the constants (the recorded ones,
     then those made once) after the rewrites of the module docstring."""
     steps, results = _drop_identities(steps, results)
-    steps = _fold_views(steps, results)
+    steps = _strided_views(_fold_views(steps, results))
     steps, results = _merge_views(steps, results)
     steps, results = _fill_from_fresh(steps, results)
     steps, results = _clone_into_fresh(steps, results)
@@ -161,6 +163,26 @@ def _fold_views(steps: list[_Step], results: list) -> list[_Step]:
             producer[out] = step
         folded.append(step)
     return folded
+
+
+def _strided_views(steps: list[_Step]) -> list[_Step]:
+    """Each view step as ``as_strided`` of its base with the recorded size, strides and
+    storage offset: the same view of the same storage."""
+    strided = []
+    for step in steps:
+        base = step.args[0] if step.view is not None and step.args else None
+        if isinstance(base, (_Ref, Constant)) and step.func is not _aten.as_strided.default:
+            step = _Step(
+                _aten.as_strided.default,
+                (base, *step.view),
+                {},
+                step.outputs,
+                False,
+                [base.index] if isinstance(base, _Ref) else [],
+                view=step.view,
+            )
+        strided.append(step)
+    return strided
 
 
 def _frozen(tree: Any) -> Any:
