@@ -8,10 +8,13 @@
 //
 // Bounds: am[i, q] = max_r a[r][i, q] and bm[q, j] = max_s b[s][q, j]; rounding is monotone,
 // so every product of (i, q, j) is at most am·bm. One vector multiply and compare per (i, q)
-// and column vector tests those bounds against the k-th best so far; only a lane whose bound
-// passes it runs its ka·kb products. A row takes its indices q by am descending, and stops
-// where am · (the strip's largest bm per column) passes no k-th best: every later term is
-// below it. An index q where the row has no weight above 0 has only zero products, which
+// and column vector tests those bounds against the k-th best so far; where some lane's
+// bound passes it, (i, q)'s terms are formed one vector per (r, s) and each vector that beats
+// some lane's k-th best enters the lists of all lanes at once (a compare-exchange down the
+// k entries, insert_lanes: a lane whose term does not beat its k-th is left as it was);
+// with kb = 1 and descending lists, a row's terms stop at the first vector that beats no
+// lane. A row takes its indices q by am descending, and stops where am · (the strip's
+// largest bm per column) passes no k-th best: every later term is below it. An index q where the row has no weight above 0 has only zero products, which
 // never enter a list: it is skipped, and so is a strip row q where no row of a has one.
 //
 // Non-finite operands (NaN, ±inf) are not computed: the torch formula gives NaN for
@@ -20,6 +23,8 @@
 // out is left unspecified (the operator fills it with NaN; the caller takes its formula).
 
 #pragma once
+
+#include <functional>
 
 #include "extreme_matmul.h"
 
@@ -58,15 +63,18 @@ inline uint32_t greater_lanes(V p, V t) {
 #endif
 }
 
-// Insert x into the descending list top[0..k) of one lane (stride L) if it beats the last;
-// whether it did.
-template <typename T>
-inline bool insert_best(T* top, int64_t k, int L, T x) {
-    if (!(x > top[(k - 1) * L])) return false;
-    int64_t t = k - 1;
-    for (; t > 0 && top[(t - 1) * L] < x; --t) top[t * L] = top[(t - 1) * L];
-    top[t * L] = x;
-    return true;
+// Insert the lanes of p into the descending per-lane lists top[0..k): where p[c] beats
+// top[t][c] it takes that place and the displaced entry moves on down; an entry that is not
+// greater than the k-th (ties included) changes nothing.
+template <typename T, typename V = typename Vec<T>::type>
+inline V insert_lanes(V* top, int64_t k, V p) {
+    for (int64_t t = 0; t < k; ++t) {
+        const V old = top[t];
+        const auto wins = p > old;
+        top[t] = wins ? p : old;
+        p = wins ? old : p;
+    }
+    return top[k - 1];
 }
 
 // am (batch, m, l) = max over a's components; live[bt * l + q]: some row of batch bt has
@@ -99,6 +107,36 @@ bool k_best_bounds(const T* a, int64_t a_comp, int64_t ka, int64_t batch, int64_
     return true;
 }
 
+// Per row of am (rows × l, finite): its indices q with am > 0 by am descending, ties by q,
+// into order[row * l, ...), and how many into count[row]. Float rows sort as 64-bit keys
+// (bits of am, then ~q): the bits of a positive float order as the float does.
+template <typename T>
+void row_order(const T* am, int64_t rows, int64_t l, int32_t* order, int64_t* count) {
+    std::vector<uint64_t> keys(std::is_same_v<T, float> ? l : 0);
+    for (int64_t row = 0; row < rows; ++row) {
+        const T* ar = am + row * l;
+        int32_t* qs = order + row * l;
+        int64_t c = 0;
+        if constexpr (std::is_same_v<T, float>) {
+            for (int64_t q = 0; q < l; ++q) {
+                if (!(ar[q] > T(0))) continue;
+                uint32_t bits;
+                std::memcpy(&bits, ar + q, sizeof bits);
+                keys[c++] = uint64_t(bits) << 32 | ~uint32_t(q);
+            }
+            std::sort(keys.begin(), keys.begin() + c, std::greater<uint64_t>());
+            for (int64_t u = 0; u < c; ++u) qs[u] = static_cast<int32_t>(~uint32_t(keys[u]));
+        } else {
+            for (int64_t q = 0; q < l; ++q)
+                if (ar[q] > T(0)) qs[c++] = static_cast<int32_t>(q);
+            std::sort(qs, qs + c, [ar](int32_t x, int32_t y) {
+                return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
+            });
+        }
+        count[row] = c;
+    }
+}
+
 template <typename T>
 void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batch, T* out,
                   int64_t k, int64_t batch, int64_t m, int64_t l, int64_t n, bool abs_b,
@@ -114,20 +152,9 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
         *nonfinite = 1;
         return;
     }
-    // per row of a: its indices q with a path, by am descending (ties by q)
     std::vector<int32_t> order(batch * m * l);
     std::vector<int64_t> count(batch * m);
-    for (int64_t row = 0; row < batch * m; ++row) {
-        const T* ar = am.data() + row * l;
-        int32_t* qs = order.data() + row * l;
-        int64_t c = 0;
-        for (int64_t q = 0; q < l; ++q)
-            if (ar[q] > T(0)) qs[c++] = static_cast<int32_t>(q);
-        std::sort(qs, qs + c, [ar](int32_t x, int32_t y) {
-            return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
-        });
-        count[row] = c;
-    }
+    row_order(am.data(), batch * m, l, order.data(), count.data());
     const int64_t blocks = (n + L - 1) / L;
     for_blocks(0, batch, 0, blocks, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
         if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
@@ -159,10 +186,11 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
             __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
             return;
         }
-        Buffer<T>& top = buffers[1];
-        top.resize(k * L);
+        Buffer<T>& lists = buffers[1];
+        lists.resize(k * L);
+        V* top = reinterpret_cast<V*>(lists.data());
         for (int64_t i = 0; i < m; ++i) {
-            std::fill(top.begin(), top.end(), T(0));
+            for (int64_t t = 0; t < k; ++t) top[t] = V{} + T(0);
             V kth = V{} + T(0);
             const T* ai = am.data() + (bt * m + i) * l;
             const int32_t* qs = order.data() + (bt * m + i) * l;
@@ -172,27 +200,27 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
                 // every later term is at most s · colmax: none can enter a list
                 if (!greater_lanes<T>(colmax * s, kth)) break;
                 const T* row = &strip[q * rs];
-                uint32_t hits = greater_lanes<T>(load<V>(row) * s, kth);
-                while (hits) {
-                    const int c = __builtin_ctz(hits);
-                    hits &= hits - 1;
-                    const T* x = a + (bt * m + i) * l + q;
-                    if (kb == 1 && sorted) {  // descending terms: stop at the first that fails
-                        const T y = row[c];
-                        for (int64_t r = 0; r < ka && insert_best(&top[c], k, L, x[r * a_comp] * y);
-                             ++r) {
-                        }
-                    } else {
-                        for (int64_t r = 0; r < ka; ++r)
-                            for (int64_t s2 = 0; s2 < kb; ++s2)
-                                insert_best(&top[c], k, L, x[r * a_comp] * row[first + s2 * L + c]);
+                const T* x = a + (bt * m + i) * l + q;
+                if (kb == 1) {
+                    const V y = load<V>(row);
+                    for (int64_t r = 0; r < ka; ++r) {
+                        const V p = y * x[r * a_comp];
+                        if (greater_lanes<T>(p, kth))
+                            kth = insert_lanes<T>(top, k, p);
+                        else if (sorted)  // descending terms: the later ones fail too
+                            break;
                     }
-                    kth[c] = top[(k - 1) * L + c];
+                } else {
+                    if (!greater_lanes<T>(load<V>(row) * s, kth)) continue;
+                    for (int64_t r = 0; r < ka; ++r)
+                        for (int64_t s2 = 0; s2 < kb; ++s2) {
+                            const V p = load<V>(row + first + s2 * L) * x[r * a_comp];
+                            if (greater_lanes<T>(p, kth)) kth = insert_lanes<T>(top, k, p);
+                        }
                 }
             }
             for (int64_t t = 0; t < k; ++t)
-                std::memcpy(out + t * out_comp + (bt * m + i) * n + j, &top[t * L],
-                            valid * sizeof(T));
+                std::memcpy(out + t * out_comp + (bt * m + i) * n + j, &top[t], valid * sizeof(T));
         }
     });
 }

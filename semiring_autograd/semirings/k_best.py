@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from .base import Semiring, Value, broadcast_value
+from .base import Semiring, Value, broadcast_shape, broadcast_value
 from .batching import across_rows
 from .tensor_ops import CHUNK_ELEMENTS, filled
 
@@ -45,11 +45,11 @@ def _fused_matmul(a: Value, b: Value, k: int, abs_b: bool, dead_count: bool) -> 
     operand not finite: the torch formulas then run)."""
     if a[0].dim() < 2 or b[0].dim() < 2 or a[0].device.type != "cpu":
         return None  # the kernel is the CPU's: no lists stacked for it elsewhere
-    a_lists, b_lists = torch.stack(broadcast_value(a)), torch.stack(broadcast_value(b))
+    a_lists, b_lists = _components(a), _components(b)
     (m, l), n = a_lists.shape[-2:], b_lists.shape[-1]
     if b_lists.shape[-2] != l:
         return None
-    batch = torch.broadcast_shapes(a_lists.shape[1:-2], b_lists.shape[1:-2])
+    batch = broadcast_shape(a_lists.shape[1:-2], b_lists.shape[1:-2])
     a4 = _batched(a_lists, batch)
     if math.prod(b_lists.shape[1:-2]) > 1:
         b4 = _batched(b_lists, batch)
@@ -59,6 +59,14 @@ def _fused_matmul(a: Value, b: Value, k: int, abs_b: bool, dead_count: bool) -> 
     if out is None:
         return None
     return tuple(c.reshape(*batch, m, n) for c in out.unbind(0))
+
+
+def _components(a: Value) -> Tensor:
+    """The components of ``a`` stacked along a new first dim (a view for one component:
+    a weight is not copied)."""
+    if len(a) == 1:
+        return a[0].unsqueeze(0)
+    return torch.stack(broadcast_value(a))
 
 
 def _batched(lists: Tensor, batch: tuple[int, ...]) -> Tensor:
@@ -103,10 +111,7 @@ class KBest(Semiring):
         return (first,) + tuple(torch.zeros_like(first) for _ in range(self.k - 1))
 
     def add(self, a, b):
-        a, b = _stacked(a), _stacked(b)
-        if a.shape != b.shape:
-            a, b = torch.broadcast_tensors(a, b)
-        return _best(torch.cat([a, b], -1), self.k)
+        return _best(_stacked((*a, *b)), self.k)  # one stack of both lists, then top-k
 
     def mul(self, a, b):
         return _best((_stacked(a)[..., :, None] * _stacked(b)[..., None, :]).flatten(-2), self.k)

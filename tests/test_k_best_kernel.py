@@ -1,0 +1,144 @@
+"""KBest's fused CPU matmul (``kernels.k_best_times``) and its ⊕ against brute force: every
+product of the two operands' lists formed and the k largest kept by a full sort. The kernel
+is compared bit for bit (``torch.equal``); NaN and infinite operands must decline (None)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import semiring_autograd as sa
+from semiring_autograd import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the CPU kernels did not build")
+
+
+def brute_force(a: torch.Tensor, b: torch.Tensor, k: int, abs_b: bool) -> torch.Tensor:
+    """(k, B, m, n): per output the k largest of a[r, bt, i, q] · b'[s, bt, q, j] over
+    (q, r, s), sorted descending, zeros appended (b' = |b| when ``abs_b``)."""
+    b = b.abs() if abs_b else b
+    ka, batch, m, l = a.shape
+    kb, n = b.shape[0], b.shape[-1]
+    b = b.expand(kb, batch, l, n)
+    out = torch.zeros(k, batch, m, n, dtype=a.dtype)
+    for bt in range(batch):
+        for i in range(m):
+            for j in range(n):
+                terms = (a[:, bt, i, :, None] * b[None, :, bt, :, j].permute(0, 2, 1)).flatten()
+                terms = torch.cat([terms, torch.zeros(k, dtype=a.dtype)])
+                out[:, bt, i, j] = terms.sort(descending=True).values[:k]
+    return out
+
+
+def lists(*shape: int, dtype=torch.float32, sort: bool = True, seed: int = 0) -> torch.Tensor:
+    """Non-negative weights on a grid of quarters (exact ties, zeros), components first;
+    sorted descending along the components unless ``sort`` is False."""
+    g = torch.Generator().manual_seed(seed)
+    x = ((torch.rand(*shape, generator=g) * 4).floor() / 4).to(dtype)
+    return x.sort(0, descending=True).values if sort else x
+
+
+CASES = [
+    # (ka, kb, batch, b_batch, m, l, n, k)
+    (3, 1, 1, 1, 5, 40, 37, 5),
+    (5, 1, 2, 1, 3, 17, 16, 5),
+    (2, 3, 2, 2, 4, 9, 33, 4),
+    (1, 1, 1, 1, 2, 3, 5, 7),  # k above the number of terms: zeros at the end
+    (4, 2, 3, 3, 1, 6, 1, 1),
+    (5, 5, 1, 1, 6, 64, 48, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("abs_b", [False, True])
+def test_k_best_times_is_the_brute_force_k_best_to_the_bit(case, abs_b, dtype):
+    ka, kb, batch, b_batch, m, l, n, k = case
+    a = lists(ka, batch, m, l, dtype=dtype, seed=1)
+    b = lists(kb, b_batch, l, n, dtype=dtype, seed=2)
+    if abs_b:
+        b = b * torch.where(lists(kb, b_batch, l, n, seed=3) > 0.5, -1.0, 1.0).to(dtype)
+    got = kernels.k_best_times(a, b, k, abs_b=abs_b, dead_count=True)
+    assert got is not None
+    assert torch.equal(got, brute_force(a, b, k, abs_b))
+
+
+@pytest.mark.parametrize("kb", [1, 2])
+def test_k_best_times_takes_unsorted_lists(kb: int):
+    a = lists(4, 2, 3, 11, sort=False, seed=4)
+    b = lists(kb, 1, 11, 19, sort=False, seed=5)
+    assert not bool((a[1:] <= a[:-1]).all())
+    got = kernels.k_best_times(a, b, 5, abs_b=False, dead_count=True)
+    assert torch.equal(got, brute_force(a, b, 5, False))
+
+
+def test_k_best_times_rows_and_indices_without_paths():
+    a = lists(3, 1, 6, 20, seed=6)
+    a[:, :, 2] = 0  # a row with no path: all zeros
+    a[:, :, :, 5:9] = 0  # indices no row reaches
+    b = lists(1, 1, 20, 21, seed=7)
+    got = kernels.k_best_times(a, b, 4, abs_b=True, dead_count=True)
+    assert torch.equal(got, brute_force(a, b, 4, True))
+    assert torch.equal(got[:, :, 2], torch.zeros(4, 1, 21))
+
+
+def test_k_best_times_ignores_dead_indices_only_when_asked():
+    a = lists(2, 1, 3, 10, seed=8)
+    a[:, :, :, 4] = 0  # index 4: no row has a path
+    b = lists(1, 1, 10, 17, seed=9)
+    b[0, 0, 4, 3] = float("nan")
+    got = kernels.k_best_times(a, b, 3, abs_b=True, dead_count=False)
+    live = [q for q in range(10) if q != 4]
+    assert torch.equal(got, brute_force(a[..., live], b[:, :, live], 3, True))
+    assert kernels.k_best_times(a, b, 3, abs_b=True, dead_count=True) is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["a", "b"])
+def test_k_best_times_declines_non_finite_operands(bad: float, where: str):
+    a = lists(2, 1, 3, 8, seed=10)
+    b = lists(1, 1, 8, 20, seed=11)
+    (a if where == "a" else b)[0, 0, 1, 1] = bad
+    assert kernels.k_best_times(a, b, 3, abs_b=True, dead_count=True) is None
+
+
+def brute_add(a: tuple, b: tuple, k: int) -> tuple:
+    """The k largest of the 2k entries per element, by a full sort."""
+    x, y = torch.broadcast_tensors(torch.stack(a, -1), torch.stack(b, -1))
+    top = torch.cat([x, y], -1).sort(-1, descending=True).values[..., :k]
+    return tuple(top.unbind(-1))
+
+
+@pytest.mark.parametrize("shapes", [((4, 7), (4, 7)), ((4, 7), (1, 7)), ((3, 1, 5), (2, 5))])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_k_best_add_is_the_k_largest_of_both_lists(shapes, k: int):
+    S = sa.KBest(k)
+    a = tuple(lists(k, *shapes[0], seed=12).unbind(0))
+    b = tuple(lists(k, *shapes[1], seed=13).unbind(0))
+    got = S.add(a, b)
+    want = brute_add(a, b, k)
+    assert len(got) == k
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_k_best_matmul_lift_does_not_copy_the_weight_for_the_kernel():
+    """matmul_lift hands the kernel a view of the weight (one component: no stack)."""
+    S = sa.KBest(3)
+    w = torch.randn(12, 9)
+    seen = []
+    original = kernels.k_best_times
+
+    def spy(a, b, k, abs_b=False, dead_count=True):
+        seen.append(b.data_ptr() == w.data_ptr())
+        return original(a, b, k, abs_b, dead_count)
+
+    a = tuple(lists(3, 4, 12, seed=14).unbind(0))
+    kernels.k_best_times = spy
+    try:
+        got = S.matmul_lift(a, w)
+    finally:
+        kernels.k_best_times = original
+    assert seen == [True]
+    want = brute_force(torch.stack(a)[:, None], w[None, None], 3, True)
+    assert torch.equal(torch.stack(got), want[:, 0])
