@@ -137,6 +137,72 @@ void row_order(const T* am, int64_t rows, int64_t l, int32_t* order, int64_t* co
     }
 }
 
+// One row i of a against one column strip (see k_best_times): its indices q (qs, by am
+// descending), their bounds am, its lists x (component r at x[r * a_comp + q]), and the
+// strip's rows (the bound bm, then for kb > 1 the kb components, rs entries per q).
+template <typename T, typename V = typename Vec<T>::type>
+struct Row {
+    const T* am;
+    const int32_t* qs;
+    int64_t count;
+    const T* x;
+    int64_t a_comp, ka, kb;
+    bool sorted;
+    const T* strip;
+    int64_t rs, first;
+    V colmax;
+};
+
+// The k best terms of row r per lane of the strip, best first, into top[0..k). K > 0: k is
+// K, and the lists stay in registers; K = 0: any k.
+template <typename T, int K, typename V = typename Vec<T>::type>
+void best_of_row(const Row<T>& r, int64_t k, V* top) {
+    constexpr int L = Vec<T>::lanes;
+    V local[K > 0 ? K : 1];
+    V* lists = K > 0 ? local : top;
+    const int64_t kk = K > 0 ? K : k;
+    for (int64_t t = 0; t < kk; ++t) lists[t] = V{} + T(0);
+    V kth = V{} + T(0);
+    for (int64_t u = 0; u < r.count; ++u) {
+        const int64_t q = r.qs[u];
+        const T s = r.am[q];
+        // every later term is at most s · colmax: none can enter a list
+        if (!greater_lanes<T>(r.colmax * s, kth)) break;
+        const T* row = r.strip + q * r.rs;
+        const T* x = r.x + q;
+        if (r.kb == 1) {
+            const V y = load<V>(row);
+            for (int64_t c = 0; c < r.ka; ++c) {
+                const V p = y * x[c * r.a_comp];
+                if (greater_lanes<T>(p, kth))
+                    kth = insert_lanes<T>(lists, kk, p);
+                else if (r.sorted)  // descending terms: the later ones fail too
+                    break;
+            }
+        } else {
+            if (!greater_lanes<T>(load<V>(row) * s, kth)) continue;
+            for (int64_t c = 0; c < r.ka; ++c)
+                for (int64_t d = 0; d < r.kb; ++d) {
+                    const V p = load<V>(row + r.first + d * L) * x[c * r.a_comp];
+                    if (greater_lanes<T>(p, kth)) kth = insert_lanes<T>(lists, kk, p);
+                }
+        }
+    }
+    if (K > 0)
+        for (int64_t t = 0; t < K; ++t) top[t] = local[t];
+}
+
+// best_of_row with the lists in registers for k ≤ K.
+template <typename T, int K = 8, typename V = typename Vec<T>::type>
+void best_of_row_k(int64_t k, const Row<T>& r, V* top) {
+    if constexpr (K == 0)
+        best_of_row<T, 0>(r, k, top);
+    else if (k == K)
+        best_of_row<T, K>(r, k, top);
+    else
+        best_of_row_k<T, K - 1>(k, r, top);
+}
+
 template <typename T>
 void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batch, T* out,
                   int64_t k, int64_t batch, int64_t m, int64_t l, int64_t n, bool abs_b,
@@ -190,37 +256,14 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
         lists.resize(k * L);
         V* top = reinterpret_cast<V*>(lists.data());
         for (int64_t i = 0; i < m; ++i) {
-            for (int64_t t = 0; t < k; ++t) top[t] = V{} + T(0);
-            V kth = V{} + T(0);
-            const T* ai = am.data() + (bt * m + i) * l;
-            const int32_t* qs = order.data() + (bt * m + i) * l;
-            for (int64_t u = 0; u < count[bt * m + i]; ++u) {
-                const int64_t q = qs[u];
-                const T s = ai[q];
-                // every later term is at most s · colmax: none can enter a list
-                if (!greater_lanes<T>(colmax * s, kth)) break;
-                const T* row = &strip[q * rs];
-                const T* x = a + (bt * m + i) * l + q;
-                if (kb == 1) {
-                    const V y = load<V>(row);
-                    for (int64_t r = 0; r < ka; ++r) {
-                        const V p = y * x[r * a_comp];
-                        if (greater_lanes<T>(p, kth))
-                            kth = insert_lanes<T>(top, k, p);
-                        else if (sorted)  // descending terms: the later ones fail too
-                            break;
-                    }
-                } else {
-                    if (!greater_lanes<T>(load<V>(row) * s, kth)) continue;
-                    for (int64_t r = 0; r < ka; ++r)
-                        for (int64_t s2 = 0; s2 < kb; ++s2) {
-                            const V p = load<V>(row + first + s2 * L) * x[r * a_comp];
-                            if (greater_lanes<T>(p, kth)) kth = insert_lanes<T>(top, k, p);
-                        }
-                }
-            }
+            const int64_t row = bt * m + i;
+            const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
+                           a + row * l,          a_comp,               ka,
+                           kb,                   sorted,               strip.data(),
+                           rs,                   first,                colmax};
+            best_of_row_k<T>(k, r, top);
             for (int64_t t = 0; t < k; ++t)
-                std::memcpy(out + t * out_comp + (bt * m + i) * n + j, &top[t], valid * sizeof(T));
+                std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));
         }
     });
 }
