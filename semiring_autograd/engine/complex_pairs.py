@@ -55,14 +55,6 @@ def _matrices(other: Any, like: Tensor) -> Tensor:
     return torch.stack([torch.stack([a, -b], -1), torch.stack([b, a], -1)], -2)
 
 
-def binds(func: Any) -> bool:
-    """Whether ``func`` is one of the torch functions bound here."""
-    try:
-        return func in FUNCTIONS
-    except TypeError:  # an unhashable callable
-        return False
-
-
 class ComplexPairs:
     """The complex tensors a patch made from real pairs, each kept with the pairs that
     carry its edges (held weakly: a tensor the model drops is forgotten)."""

@@ -41,10 +41,6 @@ def node_info(node: Any) -> NodeInfo | None:
     return node.metadata.get(_KEY)
 
 
-def set_node_info(node: Any, info: NodeInfo) -> None:
-    node.metadata[_KEY] = info
-
-
 def reachable_nodes(roots: Iterable[Any]) -> list[Any]:
     """Every backward node reachable from ``roots`` (grad_fn nodes; None entries skipped),
     each once, roots first."""

@@ -253,7 +253,7 @@ class _SemiringMode(TorchFunctionMode):
         """The call under its entry's generated Function (torch's graph under sa.Real()),
         an in-place one written back; refused where no entry takes it."""
         handle = self.handle
-        try:  # op_table.candidates and complex_pairs.binds, inline
+        try:  # the entries registered for func; whether complex_pairs.FUNCTIONS holds it
             candidates = handle.op_table.by_function.get(func, ())
             pairs = func in complex_pairs.FUNCTIONS and not handle.torch_graph
         except TypeError:  # an unhashable callable is registered nowhere
@@ -319,8 +319,8 @@ class _SemiringMode(TorchFunctionMode):
         if node is not None:
             stack = handle._stack  # handle.current_module, without the property's call
             module = stack[-1][0] if stack else type(handle.model).__name__
-            # set_node_info(node, NodeInfo(op.name, module, handle.semiring, recorded)), without
-            # the Python calls of either (the namedtuple's __new__ is one)
+            # the node's NodeInfo(op.name, module, handle.semiring, recorded), made without the
+            # namedtuple's __new__ (a Python call)
             info = (op.name, module, handle.semiring, recorded, *_INFO_DEFAULTS)
             node.metadata[NODE_INFO_KEY] = _tuple_new(NodeInfo, info)
         return out
@@ -661,7 +661,7 @@ class PatchHandle:
         module = stack[-1][0] if stack else type(self.model).__name__
         sequence_nrs = range(first, _next_sequence_nr())
         info = NodeInfo(op.name, module, self.semiring, None, sequence_nrs, tuple(input_nodes))
-        node.metadata[NODE_INFO_KEY] = info  # set_node_info(node, info), inline
+        node.metadata[NODE_INFO_KEY] = info  # what graph.node_info reads
         return out
 
     @property

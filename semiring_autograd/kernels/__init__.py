@@ -48,11 +48,18 @@ import torch
 from torch import Tensor
 
 from . import build, checks, operators
-from .build import available, built, mode
+from .build import _ENVIRON, _KEY, _PARSED, LOADED as _LOADED, available, built, mode
+from .checks import _VERDICTS
 from .operators import op
 
 _FLOATS = (torch.float32, torch.float64)
 CPU = torch.device("cpu")
+#: ``os.environ``'s mapping and the kernel mode parsed per raw value (``build.mode``'s
+#: caches), read inline on every kernel call; both empty where ``os.environ`` has no such
+#: mapping (``mode()`` is then called)
+_ENV, _MODES = (_ENVIRON, _PARSED) if _ENVIRON is not None else ({}, {})
+#: the modes in which a kernel that passed its check runs
+_ON = ("check", "trust")
 
 
 #: the innermost active functorch transform's level (None: none)
@@ -89,16 +96,30 @@ def _cpu_ready(name: str, *tensors: Tensor) -> bool:
     for t in tensors:  # a loop, not a generator: this runs on every kernel call
         if t.dtype != dtype or not t.is_cpu:  # is_cpu: t.device makes an object per read
             return False
+    if (  # _cpu_kernel's answer, inline, once the kernel passed its check
+        _LOADED
+        and _VERDICTS.get((name, CPU, dtype))
+        and _MODES.get(_ENV.get(_KEY)) in _ON
+        and _functorch_level() is None
+    ):
+        return True
     return _cpu_kernel(name, dtype)
 
 
 def _cpu_kernel(name: str, dtype: torch.dtype) -> bool:
-    """Whether CPU kernel ``name`` may compute for ``dtype``: enabled, built and ready."""
-    how = mode()
-    if how == "off" or _functorch_level() is not None or not built():
+    """Whether CPU kernel ``name`` may compute for ``dtype``: enabled, built and ready
+    (``mode()``, ``built()`` and ``checks.verified``, each read from its cache without a
+    call once it holds the answer)."""
+    how = _MODES.get(_ENV.get(_KEY))
+    if how is None:
+        how = mode()
+    if how == "off" or _functorch_level() is not None or not (_LOADED or built()):
         return False
+    verdict = _VERDICTS.get((name, CPU, dtype))
     if how == "trust":  # _ready, inline
-        return not checks.failed((name, CPU, dtype))
+        return verdict is not False
+    if verdict is not None:
+        return verdict
     return checks.verified(name, CPU, dtype, lambda *args: op(name)(*args))
 
 
@@ -110,6 +131,13 @@ def _nonempty_ready(name: str, *tensors: Tensor) -> bool:
     for t in tensors:
         if not t.numel() or t.dtype != dtype or not t.is_cpu:
             return False
+    if (  # _cpu_kernel's answer, inline, once the kernel passed its check
+        _LOADED
+        and _VERDICTS.get((name, CPU, dtype))
+        and _MODES.get(_ENV.get(_KEY)) in _ON
+        and _functorch_level() is None
+    ):
+        return True
     return _cpu_kernel(name, dtype)
 
 
@@ -266,8 +294,11 @@ def log_space_rows(a: Tensor, r: Tensor | None, out: Tensor) -> tuple[Tensor, Te
     or, given ``r``, [e·r | e] (…, m, 2k). None (``out`` untouched) off the CPU, without
     the kernels, for k = 0, or unless a, r and out are contiguous."""
     parts = (a, out) if r is None else (a, r, out)
-    if a.dim() < 2 or a.shape[-1] == 0 or not all(t.is_contiguous() for t in parts):
+    if a.dim() < 2 or a.shape[-1] == 0:
         return None
+    for t in parts:
+        if not t.is_contiguous():
+            return None
     k = a.shape[-1]
     if out.shape != (*a.shape[:-1], k if r is None else 2 * k):
         raise ValueError(

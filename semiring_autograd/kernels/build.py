@@ -334,9 +334,29 @@ def available() -> bool:
 
 def built() -> bool:
     """Whether the CPU kernels are built and loaded, whatever the mode (building them on
-    the first call)."""
+    the first call, under a lock; once loaded, a read without it)."""
+    if LOADED:
+        return True
     with _LOCK:
-        return _built() is not None
+        flags = _built()
+        LOADED[:] = [] if flags is None else [flags]
+        return flags is not None
+
+
+#: the loaded build's flags once ``built()`` has found it loaded (empty until then): a kernel
+#: call reads it without a call or the lock
+LOADED: list = []
+_clear_built = _built.cache_clear
+
+
+def _forget_build() -> None:
+    """``_built.cache_clear()``: the loaded build forgotten, LOADED too; the next ``built()``
+    loads it again."""
+    LOADED.clear()
+    _clear_built()
+
+
+_built.cache_clear = _forget_build
 
 
 def uses_openmp() -> bool:

@@ -15,11 +15,14 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ..semirings.base import Semiring, Value, message_dtype
+from ..semirings.base import MESSAGE_DTYPES, Semiring, Value, message_dtype
 from ..semirings.tensor_ops import live_columns, live_rows
 from .einsum_helpers import Contraction, contraction_dims
 
 Ref = tuple[torch.dtype, torch.device]
+#: primal dtypes that are their own message dtype
+_OWN_PRECISION = (torch.float32, torch.float64)
+_SUM_TO = Semiring.sum_to
 
 PRIMITIVES = (
     "lift",
@@ -55,8 +58,12 @@ def as_message(x: Tensor | Number, ref: Ref) -> Tensor:
     """``x`` as a floating tensor in message precision (half and bfloat16 are computed in
     float32; bool and integer tensors take the output's message precision)."""
     if isinstance(x, Tensor):
-        return x.to(message_dtype(x.dtype if x.is_floating_point() else ref[0]))
-    return torch.tensor(x, dtype=message_dtype(ref[0]), device=ref[1])
+        dtype = MESSAGE_DTYPES.get(x.dtype)
+        if dtype is None:
+            dtype = message_dtype(x.dtype if x.is_floating_point() else ref[0])
+        return x.to(dtype)
+    dtype = MESSAGE_DTYPES.get(ref[0]) or message_dtype(ref[0])
+    return torch.tensor(x, dtype=dtype, device=ref[1])
 
 
 def lift(S: Semiring, w: Tensor | Number, ref: Ref) -> Value:
@@ -85,7 +92,15 @@ def sum(S: Semiring, a: Value, dims: Any = None, keepdim: bool = False) -> Value
 
 
 def sum_to(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
-    """⊕ over the dims along which ``shape`` was broadcast (undoes a broadcast)."""
+    """⊕ over the dims along which ``shape`` was broadcast (undoes a broadcast); ``a``
+    itself where every component has ``shape`` (the common case, decided here without
+    ``Semiring.sum_to``'s call where the semiring keeps that method)."""
+    if type(S).sum_to is _SUM_TO:
+        shape = tuple(shape)
+        for c in a:
+            if c.shape != shape:
+                return S.sum_to(a, shape)
+        return a
     return S.sum_to(a, shape)
 
 
@@ -100,7 +115,7 @@ def contract(S: Semiring, a: Value, b: Value, spec: Contraction) -> Value:
     operand has and the output lacks are ⊕-reduced first; output labels neither has are a
     broadcast)."""
     if spec.summed(spec.b, spec.a):
-        b = S.sum(_each(b, lambda c: c.expand(spec.size(spec.b))), spec.summed(spec.b, spec.a))
+        b = S.sum(expand(S, b, spec.size(spec.b)), spec.summed(spec.b, spec.a))
     return _contract(S, a, b, spec, S.matmul)
 
 
@@ -116,20 +131,16 @@ def _contract(S: Semiring, a: Value, b: tuple, spec: Contraction, matmul) -> Val
     """:func:`contract` once ``b`` has no labels of its own left: ``matmul`` multiplies the
     (batch, left, inner) and (batch, inner, right) blocks."""
     size = spec.size
-    a = _each(a, lambda c: c.expand(size(spec.a)))
-    b = _each(b, lambda c: c.expand(size(spec.kept(spec.b, spec.a))))
+    a = expand(S, a, size(spec.a))
+    b = expand(S, b, size(spec.kept(spec.b, spec.a)))
     if spec.summed(spec.a, spec.b):
         a = S.sum(a, spec.summed(spec.a, spec.b))
     batch, left, inner, right = spec.layout()
     n, rows, inner_n, cols = (math.prod(size(labels)) for labels in (batch, left, inner, right))
-    a = _each(
-        a, lambda c: c.permute(contraction_dims(spec.kept(spec.a, spec.b), batch + left + inner))
-    )
-    b = _each(
-        b, lambda c: c.permute(contraction_dims(spec.kept(spec.b, spec.a), batch + inner + right))
-    )
-    a = _each(a, lambda c: c.reshape(n, rows, inner_n))
-    b = _each(b, lambda c: c.reshape(n, inner_n, cols))
+    a = permute(S, a, contraction_dims(spec.kept(spec.a, spec.b), batch + left + inner))
+    b = permute(S, b, contraction_dims(spec.kept(spec.b, spec.a), batch + inner + right))
+    a = reshape(S, a, (n, rows, inner_n))
+    b = reshape(S, b, (n, inner_n, cols))
     out = reshape(S, matmul(a, b), size(batch + left + right))
     out = permute(S, out, contraction_dims(batch + left + right, spec.present))
     if spec.present != spec.out:
@@ -150,7 +161,9 @@ def weight_operands(S: Semiring, a: Value, w: Tensor, ref: Ref) -> tuple[Value, 
     some row has none: see ``on_live_rows``) with their rows of ``w``: a read-out of one
     logit converts one row of an lm_head, not the whole weight."""
     terms = S.terms
-    if terms is None or w.dim() != 2 or w.dtype == message_dtype(w.dtype):
+    if terms is None or w.dim() != 2 or w.dtype in _OWN_PRECISION:
+        return a, as_message(w, ref)
+    if w.dtype == message_dtype(w.dtype):
         return a, as_message(w, ref)
     found = live_rows(a, terms, w)
     if found is None or not found[2].numel():
@@ -165,6 +178,10 @@ def weight_operands(S: Semiring, a: Value, w: Tensor, ref: Ref) -> tuple[Value, 
 def mul_lift(S: Semiring, a: Value, w: Tensor | Number, ref: Ref) -> Value:
     """mul(a, lift(w)), which the generator emits for that pattern (the signed semiring
     multiplies by a point without building lift(w) and its four corner products)."""
+    if isinstance(w, Tensor):  # as_message's floating case, inline: this runs per node
+        dtype = MESSAGE_DTYPES.get(w.dtype)
+        if dtype is not None:
+            return S.mul_lift(a, w.to(dtype))
     return S.mul_lift(a, as_message(w, ref))
 
 
@@ -199,41 +216,42 @@ def index_add(S: Semiring, a: Value, index: Tensor, size: int) -> Value:
     return S.index_add(a, index, size)
 
 
-def _each(a: Value, fn) -> Value:
-    return tuple(fn(c) for c in a)
-
-
+# The view primitives act on each component alike; one list comprehension each (no
+# generator, no lambda per component): they run for most backward nodes.
 def reshape(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
-    return _each(a, lambda c: c.reshape(shape))
+    return tuple([c.reshape(shape) for c in a])
 
 
 def permute(S: Semiring, a: Value, dims: Sequence[int]) -> Value:
-    return _each(a, lambda c: c.permute(tuple(dims)))
+    dims = tuple(dims)
+    return tuple([c.permute(dims) for c in a])
 
 
 def transpose(S: Semiring, a: Value, d0: int, d1: int) -> Value:
-    return _each(a, lambda c: c.transpose(d0, d1))
+    return tuple([c.transpose(d0, d1) for c in a])
 
 
 def expand(S: Semiring, a: Value, shape: Sequence[int]) -> Value:
-    return _each(a, lambda c: c.expand(tuple(shape)))
+    shape = tuple(shape)
+    return tuple([c.expand(shape) for c in a])
 
 
 def narrow(S: Semiring, a: Value, dim: int, start: int, length: int) -> Value:
-    return _each(a, lambda c: c.narrow(dim, start, length))
+    return tuple([c.narrow(dim, start, length) for c in a])
 
 
 def index_select(S: Semiring, a: Value, dim: int, index: Tensor) -> Value:
     """The entries of ``a`` at ``index`` along ``dim`` (a gather of messages)."""
-    return _each(a, lambda c: c.index_select(dim, index))
+    return tuple([c.index_select(dim, index) for c in a])
 
 
 def flip(S: Semiring, a: Value, dims: Sequence[int]) -> Value:
-    return _each(a, lambda c: c.flip(tuple(dims)))
+    dims = tuple(dims)
+    return tuple([c.flip(dims) for c in a])
 
 
 def roll(S: Semiring, a: Value, shifts: Any, dims: Any) -> Value:
-    return _each(a, lambda c: c.roll(shifts, dims))
+    return tuple([c.roll(shifts, dims) for c in a])
 
 
 def getitem_backward(S: Semiring, a: Value, shape: Sequence[int], index: Any) -> Value:
@@ -274,4 +292,4 @@ def cast(S: Semiring, a: Value, dtype: torch.dtype, device: torch.device) -> Val
     """The message of a dtype/device cast's input (identity edges): components moved to
     ``device``; wrapping the result as the input's message puts floating components in the
     message precision of ``dtype``."""
-    return _each(a, lambda c: c.to(device))
+    return tuple([c.to(device) for c in a])

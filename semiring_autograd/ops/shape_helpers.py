@@ -12,7 +12,7 @@ from ..semirings.base import normalize_dims
 def keepdim_shape(shape: Sequence[int], dims: int | Sequence[int] | None) -> tuple[int, ...]:
     """``shape`` with the reduced ``dims`` kept as size 1."""
     reduced = normalize_dims(dims, len(shape))
-    return tuple(1 if i in reduced else s for i, s in enumerate(shape))
+    return tuple([1 if i in reduced else s for i, s in enumerate(shape)])
 
 
 def reduction_dims(dims: int | Sequence[int] | None) -> int | Sequence[int] | None:
@@ -56,26 +56,28 @@ def _broadcast(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
     n = max(len(x), len(y))
     x = (1,) * (n - len(x)) + tuple(x)
     y = (1,) * (n - len(y)) + tuple(y)
-    return tuple(max(p, q) if min(p, q) == 1 else p for p, q in zip(x, y))
+    return tuple([max(p, q) if min(p, q) == 1 else p for p, q in zip(x, y)])
 
 
 def split_sizes(shapes: Sequence[Sequence[int]], dim: int) -> list[int]:
     """Sizes along ``dim`` of the pieces that were concatenated (0 for a legacy empty 1-D
     tensor among higher-dimensional ones, which ``torch.cat`` skips)."""
-    ndim = max(len(s) for s in shapes)
+    ndim = max(map(len, shapes))
     return [0 if len(s) == 1 and s[0] == 0 and ndim > 1 else s[dim] for s in shapes]
 
 
 def is_basic_index(index: object) -> bool:
     """Whether ``index`` uses only ints, slices, None and Ellipsis (no tensors/lists)."""
     items = index if isinstance(index, tuple) else (index,)
-    return all(
-        i is None
-        or i is Ellipsis
-        or isinstance(i, slice)
-        or (isinstance(i, int) and not isinstance(i, bool))
-        for i in items
-    )
+    for i in items:  # a loop, not a generator: this runs for every recorded indexing
+        if not (
+            i is None
+            or i is Ellipsis
+            or isinstance(i, slice)
+            or (isinstance(i, int) and not isinstance(i, bool))
+        ):
+            return False
+    return True
 
 
 def attention_scale(query_shape: Sequence[int], scale: float | None) -> float:

@@ -40,6 +40,16 @@ def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> tuple[int, ..
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+#: floating primal dtype -> its message dtype (``message_dtype``), for callers that run per
+#: backward node and read it with one dict lookup
+MESSAGE_DTYPES = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+}
+
+
 def message_dtype(dtype: torch.dtype) -> torch.dtype:
     """The floating dtype of semiring components for a primal of ``dtype``: the primal's own,
     at least float32 (half and bfloat16 primals get float32 messages); float default for
@@ -52,22 +62,24 @@ def message_dtype(dtype: torch.dtype) -> torch.dtype:
 def broadcast_shape(*shapes: Sequence[int]) -> torch.Size:
     """``torch.broadcast_shapes(*shapes)``, with the common cases (all equal, or all but one
     empty) decided without it: it costs 30-140 µs per call in Python, more than most operators
-    of the dispatch-bound tiny Llama."""
-    sized = [s for s in shapes if len(s)]
-    if not sized:
-        return torch.Size(())
-    first = sized[0]
-    if all(s == first for s in sized):
-        return torch.Size(first)
-    return torch.broadcast_shapes(*shapes)
+    of the dispatch-bound tiny Llama. A loop, not generators: this runs for most backward
+    nodes."""
+    first = None
+    for s in shapes:
+        if len(s):
+            if first is None:
+                first = s
+            elif s != first:
+                return torch.broadcast_shapes(*shapes)
+    return torch.Size(()) if first is None else torch.Size(first)
 
 
 def broadcast_value(a: Value) -> Value:
     """The components of ``a`` expanded to their common shape."""
     if len(a) == 1:
         return a
-    shape = broadcast_shape(*(c.shape for c in a))
-    return tuple(c.expand(shape) for c in a)
+    shape = broadcast_shape(*[c.shape for c in a])
+    return tuple([c.expand(shape) for c in a])
 
 
 def _strided(c: Tensor, dim: int, start: int) -> Tensor:
@@ -295,7 +307,7 @@ class Semiring:
         d = normalize_dims(dims, len(shape))
         if not d:
             return a
-        if any(shape[i] == 0 for i in d):
+        if 0 in shape and any(shape[i] == 0 for i in d):
             out = a
             for i in d:
                 out = self._sum_dim(out, i)
@@ -396,11 +408,15 @@ class Semiring:
     def sum_to(self, a: Value, shape: Sequence[int]) -> Value:
         """⊕ over the dims along which ``shape`` was broadcast to ``a``'s shape."""
         shape = tuple(shape)
-        full = a[0].shape if len(a) == 1 else broadcast_shape(*(c.shape for c in a))
+        full = a[0].shape
+        for c in a:  # a loop: components of one shape (the common case) need no broadcast
+            if c.shape != full:
+                full = broadcast_shape(*[c.shape for c in a])
+                break
         if tuple(full) == shape:
             return a
         lead = len(full) - len(shape)
         dims = list(range(lead))
         dims += [lead + i for i, s in enumerate(shape) if s == 1 and full[lead + i] != 1]
         out = self.sum(a, dims, keepdim=True)
-        return tuple(c.reshape(shape) for c in out)
+        return tuple([c.reshape(shape) for c in out])

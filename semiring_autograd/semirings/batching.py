@@ -11,10 +11,16 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+_is_batched = torch._C._functorch.is_batchedtensor
+
 
 def batched(*tensors: Tensor) -> bool:
-    """Whether any of ``tensors`` is batched by ``torch.vmap``."""
-    return any(torch._C._functorch.is_batchedtensor(t) for t in tensors)
+    """Whether any of ``tensors`` is batched by ``torch.vmap`` (a loop, not a generator: the
+    kernels' callers ask on every call)."""
+    for t in tensors:
+        if _is_batched(t):
+            return True
+    return False
 
 
 _layer: list = []  # the torch.vmap layer of the batched backward running, with its depth
