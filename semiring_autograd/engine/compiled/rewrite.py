@@ -185,19 +185,11 @@ def _strided_views(steps: list[_Step]) -> list[_Step]:
     return strided
 
 
-def _frozen(tree: Any) -> Any:
-    """A hashable form of a template."""
-    if isinstance(tree, (list, tuple)):
-        return tuple(_frozen(x) for x in tree)
-    if isinstance(tree, dict):
-        return tuple((k, _frozen(v)) for k, v in tree.items())
-    return tree
-
-
 def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
-    """A view operator run again on the same arguments gives the same view (it reads no
-    data): its result is the first one's. Not where a view's shape is changed in place
-    (``t_``): then every value such an operator touches keeps its own views."""
+    """The same view (``as_strided`` with the same size, strides and offset) of the same
+    base taken again (a view reads no data): its result is the first one's. Not where a
+    view's shape is changed in place (``t_``): then every value such an operator touches
+    keeps its own views."""
     reshaped: set[int] = set()
     for step in steps:
         if _traits(step.func).inplace_view:
@@ -208,19 +200,14 @@ def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
     subst: dict[int, Any] = {}
     kept = []
     for step in steps:
-        outs = _outputs(step) if step.view is not None else ()
+        outs = _outputs(step) if step.func is _aten.as_strided.default else ()
         if (
-            step.view is not None
-            and len(outs) == 1
+            len(outs) == 1
             and not reshaped.intersection(step.reads)
             and outs[0] not in reshaped
             and outs[0] not in returned
         ):
-            try:
-                key = (step.func, _frozen(step.args), _frozen(step.kwargs))
-                first = seen.setdefault(key, outs[0])
-            except TypeError:  # an argument without a hash: the view is kept as it is
-                first = outs[0]
+            first = seen.setdefault((step.args[0], step.view), outs[0])
             if first != outs[0]:
                 subst[outs[0]] = _Ref(first)
                 continue

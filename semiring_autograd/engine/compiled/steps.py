@@ -12,21 +12,21 @@ import torch
 _aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Ref:
     """A value of the program: ``v<index>``."""
 
     index: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Constant:
     """A tensor the program reads that neither a slot nor a step gives: ``k<index>``."""
 
     index: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     func: Callable
     args: tuple  # with tensors as _Ref or Constant
@@ -65,7 +65,7 @@ def _collect_refs(tree: Any, found: list[int]) -> None:
             _collect_refs(x, found)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Traits:
     """What the recorder asks of an operator on every call, read from its schema once."""
 
