@@ -2,9 +2,10 @@
 
 The first call for a graph signature runs the backward eagerly under a dispatch mode that
 records every aten and ``semiring_autograd`` operator it runs on plain tensors (the
-components inside messages included), and turns the record into one straight-line Python
-function: the operators in order, each a direct call, with ``del`` after a value's last
-use. Later calls with the same signature run that function on the new graph's saved tensors
+components inside messages included). The second call turns the record into one
+straight-line Python function (``rewrite.py`` first drops what a replay need not run): the
+operators in order, each a direct call, with ``del`` after a value's last use; so a
+signature called once costs no build. Later calls with the same signature run that function on the new graph's saved tensors
 and seeds: no autograd engine, no generated backward, no message wrapping, no per-node
 Python.
 

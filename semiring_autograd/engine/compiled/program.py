@@ -6,9 +6,11 @@ values: a slot (a tensor the program is given), the result of an earlier operato
 constant (a tensor from outside: scratch storage, a parameter of a compiled step). An
 operator on messages runs its handler with the recorder active, so the component
 operators inside are recorded. Python that reads tensor data (an operator returning a
-number) and operators whose result shape depends on data become guards of the program. The
-program calls each operator (through torch's generated Python binding where one takes the
-same arguments), checks its guards and deletes each value after its last use. It runs in
+number) and operators whose result shape depends on data become guards of the program.
+Built on its first replay, after the rewrites of ``rewrite.py``, the program calls each
+operator (through torch's generated Python binding where one takes the same arguments),
+checks its guards (a bool read from a CPU tensor in batches, ``_hold``) and deletes each
+value after its last use. It runs in
 any thread, several at once: a scratch buffer of the capturing thread it writes into is,
 in another thread, that thread's own buffer of the same layout; with autocast off, since
 the recorder saw the operators after autocast's casts.
