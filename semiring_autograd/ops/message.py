@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..errors import ForeignOpError, SemiringMismatchError
 from ..semirings import batching
-from ..semirings.base import Semiring, Value, message_dtype
+from ..semirings.base import MESSAGE_DTYPES, Semiring, Value, message_dtype
 from .primitives import as_message
 from .tensor_helpers import element_positions, gather_positions
 
@@ -158,7 +158,7 @@ def wrap_one(semiring: Semiring, component: Tensor | None, meta) -> Message | No
         return None
     shape, dtype, device = meta
     if component.dtype != dtype or dtype not in _OWN_PRECISION:
-        target = message_dtype(dtype)
+        target = MESSAGE_DTYPES.get(dtype) or message_dtype(dtype)
         if component.dtype != target and component.is_floating_point():
             component = component.to(target)
     # _message's body, inline: this runs for every message of a one-component semiring
