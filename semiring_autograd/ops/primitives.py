@@ -21,7 +21,7 @@ from .einsum_helpers import Contraction, contraction_dims
 
 Ref = tuple[torch.dtype, torch.device]
 #: primal dtypes that are their own message dtype
-_OWN_PRECISION = (torch.float32, torch.float64)
+OWN_PRECISION = (torch.float32, torch.float64)
 _SUM_TO = Semiring.sum_to
 
 PRIMITIVES = (
@@ -151,6 +151,8 @@ def _contract(S: Semiring, a: Value, b: tuple, spec: Contraction, matmul) -> Val
 def matmul_lift(S: Semiring, a: Value, w: Tensor, ref: Ref) -> Value:
     """matmul(a, lift(w)), which the generator emits for that pattern: a semiring may skip
     materialising lift(w) (the log-space semirings never take log|w| only to exp it)."""
+    if w.dtype in OWN_PRECISION:  # weight_operands' answer, inline: (a, w) as they are
+        return S.matmul_lift(a, w)
     return S.matmul_lift(*weight_operands(S, a, w, ref))
 
 
@@ -161,7 +163,7 @@ def weight_operands(S: Semiring, a: Value, w: Tensor, ref: Ref) -> tuple[Value, 
     some row has none: see ``on_live_rows``) with their rows of ``w``: a read-out of one
     logit converts one row of an lm_head, not the whole weight."""
     terms = S.terms
-    if terms is None or w.dim() != 2 or w.dtype in _OWN_PRECISION:
+    if terms is None or w.dim() != 2 or w.dtype in OWN_PRECISION:
         return a, as_message(w, ref)
     if w.dtype == message_dtype(w.dtype):
         return a, as_message(w, ref)
