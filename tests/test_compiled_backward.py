@@ -493,6 +493,31 @@ def test_compiled_step_refuses_inputs_without_grad(llama):
         sa.compiled_step(llama, sa.Log, lambda m, x: x)
 
 
+@pytest.mark.parametrize("semiring", SEMIRINGS, ids=repr)
+def test_replay_with_the_torch_formulas(llama, semiring, monkeypatch):
+    """With the fused kernels off (the formulas a GPU runs), compile=True captures and
+    replays eager bit for bit: an ``out=`` operator's result aliases its ``out`` buffer
+    (Entropy's weight operand), not its input, so writing into it is no write into a tensor
+    the graph saved."""
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", "off")
+    for seed in range(2):
+        x = _embeddings(llama, seed)
+        expected = sa.grad(_read(llama, semiring, x), x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an eager fallback warns
+            _assert_identical(sa.grad(_read(llama, semiring, x), x, compile=True), expected)
+
+
+def test_an_out_variant_aliases_its_out_argument():
+    from semiring_autograd.engine.compiled.steps import _traits
+
+    aten = torch.ops.aten
+    assert _traits(aten.abs.out).alias_of == (1, "out")
+    assert _traits(aten.mul_.Tensor).alias_of == (0, "self")
+    assert _traits(aten.view.default).alias_of == (0, "self")
+    assert _traits(aten.mul.Tensor).alias_of is None
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("semiring", SEMIRINGS, ids=repr)

@@ -137,9 +137,10 @@ class Recorder(TorchDispatchMode):
         sequence = isinstance(result, (tuple, list))
         flat = list(result) if sequence else [result]
         view_of = root = None
-        if traits.aliases and isinstance(source, (_Ref, Constant)):
-            view_of = self.slot_of.get(source.index) if isinstance(source, _Ref) else None
-            root = self._root(source)
+        aliased = _argument(template, traits.alias_of) if traits.aliases else None
+        if isinstance(aliased, (_Ref, Constant)):
+            view_of = self.slot_of.get(aliased.index) if isinstance(aliased, _Ref) else None
+            root = self._root(aliased)
         outputs: list = []
         for t in flat:
             if isinstance(t, Tensor):
@@ -213,6 +214,15 @@ class Recorder(TorchDispatchMode):
         if isinstance(value, Constant):
             return value.index
         return self.outside.get(value.index) if isinstance(value, _Ref) else None
+
+
+def _argument(template: tuple, at: tuple[int, str] | None) -> Any:
+    """The template of the argument at ``at`` (position, name) of a call's ``template``
+    (its positional and keyword arguments' templates), or None."""
+    if at is None:
+        return None
+    args, kwargs = template
+    return args[at[0]] if at[0] < len(args) else kwargs.get(at[1])
 
 
 def _holds_message(values: Any) -> bool:

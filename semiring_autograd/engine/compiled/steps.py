@@ -72,7 +72,8 @@ class _Traits:
     name: str
     seeded: bool  # tagged nondeterministic_seeded (may draw random numbers)
     inplace_view: bool  # changes a tensor's shape or strides in place
-    aliases: bool  # its first output aliases its first input
+    aliases: bool  # its first output aliases an input: ``alias_of``
+    alias_of: tuple | None  # (position, name) of the argument the first output aliases
     view: bool  # one of ``_views()``
     written: tuple  # ``_written(func)``
     fresh: bool  # an aten operator whose results are new tensors: no view, no alias, no write
@@ -94,6 +95,7 @@ def _traits(func) -> _Traits:
         torch.Tag.nondeterministic_seeded in func.tags,
         torch.Tag.inplace_view in func.tags,
         bool(returns) and returns[0].alias_info is not None,
+        _alias_of(func),
         func in _views(),
         _written(func),
         func._schema.name.startswith("aten::")
@@ -104,6 +106,19 @@ def _traits(func) -> _Traits:
     )
     _TRAITS[id(func)] = (func, traits)
     return traits
+
+
+def _alias_of(func) -> tuple[int, str] | None:
+    """The position and name of the argument ``func``'s first output aliases (its ``out=``
+    argument for an out variant, ``self`` for an in-place or view operator), or None."""
+    returns = func._schema.returns
+    if not returns or returns[0].alias_info is None:
+        return None
+    sets = returns[0].alias_info.before_set
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set & sets:
+            return i, a.name
+    return None
 
 
 @functools.cache
