@@ -125,20 +125,10 @@ def _cpu_kernel(name: str, dtype: torch.dtype) -> bool:
 
 def _nonempty_ready(name: str, *tensors: Tensor) -> bool:
     """``_cpu_ready``, and no operand empty (the matmul and elementwise kernels)."""
-    dtype = tensors[0].dtype
-    if dtype not in _FLOATS:
-        return False
     for t in tensors:
-        if not t.numel() or t.dtype != dtype or not t.is_cpu:
+        if not t.numel():
             return False
-    if (  # _cpu_kernel's answer, inline, once the kernel passed its check
-        _LOADED
-        and _VERDICTS.get((name, CPU, dtype))
-        and _MODES.get(_ENV.get(_KEY)) in _ON
-        and _functorch_level() is None
-    ):
-        return True
-    return _cpu_kernel(name, dtype)
+    return _cpu_ready(name, *tensors)
 
 
 def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> Tensor | None:
