@@ -45,6 +45,12 @@ def _samples(dtype):
             (rand(3, 2, 5, 7).abs(), rand(1, 1, 7, 19), 4, True, False),
             (rand(3, 2, 5, 7).abs(), rand(2, 2, 7, 19).abs(), 2, False, True),
         ],
+        "k_best_add": [
+            (
+                list(rand(5, 40).abs().sort(0, descending=True).values),
+                list(rand(5, 40).abs().sort(0, descending=True).values),
+            ),
+        ],
         "signed_times": [(hi, lo, b, None), (hi, lo, b, b - 1)],
         "lift_times": [(hi, lo, b, True), (hi, lo, rand(1, 7, 3).transpose(1, 2).mT, False)],
         "signed_mul_lift": [(hi, lo, rand(7))],

@@ -171,6 +171,24 @@ def k_best_times(
     return None if bool(nonfinite) else out
 
 
+def k_best_add(a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> Tensor | None:
+    """KBest's ⊕ on the CPU: (k, *shape), out[t] = the t-th largest of the 2k entries of
+    two descending lists ``a`` and ``b`` of k components each (one shape, any strides),
+    the values of torch.topk on the stacked lists; None off the CPU, for components of
+    several shapes, without the kernels, or where a list is not descending or holds a NaN
+    (the caller then takes its torch formula)."""
+    shape = a[0].shape
+    if len(b) != len(a):
+        return None
+    for c in (*a, *b):  # a loop, not a generator: this runs on every ⊕
+        if c.shape != shape:
+            return None
+    if not _nonempty_ready("k_best_add", a[0], *a[1:], *b):
+        return None
+    out, declined = op("k_best_add")(a, b)
+    return None if bool(declined) else out
+
+
 def signed_times(
     a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None
 ) -> tuple[Tensor, Tensor] | None:
@@ -402,6 +420,7 @@ __all__ = [
     "max_times",
     "max_times_finite",
     "k_best_times",
+    "k_best_add",
     "signed_times",
     "pair_lift_matmul",
     "signed_mul_lift",

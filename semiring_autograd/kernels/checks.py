@@ -279,6 +279,33 @@ def _check_k_best_times(c: _Case) -> str | None:
     return _first(*problems) or _missed_flag(c, "k_best_times", [(a, b)], (k, True, True))
 
 
+def _check_k_best_add(c: _Case) -> str | None:
+    problems, cases = [], []
+    for k, count in ((1, 37), (5, 300), (8, 2 * 256 + 7)):
+        a, b = _k_best_lists(c, k, count), _k_best_lists(c, k, count)
+        a[:, :3] = 0.0  # no path
+        b[:, 5] = a[:, 5]  # ties across the lists
+        (got, flagged), _ = c.run(list(a), list(b))
+        if bool(flagged):
+            return "k_best_add flagged descending lists"
+        want = torch.cat([a, b]).topk(k, dim=0).values
+        problems.append(_differs(f"k_best_add(k={k})", got, want))
+        cases.append((k, a, b))
+    return _first(*problems) or _missed_nan(c, cases)
+
+
+def _missed_nan(c: _Case, cases: list) -> str | None:
+    """Where k_best_add misses a NaN put first into a list a or last into a list b."""
+    for k, a, b in cases:
+        for which in (0, 1):
+            pair = [a.clone(), b.clone()]
+            pair[which][(k - 1) * which, 4 + which] = NAN
+            (_, flagged), _ = c.run(list(pair[0]), list(pair[1]))
+            if not bool(flagged):
+                return f"k_best_add missed a NaN in {'ab'[which]} (k={k})"
+    return None
+
+
 def _signed_pair(c: _Case, shape, empty: float) -> tuple[Tensor, Tensor]:
     hi = c.randn(*shape, zeros=0.15)
     lo = hi - c.rand(*shape).masked_fill(hi == 0, 0.0)
@@ -619,6 +646,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "max_times": _check_max_times,
     "max_times_finite": _check_max_times_finite,
     "k_best_times": _check_k_best_times,
+    "k_best_add": _check_k_best_add,
     "signed_times": _check_signed_times,
     "lift_times": _check_lift_times,
     "signed_mul_lift": _check_signed_mul_lift,

@@ -268,4 +268,50 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
     });
 }
 
+// k-best ⊕ (semirings/k_best.py's add): for lists a[t], b[t] (t < k, each `count` entries,
+// best first), out[t] = the t-th largest of the 2k entries a[.][e], b[.][e] per entry e.
+// The t-th largest of two descending lists is max over splits i + j = t + 1 of
+// min(a[i - 1], b[j - 1]) (a[-1] = b[-1] = +inf): a selection of entries by comparisons,
+// so the values are torch.topk's on the stacked lists to the bit. Entries are taken in
+// blocks held in L1, each split one vector min/max pass. Where a list is not descending
+// or holds a NaN (topk orders NaN first), *declined is set and out is unspecified.
+template <typename T>
+void k_best_add(const std::vector<const T*>& a, const std::vector<const T*>& b, T* out,
+                int64_t count, int threads, int* declined) {
+    const int64_t k = int64_t(a.size());
+    constexpr int64_t BLOCK = 256;
+    at::parallel_for(0, (count + BLOCK - 1) / BLOCK, threads > 1 ? 1 : INT64_MAX,
+                     [&](int64_t first, int64_t last) {
+        for (int64_t blk = first; blk < last; ++blk) {
+            const int64_t e0 = blk * BLOCK, n = std::min(BLOCK, count - e0);
+            bool bad = false;
+            for (int64_t t = 0; t < k; ++t) {  // descending, no NaN (t = k - 1: x == x)
+                const T* __restrict__ at_ = a[t] + e0;
+                const T* __restrict__ bt = b[t] + e0;
+                const T* __restrict__ an = a[t + 1 < k ? t + 1 : t] + e0;
+                const T* __restrict__ bn = b[t + 1 < k ? t + 1 : t] + e0;
+                for (int64_t e = 0; e < n; ++e) bad |= !(at_[e] >= an[e]) | !(bt[e] >= bn[e]);
+            }
+            if (bad) {
+                __atomic_store_n(declined, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            for (int64_t t = 0; t < k; ++t) {
+                T* __restrict__ o = out + t * count + e0;
+                const T* __restrict__ at_ = a[t] + e0;
+                const T* __restrict__ bt = b[t] + e0;
+                for (int64_t e = 0; e < n; ++e) o[e] = at_[e] < bt[e] ? bt[e] : at_[e];
+                for (int64_t i = 1; i <= t; ++i) {
+                    const T* __restrict__ x = a[i - 1] + e0;
+                    const T* __restrict__ y = b[t - i] + e0;
+                    for (int64_t e = 0; e < n; ++e) {
+                        const T m = x[e] < y[e] ? x[e] : y[e];
+                        o[e] = o[e] < m ? m : o[e];
+                    }
+                }
+            }
+        }
+    });
+}
+
 }  // namespace

@@ -118,6 +118,74 @@ std::tuple<at::Tensor, at::Tensor> max_times_finite_op(const at::Tensor& a_, con
     return {out, flag(nonfinite != 0)};
 }
 
+// The entries of c (any strides) in row-major order into dst.
+template <typename T>
+void gather(const at::Tensor& c, T* dst) {
+    const T* src = c.const_data_ptr<T>();
+    const auto sizes = c.sizes(), strides = c.strides();
+    const int64_t d = c.dim(), n = c.numel();
+    if (d == 0) {
+        if (n) dst[0] = src[0];
+        return;
+    }
+    const int64_t inner = sizes[d - 1], step = strides[d - 1];
+    std::vector<int64_t> index(d, 0);
+    int64_t offset = 0;
+    for (int64_t e = 0; e < n; e += inner) {
+        for (int64_t j = 0; j < inner; ++j) dst[e + j] = src[offset + j * step];
+        for (int64_t q = d - 2; q >= 0; --q) {  // the next row's offset
+            offset += strides[q];
+            if (++index[q] < sizes[q]) break;
+            offset -= strides[q] * sizes[q];
+            index[q] = 0;
+        }
+    }
+}
+
+// (out, declined): k-best ⊕ of k_best.h for lists a, b of k components each (one shape and
+// dtype, any strides: a component not contiguous is read in row-major order into a
+// scratch buffer first); out (k, *shape); declined (0-d bool) true, and out all NaN, where
+// a list is not descending or holds a NaN.
+std::tuple<at::Tensor, at::Tensor> k_best_add_op(at::TensorList a, at::TensorList b) {
+    TORCH_CHECK(!a.empty() && a.size() == b.size(),
+                "k_best_add: lists a and b of one length k >= 1, got ", a.size(), " and ",
+                b.size());
+    const auto like = a[0];
+    for (const auto& list : {a, b})
+        for (const auto& c : list)
+            TORCH_CHECK(c.sizes() == like.sizes() &&
+                            c.scalar_type() == like.scalar_type() &&
+                            (c.scalar_type() == at::kFloat || c.scalar_type() == at::kDouble),
+                        "k_best_add: components of one shape and dtype (float32 or float64), "
+                        "got ", c.sizes(), " ", c.scalar_type(), " beside ",
+                        like.sizes(), " ", like.scalar_type());
+    std::vector<int64_t> shape{int64_t(a.size())};
+    for (auto s : like.sizes()) shape.push_back(s);
+    auto out = at::empty(shape, like.options());
+    const int64_t count = like.numel();
+    int declined = 0;
+    FLOATING(like.scalar_type(), [&] {
+        int64_t strided = 0;
+        for (const auto& list : {a, b})
+            for (const auto& c : list) strided += !c.is_contiguous();
+        std::vector<T> scratch(strided * count);
+        T* next = scratch.data();
+        auto pointer = [&](const at::Tensor& c) -> const T* {
+            if (c.is_contiguous()) return c.const_data_ptr<T>();
+            gather<T>(c, next);
+            next += count;
+            return next - count;
+        };
+        std::vector<const T*> pa, pb;
+        for (const auto& c : a) pa.push_back(pointer(c));
+        for (const auto& c : b) pb.push_back(pointer(c));
+        k_best_add<T>(pa, pb, out.data_ptr<T>(), count,
+                      threads_for(count * int64_t(a.size())), &declined);
+    });
+    if (declined) out.fill_(NAN);
+    return {out, flag(declined != 0)};
+}
+
 // (out, nonfinite): the k-best matmul of k_best.h for a (ka, batch, m, l) and b (kb, batch
 // or 1, l, n); out (k, batch, m, n); nonfinite (0-d bool) true, and out all NaN, where an
 // entry that counts is NaN or infinite.
@@ -473,6 +541,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("max_times", &max_times_op);
     m.impl("max_times_finite", &max_times_finite_op);
     m.impl("k_best_times", &k_best_times_op);
+    m.impl("k_best_add", &k_best_add_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);
     m.impl("signed_mul_lift", &signed_mul_lift_op);

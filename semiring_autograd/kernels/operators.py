@@ -15,6 +15,10 @@ one dtype.
                          (l, r, s) of lists a (ka, B, m, l), b (kb, B or 1, l, n); |b| when
                          ``abs_b``; the flag: a NaN or an infinity that counts (then out is
                          all NaN); CPU only
+``k_best_add``           (out, flag): out (k, *shape) the k largest of two descending lists
+                         a, b of k components each, one shape, any strides (KBest's ⊕);
+                         the flag: a list not descending or with a NaN (then out is all
+                         NaN); CPU only
 ``signed_times``         (max_k, min_k) of the corner products of signed pairs; NaN = empty
 ``lift_times``           the signed pair a times lift(w): (max_k, min_k) of a_hi·w or a_lo·w
                          by the sign of w
@@ -57,6 +61,7 @@ SCHEMAS = {
     "max_times": "(Tensor a, Tensor b, float init, bool abs_b) -> Tensor",
     "max_times_finite": "(Tensor a, Tensor b, float init, bool abs_b) -> (Tensor, Tensor)",
     "k_best_times": "(Tensor a, Tensor b, int k, bool abs_b, bool dead_count) -> (Tensor, Tensor)",
+    "k_best_add": "(Tensor[] a, Tensor[] b) -> (Tensor, Tensor)",
     "signed_times": "(Tensor a_hi, Tensor a_lo, Tensor b_hi, Tensor? b_lo) -> (Tensor, Tensor)",
     "lift_times": "(Tensor a_hi, Tensor a_lo, Tensor w, bool zero_empty) -> (Tensor, Tensor)",
     "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
@@ -121,6 +126,11 @@ def _(a, b, init, abs_b):
 @_fake("k_best_times")
 def _(a, b, k, abs_b, dead_count):
     return a.new_empty((k, a.shape[1], a.shape[2], b.shape[3])), _declined(a)
+
+
+@_fake("k_best_add")
+def _(a, b):
+    return a[0].new_empty((len(a), *a[0].shape)), _declined(a[0])
 
 
 @_fake("signed_times")

@@ -111,6 +111,10 @@ class KBest(Semiring):
         return (first,) + tuple(torch.zeros_like(first) for _ in range(self.k - 1))
 
     def add(self, a, b):
+        if len(a) == self.k:
+            merged = kernels.k_best_add(a, b)  # the two lists merged in one pass (CPU)
+            if merged is not None:
+                return tuple(merged.unbind(0))
         return _best(_stacked((*a, *b)), self.k)  # one stack of both lists, then top-k
 
     def mul(self, a, b):
