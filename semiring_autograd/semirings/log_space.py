@@ -145,8 +145,8 @@ class LogSpaceGemm:
     """(logsumexp, weighted mean) matmul via shift-and-GEMM, exact blocked fallback where
     the shifted products underflow.
 
-    The r component costs one more GEMM: with A = [ea·ra | ea] (m × 2k) and
-    B = [eb; eb·rb] (2k × n), Σ_k ea·eb·(ra + rb) = A @ B."""
+    The r component costs two more GEMM products: Σ_k ea·eb·(ra + rb) = (ea·ra) @ eb +
+    ea @ (eb·rb)."""
 
     @staticmethod
     def run(
@@ -159,6 +159,10 @@ class LogSpaceGemm:
         """``lb`` (and ``rb``) is b in log space; or pass ``lb=None`` and ``b_linear``, b as
         linear GEMM operands needing no shift (a lifted weight): exp(lb) = |w| (…, k, n)
         without r, or [exp(lb); exp(lb)·rb] stacked (…, 2k, n) with r (``rb=None``)."""
+        if b_linear is not None and b_linear.dim() == 2:
+            done = _by_weight(la, ra, b_linear)
+            if done is not None:
+                return done
         with_r = ra is not None
         if b_linear is not None:
             k = b_linear.shape[-2] // (2 if with_r else 1)
@@ -183,13 +187,7 @@ class LogSpaceGemm:
                 torch.sub(b3, mb, out=b_lin[:, :k]).exp_()
                 if with_r:
                     torch.mul(b_lin[:, :k], flat_batch(rb, batch), out=b_lin[:, k:])
-        # the shifted a (and its r product) are GEMM operands only: scratch storage, up to
-        # a bound (a message grows with batch and sequence, and scratch stays resident)
-        shape = (count, m, (2 if with_r else 1) * k)
-        if math.prod(shape) * a3.element_size() <= _MESSAGE_SCRATCH_BYTES:
-            stacked = scratch("log_space_a", shape, a3.dtype, a3.device)
-        else:
-            stacked = a3.new_empty(shape)
+        stacked = _message_operand((count, m, (2 if with_r else 1) * k), a3)
         ra3 = flat_batch(ra, batch).contiguous() if with_r else None
         fused = kernels.log_space_rows(a3.contiguous(), ra3, stacked)
         if fused is not None:
@@ -207,15 +205,12 @@ class LogSpaceGemm:
                 if with_r:
                     torch.mul(ea, ra3, out=stacked[..., :k])
         z = torch.bmm(ea, b_lin[:, :k])
-        # r's numerators: Σ ea·eb·(ra + rb), then divided by z
+        # r's numerators: Σ ea·eb·(ra + rb) = [ea·ra | ea] @ [eb; eb·rb], then divided by z
         r = torch.bmm(stacked, b_lin) if with_r else None
-        tiny = torch.finfo(z.dtype).tiny / torch.finfo(z.dtype).eps
-        out, r, bad = _finish(z, r, ma, mb, live, tiny, b3 is None)
+        out, r, bad = _finish(z, r, ma, mb, live, _tiny(z.dtype), b3 is None)
         if bad is not None and anywhere(bad):
             if b3 is None:  # back to log space from the linear operands
-                eb = b_lin[:, :k]
-                b3 = torch.log(eb)
-                rb3 = torch.where(eb > 0, b_lin[:, k:] / eb, 0.0) if with_r else None
+                b3, rb3 = _log_operands(b_lin, k, with_r)
             else:
                 rb3 = flat_batch(rb, batch) if with_r else None
             if vmapped:
@@ -224,6 +219,68 @@ class LogSpaceGemm:
                 _exact_terms(a3, b3, ra3, rb3, bad, out, r)
         out = out.reshape(*batch, m, n)
         return out, (None if r is None else r.reshape(*batch, m, n))
+
+
+def _tiny(dtype: torch.dtype) -> float:
+    """The smallest shifted GEMM sum trusted (below it the products may have underflowed)."""
+    return torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+
+
+def _message_operand(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Storage for the shifted message (and its r product), GEMM operands only: scratch up
+    to a bound (a message grows with batch and sequence, and scratch stays resident)."""
+    if math.prod(shape) * like.element_size() <= _MESSAGE_SCRATCH_BYTES:
+        return scratch("log_space_a", shape, like.dtype, like.device)
+    return like.new_empty(shape)
+
+
+def _log_operands(b_lin: Tensor, k: int, with_r: bool) -> tuple[Tensor, Tensor | None]:
+    """The linear operands [eb; eb·rb] (…, 2k, n) (or eb alone) back in log space: log eb
+    and rb (0 where eb is 0)."""
+    eb = b_lin[..., :k, :]
+    rb = torch.where(eb > 0, b_lin[..., k:, :] / eb, 0.0) if with_r else None
+    return torch.log(eb), rb
+
+
+def _by_weight(
+    la: Tensor, ra: Tensor | None, b_linear: Tensor
+) -> tuple[Tensor, Tensor | None] | None:
+    """:meth:`LogSpaceGemm.run` by a 2-D linear operand (a lifted weight), on the CPU
+    kernels: each row of ``la`` (…, m, k) is a row of one 2-D GEMM. With r the shifted
+    rows e and their products e·r are stacked along m, so that one GEMM by eb gives z =
+    e @ eb over e·r @ eb (a larger m runs faster than two GEMMs: eb is packed once), and r's
+    numerators add e @ (eb·rb) in place. None where this does not apply (batched or
+    non-contiguous operands, k = 0, no kernels): the general path runs."""
+    with_r = ra is not None
+    k = b_linear.shape[0] // (2 if with_r else 1)
+    if la.dim() < 2 or la.shape[-1] != k or k == 0 or not la.is_contiguous():
+        return None
+    if with_r and (ra.shape != la.shape or not ra.is_contiguous()):
+        return None
+    if batched(*((la, b_linear) if ra is None else (la, ra, b_linear))):
+        return None
+    rows = la.view(-1, k)
+    count = rows.shape[0]
+    stacked = _message_operand(((2 if with_r else 1) * count, k), rows)
+    e = stacked[:count]
+    fused = kernels.log_space_rows(rows, None, e)
+    if fused is None:
+        return None
+    shift, live = fused
+    if with_r:
+        torch.mul(e, ra.view(-1, k), out=stacked[count:])
+        both = torch.mm(stacked, b_linear[:k])
+        z, num = both[:count], both[count:]
+        num.addmm_(e, b_linear[k:])
+    else:
+        z, num = torch.mm(e, b_linear), None
+    out, num, bad = _finish(z, num, shift, None, live, _tiny(z.dtype), True)
+    if bad is not None and anywhere(bad):
+        b3, rb3 = _log_operands(b_linear[None], k, with_r)
+        ra3, r3 = (ra.view(1, -1, k), num[None]) if with_r else (None, None)
+        _exact_terms(rows[None], b3, ra3, rb3, bad[None], out[None], r3)
+    shape = (*la.shape[:-1], b_linear.shape[-1])
+    return out.view(shape), (None if num is None else num.view(shape))
 
 
 def top_two_shifts(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
