@@ -7,6 +7,7 @@ replay still equals eager, which it would not if the rewrite applied."""
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from semiring_autograd.engine.compiled.program import (
     Recorder,
     _fast_binding,
 )
+from semiring_autograd.kernels.workspace import scratch
 
 aten = torch.ops.aten
 
@@ -255,3 +257,208 @@ def test_a_program_is_built_on_its_first_replay():
     second = step(x)
     assert captured.programs[0].built is not None
     assert torch.equal(first, second)
+
+
+# ----- what _escaping reads of an aliasing operator --------------------------------------
+_LIBRARY = torch.library.Library("sa_test_compiled_rewrite", "DEF")
+_LIBRARY.define("second(Tensor x, Tensor(a) y) -> Tensor(a)")
+_LIBRARY.impl("second", lambda x, y: torch.ops.aten.alias(y), "CompositeExplicitAutograd")
+
+
+def test_a_tensor_made_from_numbers_that_a_result_aliases_is_made_on_every_replay():
+    """``second(x, z)`` returns a view of its *second* argument (its schema says so): the
+    ``add_`` through that view writes ``z``, which must be made anew on every replay (made
+    once, it would keep what each replay added)."""
+
+    def f(x):
+        z = torch.zeros(3)
+        torch.ops.sa_test_compiled_rewrite.second(x, z).add_(x)
+        return z * 1
+
+    program = _record(f, _randn(3))
+    assert _calls(program, aten.zeros.default) == 1
+    for seed in (1, 2):
+        _replay(program, f, _randn(3, seed=seed))
+
+
+def test_a_tensor_made_from_numbers_read_by_an_out_operator_is_made_once():
+    """``abs(k, out=b)`` aliases and writes ``b``, not ``k``: ``k`` is made once."""
+
+    def f(x):
+        b = x.new_empty(3)
+        torch.abs(torch.full((3,), -2.0), out=b)
+        return b + x
+
+    program = _record(f, _randn(3))
+    assert _calls(program, aten.full.default) == 0
+    for seed in (1, 2):
+        _replay(program, f, _randn(3, seed=seed))
+
+
+# ----- views of constants -----------------------------------------------------------------
+def test_views_of_a_constant_are_taken_once_and_see_its_writes():
+    w = _randn(4, 3)
+
+    def f(x):
+        return x @ w.t() + w.t()[0]
+
+    program = _record(f, _randn(2, 3))
+    assert _calls(program, aten.as_strided.default) == 0
+    _replay(program, f, _randn(2, 3, seed=1))
+    w.mul_(-2)  # in place: the views held see it
+    _replay(program, f, _randn(2, 3, seed=2))
+
+
+def test_views_of_an_input_are_taken_on_every_replay():
+    w = _randn(3, 3)
+
+    def f(x):
+        return x.t() * 2 + w.t()
+
+    program = _record(f, _randn(3, 3))
+    assert _calls(program, aten.as_strided.default) == 1  # x.t(); w.t() is held
+    for seed in (1, 2):  # each input at another storage (of the recorded layout)
+        _replay(program, f, _randn(3, 3, seed=seed))
+
+
+def test_views_of_a_parameter_whose_data_is_set_are_taken_anew():
+    w = nn.Parameter(_randn(4, 3))
+
+    def f(x):
+        return x @ w.t()
+
+    x = _randn(2, 3)
+    recorder = Recorder([x], parameters=frozenset({id(w)}))
+    with recorder, torch.no_grad():
+        out = f(x)
+    program = Program(recorder, [("plain", recorder.ref(out))], 1)
+    assert _calls(program, aten.as_strided.default) == 0
+    with torch.no_grad():
+        _replay(program, f, _randn(2, 3, seed=1))
+        for seed in (2, 3):
+            w.data = _randn(4, 3, seed=seed)  # new storage: the held view would be stale
+            _replay(program, f, _randn(2, 3, seed=seed))
+
+
+def test_a_compiled_step_sees_a_parameter_set_or_replaced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).eval()
+
+    def read(m, x):
+        return m(x)[:, 0].sum()
+
+    def eager(x):
+        with sa.patch(model, sa.MaxProduct()):
+            return sa.grad(read(model, x), x)
+
+    step = sa.compiled_step(model, sa.MaxProduct(), read)
+    x = torch.randn(5, 3, requires_grad=True)
+    step(x), step(x)  # captured, then checked
+    model[0].weight.data = torch.randn(4, 3)
+    assert torch.equal(step(x), eager(x))
+    model[0].weight = nn.Parameter(torch.randn(4, 3))
+    step(x)
+    assert torch.equal(step(x), eager(x))
+    assert compiled.stats()["eager"] == 0
+
+
+def test_a_view_of_an_empty_storage_is_taken_on_every_replay():
+    """Storage of no bytes has no address of its own: a view of it, taken once, would keep
+    the dtype the constant had."""
+    c = torch.empty(0)
+
+    def f(x):
+        return x + c[:0]
+
+    x = torch.empty(0, dtype=torch.float16)
+    program = _record(f, x)
+    _replay(program, f, x)
+    c.data = torch.empty(0, dtype=torch.float64)
+    _replay(program, f, x)
+
+
+def test_a_returned_view_of_a_constant_is_new_on_every_replay():
+    w = _randn(3, 4)
+
+    def f(x):
+        return w.t() if bool((x > -10).all()) else x
+
+    program = _record(f, _randn(4, 3))
+    (first,) = program.replay([_randn(4, 3, seed=1)])
+    first.t_()
+    _replay(program, f, _randn(4, 3, seed=2))
+
+
+def test_views_of_a_constant_in_a_program_that_reshapes_in_place_are_taken_each_replay():
+    """``v.t_()`` changes the view itself: taken once, it would be transposed again on each
+    replay."""
+    c = _randn(4, 3)
+
+    def f(x):
+        v = c.t()
+        v.t_()
+        return x * v
+
+    program = _record(f, _randn(4, 3))
+    for seed in (1, 2):
+        _replay(program, f, _randn(4, 3, seed=seed))
+
+
+def test_a_view_of_a_constant_given_as_out_is_taken_each_replay():
+    """``add(x, 1, out=v)`` resizes the empty view ``v`` to ``x``'s shape: taken once, ``v``
+    would have that shape when read before the ``add`` on the next replay."""
+    c = torch.zeros(6)
+
+    def f(x):
+        v = c[:0]
+        before = v.sum()
+        torch.add(x, 1, out=v)
+        return v * 1 + before
+
+    program = _record(f, _randn(3))
+    for seed in (1, 2):
+        _replay(program, f, _randn(3, seed=seed))
+
+
+def test_stats_builds_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).eval()
+    step = sa.compiled_step(model, sa.MaxProduct(), lambda m, x: m(x)[:, 0].sum())
+    x = torch.randn(3, 4, requires_grad=True)
+    step(x)
+    (captured,) = compiled._CACHE.values()
+    stats = compiled.stats()
+    assert captured.programs[0].built is None
+    assert (stats["programs"], stats["built"], stats["steps"]) == (1, 0, 0)
+    step(x)
+    stats = compiled.stats()
+    assert (stats["built"], stats["steps"]) == (1, captured.programs[0].steps) and stats["steps"]
+
+
+def _through_scratch(x):
+    """``x``'s halves swapped through a scratch buffer taken twice: the program reads the
+    workspace's one buffer as two constants (each read of a tensor from outside is one),
+    each with its views."""
+    first = scratch("test_compiled_rewrite", torch.Size([2]), torch.float32, torch.device("cpu"))
+    first.copy_(x[2:])
+    low = first * 1
+    second = scratch("test_compiled_rewrite", torch.Size([4]), torch.float32, torch.device("cpu"))
+    second[2:].copy_(x[:2])
+    return torch.cat([low, second[2:] * 1])
+
+
+def test_views_of_a_scratch_buffer_written_are_each_threads_own():
+    _through_scratch(_randn(4))  # the buffer made before the capture, which records it
+    program = _record(_through_scratch, _randn(4))
+    assert _calls(program, aten.as_strided.default) == 2  # x's halves; the buffer's are held
+    assert program.source.count("_own(") == 2
+    _replay(program, _through_scratch, _randn(4, seed=1))
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(program.replay([_randn(4, seed=2)])))
+    thread.start()
+    thread.join()
+    (other,) = got[0]
+    assert torch.equal(other, _through_scratch(_randn(4, seed=2)))
+    assert program.run.__globals__["shared0"].untyped_storage().data_ptr() != (
+        other.untyped_storage().data_ptr()
+    )

@@ -99,12 +99,17 @@ def clear() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Signatures and programs held (``steps``: operators in all programs), and how many
-    compile=True calls captured a program, replayed one, or ran eagerly."""
+    """Signatures and programs held (``built``: those built, on their first replay;
+    ``steps``: the operators of the built ones), and how many compile=True calls captured a
+    program, replayed one, or ran eagerly. Builds nothing."""
+    with _LOCK:
+        programs = [p for c in _CACHE.values() for p in c.programs]
+    built = [p.built for p in programs]
     return {
         "signatures": len(_CACHE),
-        "programs": sum(len(c.programs) for c in _CACHE.values()),
-        "steps": sum(p.steps for c in _CACHE.values() for p in c.programs),
+        "programs": len(programs),
+        "built": sum(b is not None for b in built),
+        "steps": sum(b[2] for b in built if b is not None),
         **_COUNTS,
     }
 

@@ -28,13 +28,13 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ...kernels.workspace import is_scratch
 from ...ops.message import Message
-from .rewrite import rewrite
+from .rewrite import ConstantView, rewrite
 from .signature import AUTOCAST_DEVICES, Uncapturable
-from .steps import Constant, _aten, _Ref, _Step, _traits, _written, layout
+from .steps import Constant, _aten, _argument, _Ref, _Step, _traits, _written, layout
 
 #: operators whose result shape depends on the data: replay checks the shape
 _DATA_SHAPED = {
@@ -214,15 +214,6 @@ class Recorder(TorchDispatchMode):
         if isinstance(value, Constant):
             return value.index
         return self.outside.get(value.index) if isinstance(value, _Ref) else None
-
-
-def _argument(template: tuple, at: tuple[int, str] | None) -> Any:
-    """The template of the argument at ``at`` (position, name) of a call's ``template``
-    (its positional and keyword arguments' templates), or None."""
-    if at is None:
-        return None
-    args, kwargs = template
-    return args[at[0]] if at[0] < len(args) else kwargs.get(at[1])
 
 
 def _holds_message(values: Any) -> bool:
@@ -464,21 +455,61 @@ class _ThreadOwn:
     thread, which uses it one call at a time; in any other thread, that thread's tensor of
     the same layout over storage of the same size (kept per thread, so replays in several
     threads and the capturing thread's eager runs never write into one storage at once).
-    The copies are the program's: they go with it (a program evicted, ``backward.clear()``)
+    With it, the program's views of it (``ConstantView``), taken once per thread. The
+    copies are the program's: they go with it (a program evicted, ``backward.clear()``)
     or with their thread, whichever goes first."""
 
     def __init__(self, thread: int) -> None:
         self.thread = thread
         self.local = threading.local()
 
-    def __call__(self, shared: Tensor) -> Tensor:
-        if threading.get_ident() == self.thread:
-            return shared
-        copies = self.local.__dict__.setdefault("copies", {})
-        found = copies.get(id(shared))
-        if found is None or found[0] is not shared:  # (the tensor, held: its id is its own)
-            found = copies[id(shared)] = (shared, _same_layout(shared))
-        return found[1]
+    def __call__(self, index: int, shared: Tensor, views: tuple) -> tuple:
+        """``(own, *views of own)`` for this thread: constant ``index`` of the program,
+        ``shared``, and its ``views`` ((size, stride, offset)s); one own tensor per tensor
+        ``shared`` (several constants may be one tensor)."""
+        held = self.local.__dict__.setdefault("held", {})
+        found = held.get(index)
+        if found is None:
+            copies = self.local.__dict__.setdefault("copies", {})
+            own = copies.get(id(shared))  # (the tensors are the program's: ids their own)
+            if own is None:
+                mine = threading.get_ident() == self.thread
+                own = copies[id(shared)] = shared if mine else _same_layout(shared)
+            found = held[index] = (own, *_views_of(own, views))
+        return found
+
+
+def _views_of(t: Tensor, views) -> list[Tensor]:
+    """``as_strided(t, size, stride, offset)`` for each ``(size, stride, offset)``."""
+    with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
+        return [torch.as_strided(t, *view) for view in views]
+
+
+class _ConstantViews:
+    """The views a program holds of its constants (``ConstantView``; those of a scratch
+    buffer it writes into are ``_ThreadOwn``'s), as its globals ``k<index>``, with each
+    constant's storage address as ``p<base>``; called where a constant's storage differs
+    from that address (a parameter's ``.data`` set), it takes them anew. (The views keep
+    the storage alive, so another storage never has its address.)"""
+
+    def __init__(self, namespace: dict, views: dict[int, list[tuple[int, tuple]]]) -> None:
+        self.namespace = namespace
+        self.views = views  # constant -> (index, view) of each of its views
+        self()
+
+    def __call__(self) -> None:
+        namespace = self.namespace
+        for base, found in self.views.items():
+            t = namespace[f"k{base}"]
+            address = t.untyped_storage().data_ptr()
+            for (index, _), view in zip(found, _views_of(t, [v for _, v in found])):
+                namespace[f"k{index}"] = view
+            namespace[f"p{base}"] = address  # (after the views: another thread may check)
+
+    def check(self) -> str:
+        """The program's first line: the views taken anew where a storage changed."""
+        changed = " or ".join(f"k{b}.untyped_storage().data_ptr() != p{b}" for b in self.views)
+        return f"if {changed}: _views()"
 
 
 def _same_layout(t: Tensor) -> Tensor:
@@ -518,13 +549,22 @@ class _Codegen:
             "_hold": _hold,
         }
         self.written = sorted(scratch)
+        views: dict[int, list[tuple[int, tuple]]] = {}  # constant -> (index, view)s
+        for index, c in enumerate(constants):
+            if isinstance(c, ConstantView):
+                views.setdefault(c.base, []).append((index, c.view))
+        self.own_views = {b: views.pop(b, []) for b in self.written}
         for index in self.written:
             self.namespace[f"shared{index}"] = constants[index]
+            self.namespace[f"views{index}"] = tuple(v for _, v in self.own_views[index])
         if self.written:
             self.namespace["_own"] = _ThreadOwn(thread)
         self.constant_count = 0
         for t in constants:
-            self.constant(t)
+            self.constant(None if isinstance(t, ConstantView) else t)
+        self.views = _ConstantViews(self.namespace, views) if views else None
+        if self.views is not None:
+            self.namespace["_views"] = self.views
         self.funcs: dict[Any, str] = {}
         self.last_use: dict[int, int] = {}
         self.line = 0
@@ -637,7 +677,11 @@ class _Codegen:
         lines = ["def program(S):"]
         if self.slot_count:
             lines.append("    (" + "".join(f"v{i}, " for i in range(self.slot_count)) + ") = S")
-        lines += [f"    k{i} = _own(shared{i})" for i in self.written]
+        for i in self.written:
+            names = "".join(f"k{j}, " for j in (i, *(j for j, _ in self.own_views[i])))
+            lines.append(f"    ({names}) = _own({i}, shared{i}, views{i})")
+        if self.views is not None:
+            lines.append("    " + self.views.check())
         if deferred:  # an operator failing where a deferred guard fails: that guard's failure
             self.namespace["E"] = torch.tensor(self.expected, dtype=torch.bool)
             lines += ["    T = []", "    A = T.append", "    try:"]

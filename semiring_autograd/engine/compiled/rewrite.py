@@ -10,6 +10,9 @@ values bit for bit with fewer operator calls:
   is that value; a copy into a fresh buffer read nowhere else, filling it, is a ``clone``;
 - a tensor made from numbers alone (``full``, ``scalar_tensor``), and views of it, that the
   program only reads is made once, when the program is built: a constant;
+- a view of a constant (a weight's transpose, a slice of a scratch buffer) that the program
+  does not return is a ``ConstantView``, made once by the program (``program.py``: per
+  thread for a scratch buffer it writes into, anew where the constant's storage changed);
 - steps whose values nothing reads are dropped.
 
 The layouts these rules compare are the recorded ones, the same in every replay: the
@@ -19,13 +22,14 @@ signature fixes the inputs', and the operators before a step are the same.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .steps import Constant, _aten, _Ref, _refs, _Step, _traits, _written
+from .steps import Constant, _aten, _argument, _Ref, _refs, _Step, _traits, _written
 
 #: operators whose result stands for their argument
 _IDENTITIES = frozenset({_aten.lift_fresh.default})
@@ -72,6 +76,7 @@ def rewrite(
     steps, results = _fill_from_fresh(steps, results)
     steps, results = _clone_into_fresh(steps, results)
     steps, constants = _hoist(steps, results, constants)
+    steps, results, constants = _constant_views(steps, results, constants)
     return _live_steps(steps, results), results, constants
 
 
@@ -370,8 +375,9 @@ def _holds_constant(tree: Any) -> bool:
 
 
 def _escaping(steps: list[_Step], results: list, made: dict[int, _Step]) -> set[int]:
-    """The values of ``made`` that a step may write or alias, or a result is: those, the
-    values they view, and the views of those, stay steps."""
+    """The values of ``made`` that a step may write or alias (the argument its schema says
+    its result aliases: ``self`` of a view or in-place operator, ``out`` of an out variant),
+    or a result is: those, the values they view, and the views of those, stay steps."""
     escapes = set(_refs(results)) & made.keys()
     for step in steps:
         read = made.keys() & set(step.reads)
@@ -385,8 +391,11 @@ def _escaping(steps: list[_Step], results: list, made: dict[int, _Step]) -> set[
                 escapes.update(made.keys() & set(_refs(step.args[i])))
         for name in (n for _, n in traits.written if n in step.kwargs):
             escapes.update(made.keys() & set(_refs(step.kwargs[name])))
-        if traits.aliases and isinstance(step.args[0], _Ref) and step.args[0].index in made:
-            escapes.add(step.args[0].index)
+        if traits.aliases and traits.alias_of is None:  # aliases an argument it does not name
+            escapes.update(read)
+        aliased = _argument((step.args, step.kwargs), traits.alias_of)
+        if isinstance(aliased, _Ref) and aliased.index in made:
+            escapes.add(aliased.index)
     for out in reversed(list(made)):  # a view's escape is its source's
         step = made[out]
         if out in escapes and step.reads:
@@ -395,6 +404,71 @@ def _escaping(steps: list[_Step], results: list, made: dict[int, _Step]) -> set[
         if step.reads and step.reads[0] in escapes:
             escapes.add(out)
     return escapes
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantView:
+    """A constant of the program that is ``as_strided(k<base>, *view)``: the view
+    ``(size, stride, storage offset)`` of the storage of constant ``base`` (a tensor)."""
+
+    base: int
+    view: tuple
+
+
+#: operators changing a tensor's storage in place (besides those tagged ``inplace_view``,
+#: which change its shape or strides)
+_RESTORING = frozenset({"aten::set_", "aten::resize_", "aten::resize_as_"})
+
+
+def _constant_views(
+    steps: list[_Step], results: list, constants: list
+) -> tuple[list[_Step], list, list]:
+    """Each view (``as_strided``) of a constant, or of such a view, that is not a result:
+    a ``ConstantView`` of the constant (a view reads no data: taken once, it sees every
+    write into the storage, as the view a replay takes would). Not where a step changes
+    a tensor's shape, strides or storage in place, nor of a tensor without storage."""
+    if any(_traits(s.func).inplace_view or _traits(s.func).name in _RESTORING for s in steps):
+        return steps, results, constants
+    kept_apart = set(_refs(results)) | _outputs_given(steps)
+    constants = list(constants)
+    subst: dict[int, Any] = {}
+    kept = []
+    for step in steps:
+        base = step.args[0] if step.func is _aten.as_strided.default and step.args else None
+        if isinstance(base, _Ref):
+            base = subst.get(base.index, base)
+        outs = _outputs(step)
+        if isinstance(base, Constant) and len(outs) == 1 and outs[0] not in kept_apart:
+            root = constants[base.index]
+            index = root.base if isinstance(root, ConstantView) else base.index
+            if _has_storage(constants[index]):
+                subst[outs[0]] = Constant(len(constants))
+                constants.append(ConstantView(index, step.view))
+                continue
+        kept.append(step)
+    steps, results = _substitute(kept, results, subst)
+    return steps, results, constants
+
+
+def _outputs_given(steps: list[_Step]) -> set[int]:
+    """The values given as an operator's ``out`` argument (keyword-only and written)."""
+    given: set[int] = set()
+    for step in steps:
+        arguments = step.func._schema.arguments
+        for i, name in _written(step.func):
+            if arguments[i].kwarg_only:
+                given.update(_refs(step.kwargs.get(name)))
+    return given
+
+
+def _has_storage(t: Tensor) -> bool:
+    """Whether ``t`` is a plain strided tensor over storage of at least one byte (whose
+    address tells it from any other storage alive)."""
+    return (
+        type(t) in (Tensor, torch.nn.Parameter)
+        and t.layout is torch.strided
+        and t.untyped_storage().nbytes() > 0
+    )
 
 
 def _live_steps(steps: list[_Step], results: list) -> list[_Step]:

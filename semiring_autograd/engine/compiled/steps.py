@@ -65,6 +65,15 @@ def _collect_refs(tree: Any, found: list[int]) -> None:
             _collect_refs(x, found)
 
 
+def _argument(template: tuple, at: tuple[int, str] | None) -> Any:
+    """The template of the argument at ``at`` (position, name) of a call's ``template``
+    (its positional and keyword arguments' templates), or None."""
+    if at is None:
+        return None
+    args, kwargs = template
+    return args[at[0]] if at[0] < len(args) else kwargs.get(at[1])
+
+
 @dataclass(frozen=True, slots=True)
 class _Traits:
     """What the recorder asks of an operator on every call, read from its schema once."""
