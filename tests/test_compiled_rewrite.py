@@ -404,7 +404,19 @@ def test_views_of_a_constant_in_a_program_that_reshapes_in_place_are_taken_each_
         _replay(program, f, _randn(4, 3, seed=seed))
 
 
-def test_a_view_of_a_constant_given_as_out_is_taken_each_replay():
+def test_a_view_of_a_constant_given_as_out_of_its_shape_is_taken_once():
+    c = torch.zeros(6)
+
+    def f(x):
+        return torch.abs(x, out=c[1:4]) * 2
+
+    program = _record(f, _randn(3))
+    assert _calls(program, aten.as_strided.default) == 0
+    for seed in (1, 2):
+        _replay(program, f, _randn(3, seed=seed))
+
+
+def test_a_view_of_a_constant_an_out_resizes_is_taken_each_replay():
     """``add(x, 1, out=v)`` resizes the empty view ``v`` to ``x``'s shape: taken once, ``v``
     would have that shape when read before the ``add`` on the next replay."""
     c = torch.zeros(6)

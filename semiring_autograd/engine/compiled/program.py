@@ -34,7 +34,17 @@ from ...kernels.workspace import is_scratch
 from ...ops.message import Message
 from .rewrite import ConstantView, rewrite
 from .signature import AUTOCAST_DEVICES, Uncapturable
-from .steps import Constant, _aten, _argument, _Ref, _Step, _traits, _written, layout
+from .steps import (
+    Constant,
+    _aten,
+    _argument,
+    _Ref,
+    _Step,
+    _traits,
+    _written,
+    layout,
+    out_layouts,
+)
 
 #: operators whose result shape depends on the data: replay checks the shape
 _DATA_SHAPED = {
@@ -131,6 +141,7 @@ class Recorder(TorchDispatchMode):
         if traits.inplace_view and getattr(source, "index", None) in self.aliased:
             raise Uncapturable(f"{func} changes the shape of a tensor in place")
         layouts = _layouts(func, args) if traits.laid_out else None
+        outs = out_layouts(traits.outs, kwargs) if traits.outs else None
         result = func(*args, **kwargs)
         if traits.view and self._identity_view(args, source, result):
             return result
@@ -158,6 +169,7 @@ class Recorder(TorchDispatchMode):
             else:
                 raise Uncapturable(f"{func} returns a {type(t).__name__}")
         step = _Step(func, template[0], template[1], outputs, sequence, reads, layouts=layouts)
+        step.resized = outs is not None and outs != out_layouts(traits.outs, kwargs)
         if _data_shaped(traits.name, args):
             step.shapes = [tuple(t.shape) if isinstance(t, Tensor) else None for t in flat]
         if traits.view and isinstance(result, Tensor):

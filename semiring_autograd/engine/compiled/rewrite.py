@@ -451,12 +451,11 @@ def _constant_views(
 
 
 def _outputs_given(steps: list[_Step]) -> set[int]:
-    """The values given as an operator's ``out`` argument (keyword-only and written)."""
+    """The values given as an operator's ``out`` argument that it resized."""
     given: set[int] = set()
     for step in steps:
-        arguments = step.func._schema.arguments
-        for i, name in _written(step.func):
-            if arguments[i].kwarg_only:
+        if step.resized:
+            for name in _traits(step.func).outs:
                 given.update(_refs(step.kwargs.get(name)))
     return given
 

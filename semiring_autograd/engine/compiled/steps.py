@@ -39,6 +39,21 @@ class _Step:
     #: ``copy_``: its destination's and source's ``layout()``; a number read from a tensor
     #: (``_local_scalar_dense``): the tensor's ``layout()``
     layouts: tuple | None = None
+    #: an ``out`` argument's shape, strides or storage offset changed (the operator resized
+    #: it to its result's shape)
+    resized: bool = False
+
+
+def out_layouts(outs: tuple, kwargs: dict) -> list:
+    """The shape, strides and storage offset of each tensor given as an ``out`` argument
+    (``outs``: their names)."""
+    found = []
+    for name in outs:
+        value = kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                found.append((tuple(t.shape), t.stride(), t.storage_offset()))
+    return found
 
 
 def layout(t: torch.Tensor) -> tuple:
@@ -87,6 +102,7 @@ class _Traits:
     written: tuple  # ``_written(func)``
     fresh: bool  # an aten operator whose results are new tensors: no view, no alias, no write
     laid_out: bool  # ``copy_`` or ``_local_scalar_dense``: the recorder notes its tensors' layouts
+    outs: tuple  # the names of its ``out`` arguments (keyword-only, written)
 
 
 #: id(operator) -> (the operator, kept so that its id is not reused; its traits)
@@ -112,6 +128,7 @@ def _traits(func) -> _Traits:
         and all(r.alias_info is None for r in returns)
         and not _written(func),
         func in (_aten.copy_.default, _aten._local_scalar_dense.default),
+        tuple(name for i, name in _written(func) if func._schema.arguments[i].kwarg_only),
     )
     _TRAITS[id(func)] = (func, traits)
     return traits
