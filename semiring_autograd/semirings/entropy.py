@@ -10,7 +10,7 @@ from ..kernels.workspace import scratch
 from .base import Semiring, Value
 from .batching import batched
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, top_two_shifts
+from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, shifted_rows, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
     POS_INF,
@@ -20,6 +20,12 @@ from .tensor_ops import (
     safe_weight,
     scatter_extreme,
 )
+
+
+def _same_shape(a: Value) -> Value:
+    """The components (log Z, r) broadcast to one shape (as they are, where they share it)."""
+    la, r = a
+    return (la, r) if la.shape == r.shape else tuple(torch.broadcast_tensors(la, r))
 
 
 def _entropy_loo(la: Tensor, r: Tensor, dim: int) -> Value:
@@ -114,7 +120,7 @@ class Entropy(Semiring):
         return (la, (a[1] + b[1]).masked_fill(torch.isneginf(la), 0.0))
 
     def readout(self, a):
-        la, r = torch.broadcast_tensors(*a)
+        la, r = _same_shape(a)
         h = (la + r).clamp_min(0.0)
         return torch.where(torch.isneginf(la), torch.zeros_like(h), h)
 
@@ -129,16 +135,20 @@ class Entropy(Semiring):
         return (total if keepdim else total.squeeze(dims), rs)
 
     def matmul(self, a, b):
-        la, ra = torch.broadcast_tensors(*a)
-        lb, rb = torch.broadcast_tensors(*b)
+        la, ra = _same_shape(a)
+        lb, rb = _same_shape(b)
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
+        by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
+        shifted = shifted_rows(*a) if by_weight else None
+        if shifted is not None and bool(shifted.live.all()):  # no row to drop
+            return gemm_by_weight(shifted, _entropy_weights(w))
         result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, 0.0))
         return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):
-        la, ra = torch.broadcast_tensors(*a)
+        la, ra = _same_shape(a)
         return LogSpaceGemm.run(la, None, ra, None, b_linear=_entropy_weights(w))
 
     def mul_lift(self, a, w):
@@ -150,10 +160,10 @@ class Entropy(Semiring):
         return (la, (a[1] - log_w).masked_fill(torch.isneginf(la), 0.0))
 
     def loo(self, a, dim):
-        return _entropy_loo(*torch.broadcast_tensors(*a), dim)
+        return _entropy_loo(*_same_shape(a), dim)
 
     def index_add(self, a, index, size):
-        la, r = torch.broadcast_tensors(*a)
+        la, r = _same_shape(a)
         top = scatter_extreme(la, index, size, "amax", NEG_INF)
         shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         idx = index.reshape(-1)

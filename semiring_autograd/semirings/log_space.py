@@ -4,6 +4,7 @@ semiring matmul with its exact fallback, and the leave-one-out logsumexp."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -242,33 +243,50 @@ def _log_operands(b_lin: Tensor, k: int, with_r: bool) -> tuple[Tensor, Tensor |
     return torch.log(eb), rb
 
 
-def _by_weight(
-    la: Tensor, ra: Tensor | None, b_linear: Tensor
-) -> tuple[Tensor, Tensor | None] | None:
-    """:meth:`LogSpaceGemm.run` by a 2-D linear operand (a lifted weight), on the CPU
-    kernels: each row of ``la`` (…, m, k) is a row of one 2-D GEMM. With r the shifted
-    rows e and their products e·r are stacked along m, so that one GEMM by eb gives z =
-    e @ eb over e·r @ eb (a larger m runs faster than two GEMMs: eb is packed once), and r's
-    numerators add e @ (eb·rb) in place. None where this does not apply (batched or
-    non-contiguous operands, k = 0, no kernels): the general path runs."""
-    with_r = ra is not None
-    k = b_linear.shape[0] // (2 if with_r else 1)
-    if la.dim() < 2 or la.shape[-1] != k or k == 0 or not la.is_contiguous():
+class ShiftedRows(NamedTuple):
+    """A message's rows (count, k), and r's, made ready for a GEMM by a weight: ``stacked``
+    holds e = exp(rows - shift) in its first ``count`` rows (and room for e·r after them);
+    ``shift`` and ``live`` (count, 1) are each row's shift and whether it has a term;
+    ``batch`` the message's shape but its last dim."""
+
+    rows: Tensor
+    r_rows: Tensor | None
+    stacked: Tensor
+    shift: Tensor
+    live: Tensor
+    batch: tuple[int, ...]
+
+
+def shifted_rows(la: Tensor, ra: Tensor | None) -> ShiftedRows | None:
+    """The first step of :func:`gemm_by_weight`, on the CPU kernels: ``la`` (…, m, k)
+    (and ``ra``, of its shape) as contiguous rows, and e in one pass over them. None where
+    that path does not apply (operands batched by ``torch.vmap``, ``ra`` of another shape,
+    k = 0, no kernels)."""
+    if la.dim() < 2 or la.shape[-1] == 0 or batched(la):
         return None
-    if with_r and (ra.shape != la.shape or not ra.is_contiguous()):
+    if ra is not None and (ra.shape != la.shape or batched(ra)):
         return None
-    if batched(*((la, b_linear) if ra is None else (la, ra, b_linear))):
-        return None
-    rows = la.view(-1, k)
-    count = rows.shape[0]
-    stacked = _message_operand(((2 if with_r else 1) * count, k), rows)
-    e = stacked[:count]
-    fused = kernels.log_space_rows(rows, None, e)
+    k = la.shape[-1]
+    rows = la.reshape(-1, k).contiguous()
+    r_rows = None if ra is None else ra.reshape(-1, k).contiguous()
+    stacked = _message_operand(((1 if ra is None else 2) * rows.shape[0], k), rows)
+    fused = kernels.log_space_rows(rows, None, stacked[: rows.shape[0]])
     if fused is None:
         return None
-    shift, live = fused
-    if with_r:
-        torch.mul(e, ra.view(-1, k), out=stacked[count:])
+    return ShiftedRows(rows, r_rows, stacked, *fused, tuple(la.shape[:-1]))
+
+
+def gemm_by_weight(shifted: ShiftedRows, b_linear: Tensor) -> tuple[Tensor, Tensor | None]:
+    """:meth:`LogSpaceGemm.run` by a 2-D linear operand (a lifted weight, (k, n), or (2k, n)
+    with r) from the shifted rows of a message: each row is a row of one 2-D GEMM. With r
+    the rows e and their products e·r are stacked along m, so that one GEMM by eb gives
+    z = e @ eb over e·r @ eb (a larger m runs faster than two GEMMs: eb is packed once), and
+    r's numerators add e @ (eb·rb) in place."""
+    rows, r_rows, stacked, shift, live, batch = shifted
+    count, k = rows.shape
+    e = stacked[:count]
+    if r_rows is not None:
+        torch.mul(e, r_rows, out=stacked[count:])
         both = torch.mm(stacked, b_linear[:k])
         z, num = both[:count], both[count:]
         num.addmm_(e, b_linear[k:])
@@ -276,11 +294,21 @@ def _by_weight(
         z, num = torch.mm(e, b_linear), None
     out, num, bad = _finish(z, num, shift, None, live, _tiny(z.dtype), True)
     if bad is not None and anywhere(bad):
-        b3, rb3 = _log_operands(b_linear[None], k, with_r)
-        ra3, r3 = (ra.view(1, -1, k), num[None]) if with_r else (None, None)
+        b3, rb3 = _log_operands(b_linear[None], k, r_rows is not None)
+        ra3, r3 = (None, None) if r_rows is None else (r_rows[None], num[None])
         _exact_terms(rows[None], b3, ra3, rb3, bad[None], out[None], r3)
-    shape = (*la.shape[:-1], b_linear.shape[-1])
+    shape = (*batch, b_linear.shape[-1])
     return out.view(shape), (None if num is None else num.view(shape))
+
+
+def _by_weight(
+    la: Tensor, ra: Tensor | None, b_linear: Tensor
+) -> tuple[Tensor, Tensor | None] | None:
+    """:func:`gemm_by_weight` where :func:`shifted_rows` applies, else None."""
+    if la.shape[-1] != b_linear.shape[0] // (1 if ra is None else 2):
+        return None
+    shifted = shifted_rows(la, ra)
+    return None if shifted is None else gemm_by_weight(shifted, b_linear)
 
 
 def top_two_shifts(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
