@@ -609,32 +609,45 @@ def _check_all_rows_live(c: _Case) -> str | None:
 
 
 def _check_log_gemm_finish(c: _Case) -> str | None:
-    z = c.rand(2, 5, 9) + 0.25
-    z.view(-1)[::6] = 0.0
-    z[1, 3] = 0.0  # a dead row: its sums are rightly 0
-    live = torch.ones(2, 5, 1, dtype=torch.bool, device="cpu")
-    live[1, 3] = False
-    num, shift, shift_b = c.randn(2, 5, 9), c.randn(2, 5, 1), c.randn(2, 1, 9)
-    tiny = torch.finfo(c.dtype).tiny / c.eps
-    # zeros in live rows are below tiny: not exact, nothing written
-    (done,), (z_out, num_out, *_) = _tuple(c.run(z, num, shift, shift_b, live, tiny, True))
-    if bool(done) or not (torch.equal(z_out, z) and torch.equal(num_out, num)):
-        return "log_gemm_finish_ wrote sums below tiny (not exact)"
-    z = z.masked_fill((z == 0) & live, 0.5)
-    for sb in (shift_b, None):
-        (done,), (z_out, num_out, *_) = _tuple(c.run(z, num, shift, sb, live, tiny, False))
-        if not bool(done):
-            return "log_gemm_finish_ declined exact sums"
-        want = z.log() + shift + (0.0 if sb is None else sb)
-        scale = z.log().abs() + shift.abs() + (0.0 if sb is None else sb.abs())
-        ratio = torch.where(z > 0, num / z, 0.0)
-        problem = _first(
-            _differs("log_gemm_finish_ log z", z_out, want, _ulps(c, 8, scale)),
-            _differs("log_gemm_finish_ num / z", num_out, ratio),
-        )
-        if problem:
-            return problem
+    """Rows of 9 and of 37 entries (16-float vectors and a tail): sums below tiny are not
+    exact (nothing written); exact sums get num / z to the value and log z + shift
+    (+ shift_b) within 8 ulp of the float64 formula: a dead row's 0, -0 and NaN, a live
+    row's +inf (not exact only where the sums may overflow), 30 decades of sums."""
+    for n in (9, 37):
+        z = c.rand(2, 5, n) * 10.0 ** (c.rand(2, 5, n) * 30 - 15).floor() + 0.25
+        z.view(-1)[::6] = 0.0
+        z[1, 3] = 0.0  # a dead row: its sums are rightly 0
+        live = torch.ones(2, 5, 1, dtype=torch.bool, device="cpu")
+        live[1, 3] = False
+        num, shift, shift_b = c.randn(2, 5, n), c.randn(2, 5, 1) * 30, c.randn(2, 1, n) * 30
+        tiny = torch.finfo(c.dtype).tiny / c.eps
+        # zeros in live rows are below tiny: not exact, nothing written
+        (done,), (z_out, num_out, *_) = _tuple(c.run(z, num, shift, shift_b, live, tiny, True))
+        if bool(done) or not (torch.equal(z_out, z) and torch.equal(num_out, num)):
+            return "log_gemm_finish_ wrote sums below tiny (not exact)"
+        z = z.masked_fill((z == 0) & live, 0.5)
+        z[1, 3, 1], z[1, 3, 2], z[0, 2, n - 1] = -0.0, NAN, INF
+        for sb in (shift_b, None):
+            problem = _log_gemm_finished(c, z, num, shift, sb, live, tiny)
+            if problem:
+                return problem
     return None
+
+
+def _log_gemm_finished(c: _Case, z, num, shift, shift_b, live, tiny) -> str | None:
+    """Where log_gemm_finish_ on exact sums z differs from its formula."""
+    (done,), (z_out, num_out, *_) = _tuple(c.run(z, num, shift, shift_b, live, tiny, False))
+    if not bool(done):
+        return "log_gemm_finish_ declined exact sums"
+    b = 0.0 if shift_b is None else shift_b.double()
+    log_z = z.double().log()
+    want = log_z + shift.double() + b
+    scale = log_z.abs() + shift.double().abs() + abs(b)
+    ratio = torch.where(z > 0, num / z, 0.0)
+    return _first(
+        _differs("log_gemm_finish_ log z", z_out, want, _ulps(c, 8, scale)),
+        _differs("log_gemm_finish_ num / z", num_out, ratio),
+    )
 
 
 def _tuple(result):

@@ -2,12 +2,14 @@
 //
 //   plus_log_abs(a, w)  a + log|w| (a ⊗ lift(w)), or log|w| alone (lift(w)) without a
 //   log_add(a, b)       log(e^a + e^b) (a ⊕ b), torch.logaddexp's specials
+//   log_plus_shifts_    z = log z + shift (+ shift_b) in place, for log_gemm_finish_
 //
 // torch spells the first as three passes (abs, log, add) with two temporaries, and its
 // log and logaddexp take several times the time of these loops on AVX-512 (log_abs16 and
 // exp16_nonpositive of extreme_matmul.h, 16 floats at a time). Operands: contiguous, of
-// one shape and one dtype (float32 or float64); the Python wrappers (log_entries.py)
-// check that and take the torch formulas otherwise.
+// one shape and one dtype (float32 or float64); the Python wrappers (log_entries.py) check
+// that and take the torch formulas otherwise, and log_gemm_finish_ takes torch's log and
+// additions where log_plus_shifts_ declines its operands.
 //
 // Part of semiring_autograd; included by operators.cpp after extreme_matmul.h, whose
 // log_positive, exp_nonpositive, log_abs16 and exp16_nonpositive these use.
@@ -51,6 +53,50 @@ inline T log_add_entry(T a, T b) {
     const T log1p = log_positive(u) - ((u - T(1)) - t) / u;
     const bool nan = (a != a) | (b != b);
     return nan ? a + b : big + log1p;
+}
+
+// log z as torch.log: -inf at ±0, +inf at +inf, NaN below 0 and at NaN.
+template <typename T>
+inline T log_entry(T z) {
+    return z < T(0) ? std::numeric_limits<T>::quiet_NaN() : log_abs_entry(z);
+}
+
+// z = log z + shift (+ shift_b[j]) along one row of n entries, in place.
+template <typename T>
+inline void log_plus_shift_row(T* z, T shift, const T* shift_b, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+        const __m512 s = _mm512_set1_ps(shift), zero = _mm512_setzero_ps();
+        const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+        for (; j + 16 <= n; j += 16) {
+            const __m512 x = _mm512_loadu_ps(z + j);
+            const __mmask16 negative = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
+            __m512 l = _mm512_add_ps(_mm512_mask_blend_ps(negative, log_abs16(x), nan), s);
+            if (shift_b) l = _mm512_add_ps(l, _mm512_loadu_ps(shift_b + j));
+            _mm512_storeu_ps(z + j, l);
+        }
+    }
+#endif
+    if (shift_b) {
+#pragma omp simd
+        for (int64_t i = j; i < n; ++i) z[i] = (log_entry(z[i]) + shift) + shift_b[i];
+    } else {
+#pragma omp simd
+        for (int64_t i = j; i < n; ++i) z[i] = log_entry(z[i]) + shift;
+    }
+}
+
+// z = log z + shift[row] (+ shift_b[batch, j]) in place, for rows of n entries, m rows a
+// batch: shift one entry a row, shift_b (null: none) n entries a batch.
+template <typename T>
+void log_plus_shifts(T* z, const T* shift, const T* shift_b, int64_t rows, int64_t m, int64_t n,
+                     int threads) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t row = 0; row < rows; ++row)
+        log_plus_shift_row(z + row * n, shift[row], shift_b ? shift_b + (row / m) * n : nullptr,
+                           n);
 }
 
 // out = a + log|w| (a null: log|w|), entries [0, count).
@@ -142,6 +188,38 @@ inline at::Tensor plus_log_abs_op(const std::optional<at::Tensor>& a, const at::
         plus_log_abs<T>(a ? a->const_data_ptr<T>() : nullptr, w.const_data_ptr<T>(),
                         out.data_ptr<T>(), count, threads);
     });
+}
+
+// Whether t (contiguous, of z's dtype) has z's sizes but `one` (a dim index) of size 1.
+inline bool fits(const at::Tensor& t, const at::Tensor& z, int64_t one) {
+    if (t.dim() != z.dim() || !t.is_contiguous() || t.scalar_type() != z.scalar_type())
+        return false;
+    for (int64_t d = 0; d < z.dim(); ++d)
+        if (t.size(d) != (d == one ? 1 : z.size(d))) return false;
+    return true;
+}
+
+// z = log z + shift (+ shift_b) in place, one pass (log_gemm_finish_'s last step), for z
+// (…, m, n) contiguous float32/float64, shift (…, m, 1) and shift_b (…, 1, n) of its dtype,
+// contiguous: true; false, nothing written, for other operands.
+inline bool log_plus_shifts_(at::Tensor& z, const at::Tensor& shift,
+                             const std::optional<at::Tensor>& shift_b) {
+    const int64_t d = z.dim();
+    if (d < 2 || !z.is_contiguous() || z.numel() == 0 ||
+        (z.scalar_type() != at::kFloat && z.scalar_type() != at::kDouble) ||
+        !fits(shift, z, d - 1) || (shift_b && !fits(*shift_b, z, d - 2)))
+        return false;
+    const int64_t n = z.size(-1), m = z.size(-2), rows = z.numel() / n;
+    const int threads = threads_for(z.numel());
+    if (z.scalar_type() == at::kDouble)
+        log_plus_shifts<double>(z.data_ptr<double>(), shift.const_data_ptr<double>(),
+                                shift_b ? shift_b->const_data_ptr<double>() : nullptr, rows, m,
+                                n, threads);
+    else
+        log_plus_shifts<float>(z.data_ptr<float>(), shift.const_data_ptr<float>(),
+                               shift_b ? shift_b->const_data_ptr<float>() : nullptr, rows, m, n,
+                               threads);
+    return true;
 }
 
 inline at::Tensor log_add_op(const at::Tensor& a, const at::Tensor& b) {

@@ -527,8 +527,10 @@ at::Tensor log_gemm_finish_op(at::Tensor z, const std::optional<at::Tensor>& num
                                     entry_threads(z.numel()));
         });
     }
-    z.log_().add_(shift);
-    if (shift_b) z.add_(*shift_b);
+    if (!log_entries::log_plus_shifts_(z, shift, shift_b)) {
+        z.log_().add_(shift);
+        if (shift_b) z.add_(*shift_b);
+    }
     return flag(true);
 }
 
