@@ -63,6 +63,10 @@ def _samples(dtype):
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
         "plus_log_abs": [(la, rand(3, 40)), (None, rand(2, 37))],
         "log_add": [(la, rand(3, 40))],
+        "softmax_backward_log": [
+            (la, torch.softmax(rand(3, 40), -1)),
+            (rand(2, 1, 7), rand(2, 1, 7)),
+        ],
         "any_nan_or_inf": [([la, r], [0, 0]), ([la.masked_fill(la > 1, INF), r], [-1, 1])],
         "all_rows_live": [(rows, None, 0.0), (hi, lo, 0.0)],
         "log_gemm_finish_": [

@@ -502,6 +502,49 @@ def _check_loo_log(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def softmax_backward_oracle(g: Tensor, p: Tensor) -> Tensor:
+    """The Log message at softmax's input from ``g`` at its output ``p`` (last dim), by the
+    Jacobian in float64: out_i = log Σ_j e^{g_j} |∂p_j/∂s_i|, ∂p_j/∂s_i = p_j(δ_ij − p_i)."""
+    g, p = g.double(), p.double()
+    eye = torch.eye(p.shape[-1], dtype=torch.float64, device=p.device)
+    jacobian = p[..., None, :] * (eye - p[..., :, None])  # [i, j] = ∂p_j/∂s_i
+    return torch.logsumexp(g[..., None, :] + torch.log(jacobian.abs()), -1)
+
+
+def _softmax_rows(c: _Case, n: int) -> tuple[Tensor, Tensor]:
+    """(g, p) of (2, 5, n): p a softmax with excluded keys (p = 0), a row with one key (p =
+    1), a near-one row; g with -inf (no path) and a row of -inf."""
+    scores = c.randn(2, 5, n) * 4
+    scores.view(-1)[3::5] = -INF
+    scores[0, 1, 1:] = -INF  # p = 1 at key 0
+    scores[1, 2, 0] = 40.0  # p within an ulp of 1
+    p = torch.softmax(scores.double(), -1).to(c.dtype)
+    g = c.randn(2, 5, n) * 20
+    g.view(-1)[2::7] = -INF
+    g[1, 0] = -INF
+    return g, p
+
+
+def _check_softmax_backward_log(c: _Case) -> str | None:
+    problems = []
+    for n in (9, 37):  # a vector tail; two vectors and a tail
+        g, p = _softmax_rows(c, n)
+        (out, declined), _ = c.run(g, p)
+        if bool(declined):
+            return "softmax_backward_log declined rows without NaN or +inf"
+        want = softmax_backward_oracle(g, p)
+        t = (g.double() + torch.log(p.double())).nan_to_num(neginf=0.0)
+        scale = 1 + t.abs().amax(-1, keepdim=True) + want.nan_to_num(neginf=0.0).abs()
+        scale = scale + torch.log(p.double()).nan_to_num(neginf=0.0).abs()
+        problems.append(_differs("softmax_backward_log", out, want, _ulps(c, 8, scale)))
+        bent = g.clone()
+        bent[1, 3, n - 1] = NAN
+        (_, declined), _ = c.run(bent, p)
+        if not bool(declined):
+            problems.append("softmax_backward_log did not decline a row holding NaN")
+    return _first(*problems)
+
+
 def _check_entropy_reduce_rows(c: _Case) -> str | None:
     la = _log_rows(c)
     r = c.rand(*la.shape).masked_fill(la == -INF, 0.0)
@@ -672,6 +715,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "entropy_weights": _check_entropy_weights,
     "plus_log_abs": _check_plus_log_abs,
     "log_add": _check_log_add,
+    "softmax_backward_log": _check_softmax_backward_log,
     "any_nan_or_inf": _check_any_nan_or_inf,
     "all_rows_live": _check_all_rows_live,
     "log_gemm_finish_": _check_log_gemm_finish,

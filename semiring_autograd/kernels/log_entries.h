@@ -1,18 +1,20 @@
 // The Log semiring's elementwise primitives in one pass each, as CPU operators:
 //
-//   plus_log_abs(a, w)  a + log|w| (a ⊗ lift(w)), or log|w| alone (lift(w)) without a
-//   log_add(a, b)       log(e^a + e^b) (a ⊕ b), torch.logaddexp's specials
-//   log_plus_shifts_    z = log z + shift (+ shift_b) in place, for log_gemm_finish_
+//   plus_log_abs(a, w)          a + log|w| (a ⊗ lift(w)), or log|w| alone (lift(w)) without a
+//   log_add(a, b)               log(e^a + e^b) (a ⊕ b), torch.logaddexp's specials
+//   softmax_backward_log(g, p)  the message at softmax's input from g at its output p, per row
+//   log_plus_shifts_            z = log z + shift (+ shift_b) in place, for log_gemm_finish_
 //
 // torch spells the first as three passes (abs, log, add) with two temporaries, and its
 // log and logaddexp take several times the time of these loops on AVX-512 (log_abs16 and
-// exp16_nonpositive of extreme_matmul.h, 16 floats at a time). Operands: contiguous, of
-// one shape and one dtype (float32 or float64); the Python wrappers (log_entries.py) check
+// exp16_nonpositive of extreme_matmul.h, 16 floats at a time); the softmax Jacobian's
+// semiring formula takes about a dozen passes over the rows. Operands: contiguous, of one
+// shape and one dtype (float32 or float64); the Python wrappers (log_entries.py) check
 // that and take the torch formulas otherwise, and log_gemm_finish_ takes torch's log and
 // additions where log_plus_shifts_ declines its operands.
 //
 // Part of semiring_autograd; included by operators.cpp after extreme_matmul.h, whose
-// log_positive, exp_nonpositive, log_abs16 and exp16_nonpositive these use.
+// log_positive, exp_nonpositive, log_abs16, exp16_nonpositive and loo_row these use.
 
 #pragma once
 
@@ -128,6 +130,23 @@ void plus_log_abs(const T* a, const T* w, T* out, int64_t count, int threads) {
     }
 }
 
+#if defined(__AVX512F__)
+// log_add_entry for 16 floats.
+inline __m512 log_add16(__m512 x, __m512 y) {
+    const __m512 one = _mm512_set1_ps(1.0f), none = _mm512_set1_ps(-__builtin_inff());
+    const __mmask16 x_big = _mm512_cmp_ps_mask(x, y, _CMP_GE_OQ);
+    const __m512 big = _mm512_mask_blend_ps(x_big, y, x);
+    const __m512 small = _mm512_mask_blend_ps(x_big, x, y);
+    __m512 d = _mm512_sub_ps(small, big);
+    d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), none, d);
+    const __m512 t = exp16_nonpositive(d), u = _mm512_add_ps(one, t);
+    const __m512 fix = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(u, one), t), u);
+    const __m512 log1p = _mm512_sub_ps(log_abs16(u), fix);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, y, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, _mm512_add_ps(big, log1p), _mm512_add_ps(x, y));
+}
+#endif
+
 // out = log(e^a + e^b), entries [0, count).
 template <typename T>
 void log_add(const T* a, const T* b, T* out, int64_t count, int threads) {
@@ -135,22 +154,10 @@ void log_add(const T* a, const T* b, T* out, int64_t count, int threads) {
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {  // log_add_entry, 16 entries at a time
         const int64_t vectors = count / 16;
-        const __m512 one = _mm512_set1_ps(1.0f), none = _mm512_set1_ps(-__builtin_inff());
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t v = 0; v < vectors; ++v) {
             const int64_t i = 16 * v;
-            const __m512 x = _mm512_loadu_ps(a + i), y = _mm512_loadu_ps(b + i);
-            const __mmask16 x_big = _mm512_cmp_ps_mask(x, y, _CMP_GE_OQ);
-            const __m512 big = _mm512_mask_blend_ps(x_big, y, x);
-            const __m512 small = _mm512_mask_blend_ps(x_big, x, y);
-            __m512 d = _mm512_sub_ps(small, big);
-            d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), none, d);
-            const __m512 t = exp16_nonpositive(d), u = _mm512_add_ps(one, t);
-            const __m512 fix = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(u, one), t), u);
-            const __m512 log1p = _mm512_sub_ps(log_abs16(u), fix);
-            const __mmask16 nan = _mm512_cmp_ps_mask(x, y, _CMP_UNORD_Q);
-            _mm512_storeu_ps(out + i, _mm512_mask_blend_ps(nan, _mm512_add_ps(big, log1p),
-                                                           _mm512_add_ps(x, y)));
+            _mm512_storeu_ps(out + i, log_add16(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
         }
         for (int64_t i = 16 * vectors; i < count; ++i) out[i] = log_add_entry(a[i], b[i]);
         return;
@@ -159,6 +166,84 @@ void log_add(const T* a, const T* b, T* out, int64_t count, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #pragma omp for simd schedule(static)
     for (int64_t i = 0; i < count; ++i) out[i] = log_add_entry(a[i], b[i]);
+}
+
+// log|1 - p| with the rounding of u = 1 - p corrected: log|u| - ((u - 1) + p) / u (the
+// error term 0 where u is 0: -inf at p = 1).
+template <typename T>
+inline T log_one_minus_entry(T p) {
+    const T u = T(1) - p, fix = ((u - T(1)) + p) / u;
+    return log_abs_entry(u) - (u != T(0) ? fix : T(0));
+}
+
+// Along one row of n entries: lp = log|p| and t = g + lp.
+template <typename T>
+inline void log_terms_row(const T* g, const T* p, T* t, T* lp, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+        for (; j + 16 <= n; j += 16) {
+            const __m512 l = log_abs16(_mm512_loadu_ps(p + j));
+            _mm512_storeu_ps(lp + j, l);
+            _mm512_storeu_ps(t + j, _mm512_add_ps(_mm512_loadu_ps(g + j), l));
+        }
+    }
+#endif
+#pragma omp simd
+    for (int64_t i = j; i < n; ++i) {
+        const T l = log_abs_entry(p[i]);
+        lp[i] = l;
+        t[i] = g[i] + l;
+    }
+}
+
+// Along one row of n entries, with out holding L: out = log(e^(t + log|1 - p|) + e^(L + lp)).
+template <typename T>
+inline void softmax_combine_row(const T* t, const T* p, const T* lp, T* out, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {  // the loop below, 16 entries at a time
+        const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+        for (; j + 16 <= n; j += 16) {
+            const __m512 pv = _mm512_loadu_ps(p + j), u = _mm512_sub_ps(one, pv);
+            const __mmask16 nonzero = _mm512_cmp_ps_mask(u, zero, _CMP_NEQ_UQ);
+            const __m512 error = _mm512_add_ps(_mm512_sub_ps(u, one), pv);  // (u - 1) + p
+            const __m512 fix = _mm512_maskz_div_ps(nonzero, error, u);
+            const __m512 log_u = _mm512_sub_ps(log_abs16(u), fix);
+            const __m512 own = _mm512_add_ps(_mm512_loadu_ps(t + j), log_u);
+            const __m512 rest = _mm512_add_ps(_mm512_loadu_ps(out + j), _mm512_loadu_ps(lp + j));
+            _mm512_storeu_ps(out + j, log_add16(own, rest));
+        }
+    }
+#endif
+#pragma omp simd
+    for (int64_t i = j; i < n; ++i)
+        out[i] = log_add_entry(t[i] + log_one_minus_entry(p[i]), out[i] + lp[i]);
+}
+
+// The Log semiring's message at softmax's input from g at its output p = softmax(s), along
+// rows of n contiguous entries: with t_j = g_j + log p_j and L_i = log Σ_{j≠i} e^(t_j) (the
+// leave-one-out ⊕ of loo_row), out_i = log(e^(t_i + log(1 - p_i)) + e^(L_i + log p_i)), the
+// ⊕ of the paths through ∂p_i/∂s_i = p_i(1 - p_i) and through ∂p_j/∂s_i = -p_j p_i (j ≠ i).
+// bad[row] = 1 where a row's t holds NaN or +inf and the row was left uncomputed, else 0.
+template <typename T>
+void softmax_backward_rows(const T* g, const T* p, T* out, uint8_t* bad, int64_t n,
+                           int64_t rows, int threads) {
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<T> scratch(2 * n);
+        T* t = scratch.data();
+        T* lp = t + n;
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; ++row) {
+            const int64_t at = row * n;
+            log_terms_row(g + at, p + at, t, lp, n);
+            const bool done = loo_row<T, false>(t, nullptr, out + at, nullptr, n);
+            bad[row] = !done;
+            if (done) softmax_combine_row(t, p + at, lp, out + at, n);
+        }
+    }
 }
 
 inline void check_entries(const char* name, const at::Tensor& x, const at::Tensor& y) {
@@ -220,6 +305,23 @@ inline bool log_plus_shifts_(at::Tensor& z, const at::Tensor& shift,
                                shift_b ? shift_b->const_data_ptr<float>() : nullptr, rows, m, n,
                                threads);
     return true;
+}
+
+// (out, declined): softmax_backward_rows along the last dim of g and p (contiguous, of one
+// shape and dtype, float32 or float64); declined (0-d bool) true when a row was left
+// uncomputed (the caller's torch formula then handles every row).
+inline std::tuple<at::Tensor, at::Tensor> softmax_backward_log_op(const at::Tensor& g,
+                                                                 const at::Tensor& p) {
+    check_entries("softmax_backward_log", g, p);
+    TORCH_CHECK(g.dim() >= 1, "softmax_backward_log: g and p must have a dim to work along");
+    const int64_t n = g.size(-1), rows = n ? g.numel() / n : 0;
+    auto bad = at::zeros({rows}, g.options().dtype(at::kByte));
+    auto out = entries(g, [&](auto tag, at::Tensor& o, int64_t count, int) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        softmax_backward_rows<T>(g.const_data_ptr<T>(), p.const_data_ptr<T>(), o.data_ptr<T>(),
+                                 bad.data_ptr<uint8_t>(), n, rows, threads_for(4 * count));
+    });
+    return {out, bad.any().to(at::kBool)};
 }
 
 inline at::Tensor log_add_op(const at::Tensor& a, const at::Tensor& b) {

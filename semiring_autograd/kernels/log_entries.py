@@ -1,12 +1,15 @@
 """The Log semiring's elementwise primitives on fused CPU operators (``log_entries.h``):
 ``plus_log_abs`` (a + log|w|, or log|w|: ⊗ lift and lift) and ``log_add`` (⊕, as
-torch.logaddexp), one pass each where torch takes three passes or a slower series.
+torch.logaddexp), one pass each where torch takes three passes or a slower series; and
+``softmax_backward``, the message at softmax's input, in one operator call per tensor
+where the semiring formula takes about a dozen passes.
 
-Each takes contiguous CPU float32/float64 operands of one shape and dtype with at least
-``MIN_ENTRIES`` entries (below that an operator call costs what it saves) and returns None
-otherwise, or where the kernels are off, unbuilt or failed their check (``kernels``'s
-modes); the callers then take the torch formula. Their log and exp are the kernels' own
-series (on AVX-512 float, within 1 ulp of the true values), within 3 ulp of torch's.
+Each takes contiguous CPU float32/float64 operands of one shape and dtype (the elementwise
+two with at least ``MIN_ENTRIES`` entries: below that an operator call costs what it saves)
+and returns None otherwise, or where the kernels are off, unbuilt or failed their check
+(``kernels``'s modes); the callers then take the torch formula. Their log and exp are the
+kernels' own series (on AVX-512 float, within 1 ulp of the true values), within 3 ulp of
+torch's.
 """
 
 from __future__ import annotations
@@ -44,3 +47,18 @@ def log_add(a: Tensor, b: Tensor) -> Tensor | None:
     if not _takes(a, b) or not _nonempty_ready("log_add", a, b):
         return None
     return op("log_add")(a, b)
+
+
+def softmax_backward(g: Tensor, p: Tensor, dim: int) -> Tensor | None:
+    """Log's message at softmax's input s from the message ``g`` at its output p =
+    softmax(s) along ``dim`` (the last): with t = g + log p and L_i = log Σ_{j≠i} e^{t_j},
+    log(e^{t_i + log(1 - p_i)} + e^{L_i + log p_i}), by the fused CPU kernel; None where it
+    does not apply or a row holds NaN or +inf."""
+    if g.dim() == 0 or dim not in (-1, g.dim() - 1) or g.shape != p.shape:
+        return None
+    if not (g.is_contiguous() and p.is_contiguous()):
+        return None
+    if not _nonempty_ready("softmax_backward_log", g, p):
+        return None
+    out, declined = op("softmax_backward_log")(g, p)
+    return None if declined else out

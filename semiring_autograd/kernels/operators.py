@@ -32,6 +32,9 @@ one dtype.
 ``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
 ``plus_log_abs``         a + log|w| (log|w| without a), elementwise, one shape; CPU only
 ``log_add``              log(e^a + e^b), elementwise, one shape; CPU only
+``softmax_backward_log`` (out, flag): Log's message at softmax's input s from g at its
+                         output p = softmax(s) along the last dim, g and p of one shape;
+                         the flag: a row held NaN or +inf (then left uncomputed); CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
                          (+1, -1; 0: either) (0-d bool; CPU tensors of any dtype)
 ``all_rows_live``        every row (last dim) of x has a term: its maximum is not ``empty``
@@ -74,6 +77,7 @@ SCHEMAS = {
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
     "plus_log_abs": "(Tensor? a, Tensor w) -> Tensor",
     "log_add": "(Tensor a, Tensor b) -> Tensor",
+    "softmax_backward_log": "(Tensor g, Tensor p) -> (Tensor, Tensor)",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
     "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
@@ -162,6 +166,11 @@ def _(a, w):
 @_fake("log_add")
 def _(a, b):
     return a.new_empty(a.shape)
+
+
+@_fake("softmax_backward_log")
+def _(g, p):
+    return g.new_empty(g.shape), _declined(g)
 
 
 @_fake("ratio_where_positive_")

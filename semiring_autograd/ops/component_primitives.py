@@ -64,6 +64,10 @@ def loo(S: Semiring, a: Tensor, dim: int) -> Tensor:
     return P.loo(S, (a,), dim)[0]
 
 
+def softmax_backward(S: Semiring, a: Tensor, probs: Tensor, dim: int) -> Tensor:
+    return S.softmax_backward((a,), probs, dim)[0]
+
+
 def standardize(S: Semiring, a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> Tensor:
     return P.standardize(S, (a,), centred, rstd, dims)[0]
 

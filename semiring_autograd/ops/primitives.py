@@ -34,6 +34,7 @@ PRIMITIVES = (
     "matmul",
     "contract",
     "loo",
+    "softmax_backward",
     "standardize",
     "index_add",
     "reshape",
@@ -192,6 +193,12 @@ def loo(S: Semiring, a: Value, dim: int) -> Value:
     if a[0].dim() == 0:
         return tuple(c.squeeze(0) for c in S.loo(tuple(c.unsqueeze(0) for c in a), 0))
     return S.loo(a, dim)
+
+
+def softmax_backward(S: Semiring, a: Value, probs: Tensor, dim: int) -> Value:
+    """The message at softmax's input from ``a`` at its output ``probs`` along ``dim``
+    (``Semiring.softmax_backward``)."""
+    return S.softmax_backward(a, probs, dim)
 
 
 def standardize(S: Semiring, a: Value, centred: Tensor, rstd: Tensor, dims: Any) -> Value:

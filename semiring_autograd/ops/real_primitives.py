@@ -51,6 +51,10 @@ def loo(a: Tensor, dim: int) -> Tensor:
     return a.sum(dim, keepdim=True) - a
 
 
+def softmax_backward(a: Tensor, probs: Tensor, dim: int) -> Tensor:
+    return a * (probs * (1 - probs)) + loo(a * probs, dim) * -probs
+
+
 def standardize(a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> Tensor:
     count = max(centred.numel() // max(rstd.numel(), 1), 1)
     g_s = (a * centred).sum(dims, keepdim=True)

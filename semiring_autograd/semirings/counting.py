@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import InlineForms, message_dtype
+from .base import InlineForms, Semiring, message_dtype
 from .frozen import kept_operand
 from .log import Log
 from .tensor_ops import NEG_INF, nonzero_operand
@@ -32,3 +32,6 @@ class Counting(Log):
 
     def mul_lift(self, a, w):
         return (torch.where(w == 0, NEG_INF, a[0]),)
+
+    #: the generic formula: Log's override reads lift(w) as log|w|
+    softmax_backward = Semiring.softmax_backward

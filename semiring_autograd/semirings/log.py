@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..kernels import log_entries
 from ..kernels.workspace import scratch
-from .base import InlineForms, Semiring
+from .base import InlineForms, Semiring, message_dtype
 from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, log_loo
 from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
@@ -61,6 +61,19 @@ class Log(Semiring):
 
     def mul(self, a, b):
         return (a[0] + b[0],)
+
+    def softmax_backward(self, a, probs, dim):
+        """The default's paths with log p taken once: for t = a + log p and the leave-one-out
+        L_i = log Σ_{j≠i} e^{t_j}, log(e^{t_i + log|1 − p_i|} + e^{L_i + log p_i}); one
+        kernel call per tensor on the CPU."""
+        g = a[0]
+        fused = log_entries.softmax_backward(g, probs, dim)
+        if fused is not None:
+            return (fused,)
+        p = probs.to(message_dtype(probs.dtype))
+        log_p = self.log_abs(p)
+        t = g + log_p
+        return (self.log_add(self.plus_log_abs(t, 1 - p), log_loo(t, dim) + log_p),)
 
     def readout(self, a):
         return a[0]
