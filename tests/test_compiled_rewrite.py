@@ -150,15 +150,112 @@ def test_a_copy_that_fills_a_buffer_otherwise_stays(f, shape):
     _replay(program, f, _randn(*shape, seed=1))
 
 
-def test_a_buffer_filled_in_part_keeps_its_other_elements():
-    def f(x):
-        b = torch.zeros(4, 4)
-        b[:2].copy_(x)
-        return b * 2
+def _rotate_half_backward(g):
+    """The rotary embedding's backward pads each half of a gradient with its other half's
+    zeros, then adds the two."""
+    low, high = g.split([2, 2], -1)
+    a = torch.full((3, 4), -1.5)
+    a[..., 2:].copy_(low * -1)
+    b = torch.full((3, 4), -1.5)
+    b[..., :2].copy_(high)
+    return a + b
 
-    program = _record(f, _randn(2, 4))
-    assert _calls(program, aten.copy_.default) == 1
-    _replay(program, f, _randn(2, 4, seed=1))
+
+@pytest.mark.parametrize(
+    "f, shape",
+    [
+        (lambda x: _copied_into(torch.zeros(4, 4), slice(0, 2), x) * 2, (2, 4)),
+        (lambda x: _copied_into(torch.ones(2, 5, 3), (slice(None), slice(1, 3)), x) * 1, (2, 2, 3)),
+        (_rotate_half_backward, (3, 4)),
+    ],
+    ids=["rows", "middle", "rotate-half"],
+)
+def test_a_buffer_filled_in_part_is_one_cat(f, shape):
+    program = _record(f, _randn(*shape))
+    for op in (aten.copy_.default, aten.zeros.default, aten.ones.default, aten.full.default):
+        assert _calls(program, op) == 0, op
+    assert _calls(program, aten.cat.default) >= 1
+    for seed in (1, 2):
+        got = _replay(program, f, _randn(*shape, seed=seed))
+        assert got.stride() == f(_randn(*shape, seed=seed)).stride()
+
+
+def _copied_into(buffer, part, x):
+    buffer[part].copy_(x)
+    return buffer
+
+
+def _read_before(x):
+    b = torch.zeros(4, 4)
+    before = b.sum()
+    b[:2].copy_(x)
+    return b * before
+
+
+def _view_read_again(x):
+    b = torch.zeros(4, 4)
+    part = b[:2]
+    part.copy_(x)
+    return b + part.sum()
+
+
+def _view_taken_again(x):
+    b = torch.zeros(4, 4)
+    b[:2].copy_(x)
+    return b * b[:2].sum()
+
+
+def _read_between_view_and_copy(x):
+    b = torch.zeros(4, 4)
+    part = b[:2]
+    total = b.sum()
+    part.copy_(x)
+    return b * total
+
+
+def _misaligned(x):
+    b = torch.zeros(4, 4)
+    b.as_strided((2, 4), (4, 1), 1).copy_(x)
+    return b * 1
+
+
+def _copy_read(x):
+    b = torch.zeros(4, 4)
+    return b[:2].copy_(x) * 1 + b[2:]
+
+
+@pytest.mark.parametrize(
+    "f, shape, copies",
+    [
+        (_read_before, (2, 4), 1),
+        (_view_read_again, (2, 4), 1),
+        (_view_taken_again, (2, 4), 1),
+        (_read_between_view_and_copy, (2, 4), 1),
+        (_copy_read, (2, 4), 1),
+        (lambda r: _copied_into(torch.zeros(4, 4), slice(0, 2), r) * 1, (4,), 1),  # broadcast
+        (lambda x: _copied_into(torch.zeros(4, 4), (slice(0, 2), slice(0, 2)), x) * 1, (2, 2), 1),
+        (lambda x: _copied_into(torch.zeros(4, 4), (slice(None), slice(0, 4, 2)), x), (4, 2), 1),
+        (lambda x: _copied_into(torch.zeros(4, 4, dtype=torch.float64), slice(0, 2), x), (2, 4), 1),
+        (_misaligned, (2, 4), 1),
+    ],
+    ids=[
+        "read-before",
+        "view-read-again",
+        "view-taken-again",
+        "read-between",
+        "copy-read",
+        "broadcast",
+        "two-dims",
+        "stepped",
+        "dtype",
+        "misaligned",
+    ],
+)
+def test_a_buffer_filled_in_part_otherwise_stays(f, shape, copies):
+    program = _record(f, _randn(*shape))
+    assert _calls(program, aten.copy_.default) == copies
+    for seed in (1, 2):
+        _replay(program, f, _randn(*shape, seed=seed))
 
 
 def test_tensors_made_from_numbers_are_made_once():

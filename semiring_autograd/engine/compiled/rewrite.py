@@ -8,6 +8,10 @@ values bit for bit with fewer operator calls:
 - a view taken twice (the same ``as_strided`` of the same base) is taken once;
 - a copy into a fresh buffer from a fresh value of the same layout, neither read elsewhere,
   is that value; a copy into a fresh buffer read nowhere else, filling it, is a ``clone``;
+- a new filled buffer (``full``, ``zeros``, ``ones``) into one part of which (a range
+  along one dimension) a value is copied, read nowhere before the copy, is one ``cat``
+  of that value and the filled parts around it, made once (the rotary embedding's
+  backward pads each half of a gradient so);
 - a tensor made from numbers alone (``full``, ``scalar_tensor``), and views of it, that the
   program only reads is made once, when the program is built: a constant;
 - a view of a constant (a weight's transpose, a slice of a scratch buffer) that the program
@@ -75,6 +79,7 @@ def rewrite(
     steps, results = _merge_views(steps, results)
     steps, results = _fill_from_fresh(steps, results)
     steps, results = _clone_into_fresh(steps, results)
+    steps, constants = _fill_in_part(_live_steps(steps, results), results, constants)
     steps, constants = _hoist(steps, results, constants)
     steps, results, constants = _constant_views(steps, results, constants)
     return _live_steps(steps, results), results, constants
@@ -315,6 +320,107 @@ def _clone_into_fresh(steps: list[_Step], results: list) -> tuple[list, list]:
             )
     rewritten = [replaced.get(id(s), s) for s in steps if id(s) not in dropped]
     return rewritten, results
+
+
+#: operators filling a new buffer of the size their first argument gives
+_SIZED_FILLS = frozenset({_aten.full.default, _aten.zeros.default, _aten.ones.default})
+
+
+def _fill_in_part(
+    steps: list[_Step], results: list, constants: list[Tensor]
+) -> tuple[list[_Step], list[Tensor]]:
+    """``b = full(S, c)``, ``copy_(as_strided(b, part), y)`` with ``part`` a range along one
+    dimension of ``b`` (row-major) and ``y`` of the part's shape, dtype and device; ``b``
+    read nowhere between, the view only by the copy, the copy's result nowhere: ``b`` is
+    ``cat([full(before), y, full(after)], d)`` (the same elements; row-major, as checked on
+    meta tensors), the filled parts made once (constants, up to ``HOISTED_NUMEL``
+    elements each)."""
+    uses = _uses(steps, results)
+    producer = _producers(steps, frozenset())
+    position = {id(step): i for i, step in enumerate(steps)}
+    first_read: dict[int, int] = {}  # value -> the position of its first reader
+    for i, step in enumerate(steps):
+        for index in step.reads:
+            first_read.setdefault(index, i)
+    constants = list(constants)
+    dropped: set[int] = set()
+    replaced: dict[int, _Step] = {}
+    for i, step in enumerate(steps):
+        parts = _copy_parts(step)
+        if parts is None or uses.get(step.outputs[0].index, 0):
+            continue
+        view = producer.get(parts[0].index)
+        if view is None or view.func is not _aten.as_strided.default or uses[parts[0].index] != 1:
+            continue
+        buffer = producer.get(view.args[0].index) if isinstance(view.args[0], _Ref) else None
+        if buffer is None or buffer.func not in _SIZED_FILLS or buffer.reads or buffer.sequence:
+            continue
+        b = view.args[0].index
+        if first_read[b] != position[id(view)] or _read_between(steps, b, position[id(view)], i):
+            continue
+        pieces = _pieces(buffer, view.view, step.layouts, parts[1], constants)
+        if pieces is None:
+            continue
+        dropped.update((id(buffer), id(view)))
+        args = (pieces[0], pieces[1])
+        replaced[id(step)] = _Step(_aten.cat.default, args, {}, [_Ref(b)], False, _refs(args))
+    kept = [replaced.get(id(s), s) for s in steps if id(s) not in dropped]
+    return kept, constants
+
+
+def _read_between(steps: list[_Step], value: int, start: int, stop: int) -> bool:
+    """Whether a step after ``start`` and before ``stop`` reads ``value``."""
+    return any(value in steps[j].reads for j in range(start + 1, stop))
+
+
+def _pieces(
+    buffer: _Step, view: tuple, layouts: tuple, source: Any, constants: list[Tensor]
+) -> tuple[list, int] | None:
+    """The tensors ``cat`` joins (the filled parts, as new constants, around ``source``)
+    and the dimension it joins along, to make what ``buffer`` holds once ``source`` is
+    copied into its ``view``; None where the copy is not of that form."""
+    (dtype, device, shape, stride, offset), found = layouts
+    full = buffer.args[0]
+    if not isinstance(full, (list, tuple)) or len(full) != len(shape) or dtype.is_complex:
+        return None
+    full = tuple(full)
+    if found[:3] != (dtype, device, shape) or view != (shape, stride, offset):
+        return None
+    dims = [d for d in range(len(full)) if full[d] != shape[d]]
+    if len(dims) != 1:
+        return None
+    d = dims[0]
+    start = offset // stride[d]
+    if offset != start * stride[d]:  # (a view within the buffer, of its other sizes)
+        return None
+    with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
+        fills = [
+            buffer.func((*full[:d], size, *full[d + 1 :]), *buffer.args[1:], **buffer.kwargs)
+            for size in (start, full[d] - start - shape[d])
+        ]
+        if any(f.numel() > HOISTED_NUMEL for f in fills):
+            return None
+        joined = [fills[0], source, fills[1]]
+        joined = [t for t in joined if t is source or t.numel()]
+        # the buffer's layout (row-major) is cat's where the part is a range along d
+        probe = [
+            torch.empty_strided(
+                found[2] if t is source else t.shape,
+                found[3] if t is source else t.stride(),
+                dtype=dtype,
+                device="meta",
+            )
+            for t in joined
+        ]
+        if torch.cat(probe, d).stride() != stride:
+            return None
+    tensors: list = []
+    for t in joined:
+        if t is not source:
+            constants.append(t)
+            t = Constant(len(constants) - 1)
+        tensors.append(t)
+    return tensors, d
 
 
 def _hoist(steps: list[_Step], results: list, constants: list[Tensor]) -> tuple[list, list]:
