@@ -869,6 +869,30 @@ inline __m512 exp16_nonpositive(__m512 x) {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(float(inverse_factorial(i))));
     return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, k));
 }
+
+// log(e^x + e^y) of 16 floats: big + log(1 + t) with t = e^(small - big), the rounding of
+// u = 1 + t corrected; -inf for two -inf, +inf where either is +inf, NaN where either is
+// NaN. With its parts t, u and the lanes where x is the big one (x >= y), which the Entropy
+// ⊕ weighs its r by. The Log ⊕ (log_entries.h) and the Entropy ⊕ share it.
+struct LogAdd16 {
+    __m512 sum, t, u;
+    __mmask16 x_big;
+};
+
+inline LogAdd16 log_add16(__m512 x, __m512 y) {
+    const __m512 one = _mm512_set1_ps(1.0f), none = _mm512_set1_ps(-__builtin_inff());
+    const __mmask16 x_big = _mm512_cmp_ps_mask(x, y, _CMP_GE_OQ);
+    const __m512 big = _mm512_mask_blend_ps(x_big, y, x);
+    const __m512 small = _mm512_mask_blend_ps(x_big, x, y);
+    __m512 d = _mm512_sub_ps(small, big);  // <= 0; NaN for two equal infinities or a NaN
+    d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), none, d);
+    const __m512 t = exp16_nonpositive(d), u = _mm512_add_ps(one, t);
+    const __m512 fix = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(u, one), t), u);
+    const __m512 log1p = _mm512_sub_ps(log_abs16(u), fix);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, y, _CMP_UNORD_Q);
+    const __m512 sum = _mm512_mask_blend_ps(nan, _mm512_add_ps(big, log1p), _mm512_add_ps(x, y));
+    return {sum, t, u, x_big};
+}
 #endif
 
 // The Entropy ⊕ of (la, ra) and (lb, rb), elementwise: la ⊕ lb = big + log(1 + t) with
@@ -898,28 +922,17 @@ void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* r
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {  // entropy_add_entry, 16 entries at a time
         const int64_t vectors = count / 16;
-        const __m512 one = _mm512_set1_ps(1.0f), none = _mm512_set1_ps(-__builtin_inff());
+        const __m512 none = _mm512_set1_ps(-__builtin_inff());
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t v = 0; v < vectors; ++v) {
             const int64_t i = 16 * v;
-            const __m512 a = _mm512_loadu_ps(la + i), b = _mm512_loadu_ps(lb + i);
+            const LogAdd16 s = log_add16(_mm512_loadu_ps(la + i), _mm512_loadu_ps(lb + i));
             const __m512 r_a = _mm512_loadu_ps(ra + i), r_b = _mm512_loadu_ps(rb + i);
-            const __mmask16 a_big = _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ);
-            const __m512 big = _mm512_mask_blend_ps(a_big, b, a);
-            const __m512 small = _mm512_mask_blend_ps(a_big, a, b);
-            const __m512 r_big = _mm512_mask_blend_ps(a_big, r_b, r_a);
-            const __m512 r_small = _mm512_mask_blend_ps(a_big, r_a, r_b);
-            __m512 d = _mm512_sub_ps(small, big);
-            d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), none, d);
-            const __m512 t = exp16_nonpositive(d), u = _mm512_add_ps(one, t);
-            const __m512 fix = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(u, one), t), u);
-            const __m512 log1p = _mm512_sub_ps(log_abs16(u), fix);
-            const __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
-            const __m512 sum =
-                _mm512_mask_blend_ps(nan, _mm512_add_ps(big, log1p), _mm512_add_ps(a, b));
-            const __m512 mean = _mm512_div_ps(_mm512_fmadd_ps(t, r_small, r_big), u);
-            _mm512_storeu_ps(lo + i, sum);
-            const __mmask16 path = _mm512_cmp_ps_mask(sum, none, _CMP_NEQ_UQ);
+            const __m512 r_big = _mm512_mask_blend_ps(s.x_big, r_b, r_a);
+            const __m512 r_small = _mm512_mask_blend_ps(s.x_big, r_a, r_b);
+            const __m512 mean = _mm512_div_ps(_mm512_fmadd_ps(s.t, r_small, r_big), s.u);
+            _mm512_storeu_ps(lo + i, s.sum);
+            const __mmask16 path = _mm512_cmp_ps_mask(s.sum, none, _CMP_NEQ_UQ);
             _mm512_storeu_ps(ro + i, _mm512_maskz_mov_ps(path, mean));
         }
         for (int64_t i = 16 * vectors; i < count; ++i)

@@ -14,7 +14,8 @@
 // additions where log_plus_shifts_ declines its operands.
 //
 // Part of semiring_autograd; included by operators.cpp after extreme_matmul.h, whose
-// log_positive, exp_nonpositive, log_abs16, exp16_nonpositive and loo_row these use.
+// log_positive, exp_nonpositive, log_abs16, exp16_nonpositive, log_add16 and loo_row these
+// use.
 
 #pragma once
 
@@ -130,23 +131,6 @@ void plus_log_abs(const T* a, const T* w, T* out, int64_t count, int threads) {
     }
 }
 
-#if defined(__AVX512F__)
-// log_add_entry for 16 floats.
-inline __m512 log_add16(__m512 x, __m512 y) {
-    const __m512 one = _mm512_set1_ps(1.0f), none = _mm512_set1_ps(-__builtin_inff());
-    const __mmask16 x_big = _mm512_cmp_ps_mask(x, y, _CMP_GE_OQ);
-    const __m512 big = _mm512_mask_blend_ps(x_big, y, x);
-    const __m512 small = _mm512_mask_blend_ps(x_big, x, y);
-    __m512 d = _mm512_sub_ps(small, big);
-    d = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), none, d);
-    const __m512 t = exp16_nonpositive(d), u = _mm512_add_ps(one, t);
-    const __m512 fix = _mm512_div_ps(_mm512_sub_ps(_mm512_sub_ps(u, one), t), u);
-    const __m512 log1p = _mm512_sub_ps(log_abs16(u), fix);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, y, _CMP_UNORD_Q);
-    return _mm512_mask_blend_ps(nan, _mm512_add_ps(big, log1p), _mm512_add_ps(x, y));
-}
-#endif
-
 // out = log(e^a + e^b), entries [0, count).
 template <typename T>
 void log_add(const T* a, const T* b, T* out, int64_t count, int threads) {
@@ -157,7 +141,8 @@ void log_add(const T* a, const T* b, T* out, int64_t count, int threads) {
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t v = 0; v < vectors; ++v) {
             const int64_t i = 16 * v;
-            _mm512_storeu_ps(out + i, log_add16(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+            const __m512 x = _mm512_loadu_ps(a + i), y = _mm512_loadu_ps(b + i);
+            _mm512_storeu_ps(out + i, log_add16(x, y).sum);
         }
         for (int64_t i = 16 * vectors; i < count; ++i) out[i] = log_add_entry(a[i], b[i]);
         return;
@@ -212,7 +197,7 @@ inline void softmax_combine_row(const T* t, const T* p, const T* lp, T* out, int
             const __m512 log_u = _mm512_sub_ps(log_abs16(u), fix);
             const __m512 own = _mm512_add_ps(_mm512_loadu_ps(t + j), log_u);
             const __m512 rest = _mm512_add_ps(_mm512_loadu_ps(out + j), _mm512_loadu_ps(lp + j));
-            _mm512_storeu_ps(out + j, log_add16(own, rest));
+            _mm512_storeu_ps(out + j, log_add16(own, rest).sum);
         }
     }
 #endif
