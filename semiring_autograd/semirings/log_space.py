@@ -261,8 +261,11 @@ def shifted_rows(la: Tensor, ra: Tensor | None) -> ShiftedRows | None:
     """The first step of :func:`gemm_by_weight`, on the CPU kernels: ``la`` (…, m, k)
     (and ``ra``, of its shape) as contiguous rows, and e in one pass over them. None where
     that path does not apply (operands batched by ``torch.vmap``, ``ra`` of another shape,
-    k = 0, no kernels)."""
+    k = 0, no kernels, or under autocast, whose GEMMs' dtype an in-place ``addmm_`` would
+    not follow)."""
     if la.dim() < 2 or la.shape[-1] == 0 or batched(la):
+        return None
+    if torch.is_autocast_enabled(la.device.type):
         return None
     if ra is not None and (ra.shape != la.shape or batched(ra)):
         return None
