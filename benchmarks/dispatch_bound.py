@@ -10,8 +10,9 @@ of ``tests/model_zoo.py`` (4 attention heads sharing 2 key/value heads), random 
   of medians to native. "forward" is the patched forward alone, "compiled backward" the
   compiled ``sa.grad`` alone, each over native forward + backward; step:
   ``sa.compiled_step`` (patched forward and backward replayed as one program), warm;
-- capture: the first ``compile=True`` call (eager backward under the recorder, program
-  generation), and the operators in the captured program;
+- capture: the first ``compile=True`` call (eager backward under the recorder; the program
+  is generated on the next call), and the operators in the captured backward program and
+  in the compiled step's program;
 - Python calls: the Python function calls (``sys.setprofile`` "call" events) of one patched
   forward (``sa.patch``'s entry and exit and the model's own Python included) and of one
   eager ``sa.grad``, each divided by the number of backward nodes the patch recorded.
@@ -119,7 +120,8 @@ def measure(name: str, repeats: int) -> dict[str, float]:
     steps = compiled.stats()["steps"]
     step = sa.compiled_step(model, semiring, lambda m, x: m(inputs_embeds=x).logits[0, -1, target])
     step(emb)
-    step(emb)  # captured, then verified
+    step(emb)  # captured, then verified (its program built)
+    step_steps = compiled.stats()["steps"] - steps
     kinds = ("native", "eager", "compiled", "fwd", "step")
     times: dict[str, list[float]] = {k: [] for k in (*kinds, "bwd")}
     for i in range(3 + repeats):
@@ -157,6 +159,7 @@ def measure(name: str, repeats: int) -> dict[str, float]:
         "step": median_ms(times["step"]) / native,
         "capture_ms": capture_ms,
         "steps": steps,
+        "step_steps": step_steps,
         "forward_calls": forward_calls / nodes,
         "calls": calls / nodes,
     }
@@ -210,17 +213,17 @@ def main() -> None:
     print(
         "| semiring | native fwd+bwd | eager | compile=True | of which forward | of which "
         "compiled backward | compiled step | first call (capture) | backward program "
-        "operators | Python calls per op (patched forward) | Python calls per node (eager "
-        "sa.grad) |"
+        "operators | step program operators | Python calls per op (patched forward) | "
+        "Python calls per node (eager sa.grad) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.semirings.split(","):
         m = measure(name, args.repeats)
         print(
             f"| {name} | {m['native_ms']:.2f} ms | {m['eager']:.2f}× | {m['compiled']:.2f}× "
             f"| {m['forward']:.2f}× | {m['backward']:.2f}× | {m['step']:.2f}× "
             f"| {m['capture_ms']:.0f} ms "
-            f"| {m['steps']} | {m['forward_calls']:.1f} | {m['calls']:.1f} |",
+            f"| {m['steps']} | {m['step_steps']} | {m['forward_calls']:.1f} | {m['calls']:.1f} |",
             flush=True,
         )
 
