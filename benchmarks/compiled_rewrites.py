@@ -1,12 +1,11 @@
-"""Paired: the tiny Llama's compiled step with and without three rewrites of its program.
+"""Paired: the tiny Llama's compiled step with and without two rewrites of its program.
 
 The model, inputs and read of ``dispatch_bound.py`` (one thread). Per semiring, in one
 process, two compiled steps of the same model are captured after one eager backward (so
 the kernels' scratch buffers exist, as in ``dispatch_bound.py``): "off" generated with the
-rewrites ``_constant_views`` (views of constants held by the program), ``_fill_in_part``
-(a filled buffer copied into in part as one ``cat``) and ``_memoized`` (operators on
-constants alone run again only where a constant changed) of ``engine/compiled/rewrite.py``
-left out, "on" with every rewrite. Both are checked equal, then timed alternating with
+rewrites ``_constant_views`` (views of constants held by the program) and ``_fill_in_part``
+(a filled buffer copied into in part as one ``cat``) of ``engine/compiled/rewrite.py`` left
+out, "on" with every rewrite. Both are checked equal, then timed alternating with
 native forward + backward, ``--rounds`` rounds after 3 warm-up rounds. Prints per semiring
 the medians over native, the median of the per-round on/off ratios, and each program's
 operators.
@@ -32,7 +31,6 @@ SEMIRINGS = "MaxProduct,SignedMaxProduct,Log,Entropy,Boolean,Counting"
 LEFT_OUT = {
     "_constant_views": lambda steps, results, constants: (steps, results, constants),
     "_fill_in_part": lambda steps, results, constants: (steps, constants),
-    "_memoized": lambda steps, results, constants: steps,
 }
 
 

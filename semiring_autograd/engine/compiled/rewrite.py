@@ -14,10 +14,6 @@ values bit for bit with fewer operator calls:
   backward pads each half of a gradient so);
 - a tensor made from numbers alone (``full``, ``scalar_tensor``), and views of it, that the
   program only reads is made once, when the program is built: a constant;
-- an operator that reads constants alone (a weight's finiteness test, its ``w == 0``) and
-  writes nothing, whose result nothing writes, aliases or returns, is a ``Memo``: run again
-  only where a constant's storage, version (in-place writes through torch), shape or
-  strides changed since its last run;
 - a view of a constant (a weight's transpose, a slice of a scratch buffer) that the program
   does not return is a ``ConstantView``, made once by the program (``program.py``: per
   thread for a scratch buffer it writes into, anew where the constant's storage changed);
@@ -85,7 +81,6 @@ def rewrite(
     steps, results = _clone_into_fresh(steps, results)
     steps, constants = _fill_in_part(_live_steps(steps, results), results, constants)
     steps, constants = _hoist(steps, results, constants)
-    steps = _memoized(steps, results, constants)
     steps, results, constants = _constant_views(steps, results, constants)
     return _live_steps(steps, results), results, constants
 
@@ -515,109 +510,6 @@ def _escaping(steps: list[_Step], results: list, made: dict[int, _Step]) -> set[
         if step.reads and step.reads[0] in escapes:
             escapes.add(out)
     return escapes
-
-
-class _MemoCall:
-    """The operator of a ``Memo`` step: ``memo()`` (one object for every memo, so that
-    the caches of operator traits hold no memo)."""
-
-    _schema = torch._C.parse_schema("semiring_autograd_compiled::memo() -> Tensor")
-    tags: tuple = ()
-
-    def __call__(self, memo: "Memo") -> Any:
-        return memo()
-
-
-MEMO = _MemoCall()
-
-
-class Memo:
-    """``func(*args, **kwargs)`` over constant tensors, as a call of no argument: its last
-    result, computed anew where an input's storage address, version counter, shape or
-    strides changed (a parameter written in place through torch, its ``.data`` set)."""
-
-    def __init__(self, func: Any, args: tuple, kwargs: dict, inputs: list[Tensor]) -> None:
-        self.func, self.args, self.kwargs, self.inputs = func, args, kwargs, inputs
-        self.found: tuple = (None, None)  # (the inputs' state, the result), set at once
-
-    def __call__(self) -> Any:
-        state = [
-            (t.untyped_storage().data_ptr(), t._version, t.shape, t.stride()) for t in self.inputs
-        ]
-        found = self.found
-        if found[0] != state:
-            found = self.found = (state, self.func(*self.args, **self.kwargs))
-        return found[1]
-
-
-#: operators whose result is a function of their arguments' values alone
-_IMPURE_TAGS = frozenset({torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise})
-
-
-def _memoized(steps: list[_Step], results: list, constants: list[Tensor]) -> list[_Step]:
-    """Each step whose tensors are constants (none an inference tensor, which keeps no
-    version; none written by that step, so none a scratch buffer the program writes,
-    which is each thread's own), of an operator that writes, aliases and draws nothing,
-    not a guard, with one tensor result that no step writes, aliases or gives as a
-    result: a ``Memo`` of it."""
-    made: dict[int, _Step] = {}
-    for step in steps:
-        outs = _outputs(step)
-        if step.reads or len(step.outputs) != 1 or len(outs) != 1 or step.shapes is not None:
-            continue
-        traits = _traits(step.func)
-        schema = step.func._schema
-        if traits.written or any(r.alias_info is not None for r in schema.returns):
-            continue
-        if traits.view or _IMPURE_TAGS.intersection(step.func.tags):
-            continue
-        tensors = _constants_in((step.args, step.kwargs))
-        if not tensors or not all(_versioned(constants[i]) for i in tensors):
-            continue
-        made[outs[0]] = step
-    if not made:
-        return steps
-    escapes = _escaping(steps, results, made)
-    memos: dict[int, _Step] = {}
-    for out, step in made.items():
-        if out not in escapes:
-            args, kwargs = _bound((step.args, step.kwargs), constants)
-            memo = Memo(
-                step.func,
-                args,
-                kwargs,
-                [constants[i] for i in _constants_in(step.args)]
-                + [constants[i] for i in _constants_in(step.kwargs)],
-            )
-            memos[id(step)] = _Step(MEMO, (memo,), {}, step.outputs, False, [])
-    return [memos.get(id(s), s) for s in steps]
-
-
-def _constants_in(tree: Any) -> list[int]:
-    """The constants (indices) a template reads."""
-    if isinstance(tree, Constant):
-        return [tree.index]
-    if isinstance(tree, (list, tuple)):
-        return [i for x in tree for i in _constants_in(x)]
-    if isinstance(tree, dict):
-        return [i for x in tree.values() for i in _constants_in(x)]
-    return []
-
-
-def _versioned(t: Any) -> bool:
-    """Whether ``t`` is a tensor with a version counter (not an inference tensor)."""
-    return isinstance(t, Tensor) and not t.is_inference()
-
-
-def _bound(tree: Any, constants: list[Tensor]) -> Any:
-    """A template with its constants as the tensors."""
-    if isinstance(tree, Constant):
-        return constants[tree.index]
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_bound(x, constants) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _bound(v, constants) for k, v in tree.items()}
-    return tree
 
 
 @dataclass(frozen=True, slots=True)
