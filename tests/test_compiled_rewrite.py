@@ -474,6 +474,22 @@ def test_a_view_of_an_empty_storage_is_taken_on_every_replay():
     _replay(program, f, x)
 
 
+def test_an_empty_constant_is_not_taken_for_an_empty_value():
+    """Two tensors on storage of no bytes share the address 0: the constant ``k`` is read as
+    itself, not as the input of its shape and dtype (whose replay would keep float32 after
+    ``k`` became float64)."""
+    k = torch.empty(0)
+
+    def f(x):
+        return x + k
+
+    x = torch.empty(0)
+    program = _record(f, x)
+    _replay(program, f, x)
+    k.data = torch.empty(0, dtype=torch.float64)
+    _replay(program, f, x)
+
+
 def test_a_returned_view_of_a_constant_is_new_on_every_replay():
     w = _randn(3, 4)
 

@@ -102,14 +102,17 @@ class Recorder(TorchDispatchMode):
 
     def _bind(self, t: Tensor, index: int) -> None:
         self.values[id(t)] = (weakref.ref(t), index)
-        self.by_view[_view_key(t)] = (weakref.ref(t), index)
+        key = _view_key(t)
+        if key[0]:  # storage without bytes has no address: every empty tensor has 0
+            self.by_view[key] = (weakref.ref(t), index)
 
     def ref(self, t: Tensor) -> _Ref | Constant:
         found = self.values.get(id(t))
         if found is not None and found[0]() is t:
             return _Ref(found[1])
         view = self.by_view.get(_view_key(t))
-        # the same view of a storage still alive (so its address was not reused)
+        # the same view of a storage still alive (so its address was not reused); two
+        # tensors on storage without bytes are never taken for one (no key has address 0)
         if view is not None and view[0]() is not None:
             self._bind(t, view[1])
             return _Ref(view[1])
