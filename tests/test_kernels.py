@@ -1098,10 +1098,18 @@ PORTABLE = [
     # tests/test_log_entries.py
     "test_plus_log_abs_equals_the_formula",
     "test_log_add_equals_torch_logaddexp",
+    # tests/test_softmax_backward.py
+    "test_log_override_equals_the_jacobian_paths",
+    # tests/test_operators.py
+    "test_log_gemm_finish_equals_its_formula",
 ]
 
 
-LOG_ENTRIES_TESTS = Path(__file__).with_name("test_log_entries.py")
+#: the other files whose tests PORTABLE names
+PORTABLE_FILES = [
+    str(Path(__file__).with_name(name))
+    for name in ("test_log_entries.py", "test_softmax_backward.py", "test_operators.py")
+]
 
 
 def test_portable_paths_without_avx512(tmp_path):
@@ -1119,7 +1127,7 @@ def test_portable_paths_without_avx512(tmp_path):
     select = " or ".join(f"({name} and float32)" for name in PORTABLE)
     select += " or test_entropy_log_within_two_ulp_over_dense_floats"
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, str(LOG_ENTRIES_TESTS), "-q"]
+        [sys.executable, "-m", "pytest", __file__, *PORTABLE_FILES, "-q"]
         + ["-p", "no:cacheprovider", "-k", select],
         env=env,
         capture_output=True,
