@@ -288,6 +288,13 @@ class LogWrongLoo(Log):
         return (torch.logsumexp(a[0], dim, keepdim=True).expand_as(a[0]),)
 
 
+class LogSoftmaxOwnTermOnly(Log):
+    """softmax_backward that keeps each position's own term and drops the others'."""
+
+    def softmax_backward(self, a, probs, dim):
+        return self.mul_lift(a, probs * (1 - probs))
+
+
 class MaxRealMatmul(MaxProduct):
     """Ordinary matmul for max-product (the shortcut "inside a matmul take a real matmul")."""
 
@@ -326,6 +333,7 @@ class WrongSumKeepdim(Real):
         (MaxWithoutAbs, ["⊕ identity (zero)", "left distributivity", "right distributivity"]),
         (LogClampedLift, ["lift(0) == zero"]),
         (LogWrongLoo, ["loo == ⊕ of the others"]),
+        (LogSoftmaxOwnTermOnly, ["softmax_backward == its Jacobian's fold"]),
         (MaxRealMatmul, ["matmul == ⊕ of ⊗ products"]),
         (RealIndexCopy, ["index_add == ⊕-scatter"]),
         (EntropyNaN, ["NaN"]),

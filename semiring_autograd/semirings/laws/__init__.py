@@ -24,7 +24,14 @@ from ...errors import SemiringLawError
 from ..base import Semiring
 from .algebra import check_axioms, check_lift, check_structure
 from .checker import Checker, LawFailure
-from .primitives import check_index_add, check_matmul, check_scan_and_loo, check_sum, check_sum_to
+from .primitives import (
+    check_index_add,
+    check_matmul,
+    check_scan_and_loo,
+    check_softmax_backward,
+    check_sum,
+    check_sum_to,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -44,6 +51,7 @@ def _run(ck: Checker) -> None:
     check_axioms(ck)
     ck.run_law("sum == fold of ⊕", lambda: check_sum(ck))
     check_scan_and_loo(ck)
+    ck.run_law("softmax_backward == its Jacobian's fold", lambda: check_softmax_backward(ck))
     ck.run_law("matmul == ⊕ of ⊗ products", lambda: check_matmul(ck))
     ck.run_law("index_add == ⊕-scatter", lambda: check_index_add(ck))
     ck.run_law("sum_to == ⊕ over broadcast dims", lambda: check_sum_to(ck))
@@ -65,8 +73,8 @@ def check_semiring(
     (a ⊕ b) ⊕ c = a ⊕ (b ⊕ c), a ⊕ b = b ⊕ a, a ⊕ 0 = a, (a ⊗ b) ⊗ c = a ⊗ (b ⊗ c),
     a ⊗ 1 = 1 ⊗ a = a, a ⊗ (b ⊕ c) = a⊗b ⊕ a⊗c, (a ⊕ b) ⊗ c = a⊗c ⊕ b⊗c, a ⊗ 0 = 0 ⊗ a = 0,
     lift(0) = 0, lift(1) = 1, lift(xy) = lift(x) ⊗ lift(y); and that ``sum``, ``loo``,
-    ``exclusive_scan``, ``matmul``, ``index_add`` and ``sum_to`` equal explicit folds of
-    ⊕/⊗. ⊗ need not be commutative. Values agree when every component agrees within
+    ``exclusive_scan``, ``softmax_backward``, ``matmul``, ``index_add`` and ``sum_to`` equal
+    explicit folds of ⊕/⊗. ⊗ need not be commutative. Values agree when every component agrees within
     ``rtol``/``atol`` (equal infinities agree, bool components exactly); NaN never agrees.
     Comparison is componentwise, so each element needs one canonical representation
     (e.g. a single representation of zero). ``samples`` is at least 8.

@@ -1,9 +1,11 @@
 """The primitives with generic defaults against their definitions, evaluated here with
-explicit folds of ⊕ and ⊗: sum, exclusive_scan and loo, matmul, index_add, sum_to."""
+explicit folds of ⊕ and ⊗: sum, exclusive_scan and loo, softmax_backward, matmul, index_add,
+sum_to."""
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -118,6 +120,55 @@ def check_scan_and_loo(ck: Checker) -> None:
 
         ck.run_law("exclusive_scan == prefix fold of ⊕", scan_law)
         ck.run_law("loo == ⊕ of the others", loo_law)
+
+
+def check_softmax_backward(ck: Checker) -> None:
+    """softmax_backward(a, p, dim)_i = a_i ⊗ lift(p_i(1 − p_i)) ⊕ (⊕_{j≠i} a_j ⊗ lift(p_j))
+    ⊗ lift(−p_i), on probabilities with an exact 0 (a −inf logit) and a one-hot row."""
+    S = ck.S
+    law = "softmax_backward == its Jacobian's fold"
+    for shape, dim in (((3, 5), 1), ((4, 3), 0), ((2, 3, 4), -1), ((3, 1), 1)):
+        a = ck.pick(shape, zero_rows=True)
+        nd = len(shape)
+        dd = dim % nd
+        n = shape[dd]
+        rest = [s for i, s in enumerate(shape) if i != dd]
+        logits = torch.randn((*rest, n), generator=ck.gen, dtype=torch.float64)
+        flat = logits.view(-1, n)
+        if flat.shape[0] >= 2 and n >= 2:
+            flat[0, 0] = -math.inf
+            flat[1, :-1] = -math.inf
+        p_moved = torch.softmax(logits, -1).to(ck.dtype)
+        probs = p_moved.movedim(-1, dd)
+        moved = tuple(c.expand(shape).movedim(dd, -1) for c in a)
+        items = [at(moved, i) for i in range(n)]
+        p = [p_moved[..., i] for i in range(n)]
+        weighted = [S.mul(items[j], S.lift(p[j])) for j in range(n)]
+        expected = tuple(
+            c.movedim(-1, dd)
+            for c in stack(
+                [
+                    expand(
+                        S.add(
+                            S.mul(items[i], S.lift(p[i] * (1 - p[i]))),
+                            S.mul(ck.fold(weighted[:i] + weighted[i + 1 :], rest), S.lift(-p[i])),
+                        ),
+                        rest,
+                    )
+                    for i in range(n)
+                ],
+                -1,
+            )
+        )
+        ck.compare(
+            law,
+            {"a": a, "probs": probs},
+            f"softmax_backward(a, probs, dim={dim})",
+            S.softmax_backward(a, probs, dim),
+            "the Jacobian's terms folded by ⊕ and ⊗",
+            expected,
+            elementwise=False,
+        )
 
 
 def check_matmul(ck: Checker) -> None:
