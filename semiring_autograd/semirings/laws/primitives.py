@@ -144,22 +144,12 @@ def check_softmax_backward(ck: Checker) -> None:
         items = [at(moved, i) for i in range(n)]
         p = [p_moved[..., i] for i in range(n)]
         weighted = [S.mul(items[j], S.lift(p[j])) for j in range(n)]
-        expected = tuple(
-            c.movedim(-1, dd)
-            for c in stack(
-                [
-                    expand(
-                        S.add(
-                            S.mul(items[i], S.lift(p[i] * (1 - p[i]))),
-                            S.mul(ck.fold(weighted[:i] + weighted[i + 1 :], rest), S.lift(-p[i])),
-                        ),
-                        rest,
-                    )
-                    for i in range(n)
-                ],
-                -1,
-            )
-        )
+        terms = []
+        for i in range(n):
+            own = S.mul(items[i], S.lift(p[i] * (1 - p[i])))
+            others = ck.fold(weighted[:i] + weighted[i + 1 :], rest)
+            terms.append(expand(S.add(own, S.mul(others, S.lift(-p[i]))), rest))
+        expected = tuple(c.movedim(-1, dd) for c in stack(terms, -1))
         ck.compare(
             law,
             {"a": a, "probs": probs},
