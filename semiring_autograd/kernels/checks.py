@@ -654,8 +654,9 @@ def _check_all_rows_live(c: _Case) -> str | None:
 def _check_log_gemm_finish(c: _Case) -> str | None:
     """Rows of 9 and of 37 entries (16-float vectors and a tail): sums below tiny are not
     exact (nothing written); exact sums get num / z to the value and log z + shift
-    (+ shift_b) within 8 ulp of the float64 formula: a dead row's 0, -0 and NaN, a live
-    row's +inf (not exact only where the sums may overflow), 30 decades of sums."""
+    (+ shift_b) within 8 ulp of the float64 formula: a dead row's 0, -0 and NaN, live
+    rows' +inf in a vector lane and in the tail (not exact only where the sums may
+    overflow), 30 decades of sums."""
     for n in (9, 37):
         z = c.rand(2, 5, n) * 10.0 ** (c.rand(2, 5, n) * 30 - 15).floor() + 0.25
         z.view(-1)[::6] = 0.0
@@ -670,6 +671,7 @@ def _check_log_gemm_finish(c: _Case) -> str | None:
             return "log_gemm_finish_ wrote sums below tiny (not exact)"
         z = z.masked_fill((z == 0) & live, 0.5)
         z[1, 3, 1], z[1, 3, 2], z[0, 2, n - 1] = -0.0, NAN, INF
+        z[0, 4, 3] = INF  # in a vector's lane where n = 37, not only in the tail
         for sb in (shift_b, None):
             problem = _log_gemm_finished(c, z, num, shift, sb, live, tiny)
             if problem:
