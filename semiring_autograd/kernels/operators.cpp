@@ -118,33 +118,9 @@ std::tuple<at::Tensor, at::Tensor> max_times_finite_op(const at::Tensor& a_, con
     return {out, flag(nonfinite != 0)};
 }
 
-// The entries of c (any strides) in row-major order into dst.
-template <typename T>
-void gather(const at::Tensor& c, T* dst) {
-    const T* src = c.const_data_ptr<T>();
-    const auto sizes = c.sizes(), strides = c.strides();
-    const int64_t d = c.dim(), n = c.numel();
-    if (d == 0) {
-        if (n) dst[0] = src[0];
-        return;
-    }
-    const int64_t inner = sizes[d - 1], step = strides[d - 1];
-    std::vector<int64_t> index(d, 0);
-    int64_t offset = 0;
-    for (int64_t e = 0; e < n; e += inner) {
-        for (int64_t j = 0; j < inner; ++j) dst[e + j] = src[offset + j * step];
-        for (int64_t q = d - 2; q >= 0; --q) {  // the next row's offset
-            offset += strides[q];
-            if (++index[q] < sizes[q]) break;
-            offset -= strides[q] * sizes[q];
-            index[q] = 0;
-        }
-    }
-}
-
 // (out, declined): k-best ⊕ of k_best.h for lists a, b of k components each (one shape and
-// dtype, any strides: a component not contiguous is read in row-major order into a
-// scratch buffer first); out (k, *shape); declined (0-d bool) true, and out all NaN, where
+// dtype, any strides: a component not contiguous is copied contiguous first); out
+// (k, *shape); declined (0-d bool) true, and out all NaN, where
 // a list is not descending or holds a NaN.
 std::tuple<at::Tensor, at::Tensor> k_best_add_op(at::TensorList a, at::TensorList b) {
     TORCH_CHECK(!a.empty() && a.size() == b.size(),
@@ -165,16 +141,11 @@ std::tuple<at::Tensor, at::Tensor> k_best_add_op(at::TensorList a, at::TensorLis
     const int64_t count = like.numel();
     int declined = 0;
     FLOATING(like.scalar_type(), [&] {
-        int64_t strided = 0;
-        for (const auto& list : {a, b})
-            for (const auto& c : list) strided += !c.is_contiguous();
-        std::vector<T> scratch(strided * count);
-        T* next = scratch.data();
+        std::vector<at::Tensor> copies;  // the contiguous copies, alive for the call
         auto pointer = [&](const at::Tensor& c) -> const T* {
             if (c.is_contiguous()) return c.const_data_ptr<T>();
-            gather<T>(c, next);
-            next += count;
-            return next - count;
+            copies.push_back(c.contiguous());
+            return copies.back().const_data_ptr<T>();
         };
         std::vector<const T*> pa, pb;
         for (const auto& c : a) pa.push_back(pointer(c));
