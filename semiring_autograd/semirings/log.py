@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..kernels import log_entries
 from ..kernels.workspace import scratch
-from .base import InlineForms, Semiring, message_dtype
+from .base import InlineForms, Semiring, _message
 from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, log_loo
 from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
@@ -70,7 +70,7 @@ class Log(Semiring):
         fused = log_entries.softmax_backward(g, probs, dim)
         if fused is not None:
             return (fused,)
-        p = probs.to(message_dtype(probs.dtype))
+        p = _message(probs)
         log_p = self.log_abs(p)
         t = g + log_p
         return (self.log_add(self.plus_log_abs(t, 1 - p), log_loo(t, dim) + log_p),)
