@@ -523,7 +523,7 @@ class ConstantView:
 
 #: operators changing a tensor's storage in place (besides those tagged ``inplace_view``,
 #: which change its shape or strides)
-_RESTORING = frozenset({"aten::set_", "aten::resize_", "aten::resize_as_"})
+_STORAGE_CHANGING = frozenset({"aten::set_", "aten::resize_", "aten::resize_as_"})
 
 
 def _constant_views(
@@ -533,7 +533,9 @@ def _constant_views(
     a ``ConstantView`` of the constant (a view reads no data: taken once, it sees every
     write into the storage, as the view a replay takes would). Not where a step changes
     a tensor's shape, strides or storage in place, nor of a tensor without storage."""
-    if any(_traits(s.func).inplace_view or _traits(s.func).name in _RESTORING for s in steps):
+    if any(
+        _traits(s.func).inplace_view or _traits(s.func).name in _STORAGE_CHANGING for s in steps
+    ):
         return steps, results, constants
     kept_apart = set(_refs(results)) | _outputs_given(steps)
     constants = list(constants)
