@@ -28,8 +28,8 @@ from semiring_autograd.kernels import checks, operators
 ENV = "SEMIRING_AUTOGRAD_KERNELS"
 DTYPES = [torch.float32, torch.float64]
 CPU = torch.device("cpu")
-#: kernels answering a yes/no question: made wrong by flipping the answer
-BOOLEAN = {"any_nan_or_inf", "all_rows_live", "log_gemm_finish_"}
+#: kernels answering yes/no questions (one, or one per entry): made wrong by flipping the answer
+BOOLEAN = {"any_nan_or_inf", "all_rows_live", "log_gemm_finish_", "softmax_backward_or"}
 #: kernels returning nothing: made wrong in the argument they write
 WRITES = {"ratio_where_positive_": 0, "entropy_weights": 1}
 

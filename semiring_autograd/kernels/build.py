@@ -58,6 +58,7 @@ _SOURCES = (
     _HERE / "extreme_matmul.h",
     _HERE / "k_best.h",
     _HERE / "log_entries.h",
+    _HERE / "extreme_entries.h",
 )
 ENV = "SEMIRING_AUTOGRAD_KERNELS"
 MODES = ("off", "check", "trust")

@@ -545,6 +545,53 @@ def _check_softmax_backward_log(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def softmax_backward_max_formula(g: Tensor, p: Tensor) -> Tensor:
+    """MaxProduct's message at softmax's input (last dim), Semiring.softmax_backward's
+    formula in torch: max(g_i·|p_i(1 − p_i)|, (max_{j≠i} g_j·|p_j|)·|−p_i|)."""
+    t = g * p.abs()
+    if t.shape[-1] > 1:
+        first, at = t.max(-1, keepdim=True)
+        second = t.scatter(-1, at, -INF).amax(-1, keepdim=True)
+        others = first.expand_as(t).scatter(-1, at, second)
+    else:
+        others = torch.zeros_like(t)
+    return torch.maximum(g * (p * (1 - p)).abs(), others * (-p).abs())
+
+
+def softmax_backward_or_formula(g: Tensor, p: Tensor) -> Tensor:
+    """Boolean's message at softmax's input (last dim) from the bool ``g``: (g_i ∧ p_i(1 −
+    p_i) ≠ 0) ∨ ((∨_{j≠i} g_j ∧ p_j ≠ 0) ∧ −p_i ≠ 0), the leave-one-out ∨ by counts."""
+    count = (g & (p != 0)).to(torch.int64)
+    others = (count.sum(-1, keepdim=True) - count) > 0
+    return (g & (p * (1 - p) != 0)) | (others & (-p != 0))
+
+
+def _check_softmax_backward_max(c: _Case) -> str | None:
+    problems = []
+    for n in (1, 9, 37):  # one key; a vector tail; two vectors and a tail
+        _, p = _softmax_rows(c, n)
+        g = c.rand(2, 5, n).masked_fill(c.where(0.2, (2, 5, n)), 0.0)
+        g[0, 2] = 0.5  # ties
+        g[1, 4, 0] = INF  # ∞·0 where p = 0: a NaN row
+        g[0, 3, n - 1] = NAN
+        out, _ = c.run(g, p)
+        problems.append(_differs("softmax_backward_max", out, softmax_backward_max_formula(g, p)))
+    return _first(*problems)
+
+
+def _check_softmax_backward_or(c: _Case) -> str | None:
+    problems = []
+    for n in (1, 9, 37, 70):  # one key; a vector tail; two vectors and a tail; bytes
+        _, p = _softmax_rows(c, n)
+        p.view(-1)[5::11] = NAN
+        g = c.where(0.5, (2, 5, n))
+        g[1, 1] = False
+        g[0, 4] = c.where(0.05, (n,))  # rows of one or no live term
+        out, _ = c.run(g, p)
+        problems.append(_differs("softmax_backward_or", out, softmax_backward_or_formula(g, p)))
+    return _first(*problems)
+
+
 def _check_entropy_reduce_rows(c: _Case) -> str | None:
     la = _log_rows(c)
     r = c.rand(*la.shape).masked_fill(la == -INF, 0.0)
@@ -718,6 +765,8 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "plus_log_abs": _check_plus_log_abs,
     "log_add": _check_log_add,
     "softmax_backward_log": _check_softmax_backward_log,
+    "softmax_backward_max": _check_softmax_backward_max,
+    "softmax_backward_or": _check_softmax_backward_or,
     "any_nan_or_inf": _check_any_nan_or_inf,
     "all_rows_live": _check_all_rows_live,
     "log_gemm_finish_": _check_log_gemm_finish,

@@ -19,6 +19,7 @@
 #include "extreme_matmul.h"
 #include "k_best.h"
 #include "log_entries.h"
+#include "extreme_entries.h"
 
 namespace {
 
@@ -528,4 +529,6 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("plus_log_abs", &log_entries::plus_log_abs_op);
     m.impl("log_add", &log_entries::log_add_op);
     m.impl("softmax_backward_log", &log_entries::softmax_backward_log_op);
+    m.impl("softmax_backward_max", &extreme_entries::softmax_backward_max_op);
+    m.impl("softmax_backward_or", &extreme_entries::softmax_backward_or_op);
 }

@@ -35,6 +35,9 @@ one dtype.
 ``softmax_backward_log`` (out, flag): Log's message at softmax's input s from g at its
                          output p = softmax(s) along the last dim, g and p of one shape;
                          the flag: a row held NaN or +inf (then left uncomputed); CPU only
+``softmax_backward_max`` MaxProduct's message at softmax's input s from g at its output p
+                         along the last dim, g and p of one shape; CPU only
+``softmax_backward_or``  Boolean's, g bool, p float, of one shape; CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
                          (+1, -1; 0: either) (0-d bool; CPU tensors of any dtype)
 ``all_rows_live``        every row (last dim) of x has a term: its maximum is not ``empty``
@@ -78,6 +81,8 @@ SCHEMAS = {
     "plus_log_abs": "(Tensor? a, Tensor w) -> Tensor",
     "log_add": "(Tensor a, Tensor b) -> Tensor",
     "softmax_backward_log": "(Tensor g, Tensor p) -> (Tensor, Tensor)",
+    "softmax_backward_max": "(Tensor g, Tensor p) -> Tensor",
+    "softmax_backward_or": "(Tensor g, Tensor p) -> Tensor",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
     "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
@@ -171,6 +176,16 @@ def _(a, b):
 @_fake("softmax_backward_log")
 def _(g, p):
     return g.new_empty(g.shape), _declined(g)
+
+
+@_fake("softmax_backward_max")
+def _(g, p):
+    return g.new_empty(g.shape)
+
+
+@_fake("softmax_backward_or")
+def _(g, p):
+    return g.new_empty(g.shape)
 
 
 @_fake("ratio_where_positive_")
