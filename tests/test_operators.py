@@ -67,6 +67,8 @@ def _samples(dtype):
             (la, torch.softmax(rand(3, 40), -1)),
             (rand(2, 1, 7), rand(2, 1, 7)),
         ],
+        "softmax_backward_max": [(r, torch.softmax(rand(3, 40), -1)), (rows.abs(), rand(4, 9))],
+        "softmax_backward_or": [(la > 0, torch.softmax(rand(3, 40), -1)), (rows > 0, rand(4, 9))],
         "any_nan_or_inf": [([la, r], [0, 0]), ([la.masked_fill(la > 1, INF), r], [-1, 1])],
         "all_rows_live": [(rows, None, 0.0), (hi, lo, 0.0)],
         "log_gemm_finish_": [

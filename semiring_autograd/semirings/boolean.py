@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from .base import InlineForms, Semiring, Terms
+from ..kernels import extreme_entries
+from .base import InlineForms, Semiring, Terms, Value
 from .tensor_ops import nonzero_operand, on_live_rows
 
 
@@ -60,3 +62,10 @@ class Boolean(Semiring):
         x = a[0].to(torch.int64)
         out = x.new_zeros((size, *x.shape[1:])).index_add(0, index.reshape(-1), x)
         return (out > 0,)
+
+    def softmax_backward(self, a: Value, probs: Tensor, dim: int) -> Value:
+        """The default formula, (a_i ∧ p_i(1 − p_i) ≠ 0) ∨ ((∨_{j≠i} a_j ∧ p_j ≠ 0) ∧ p_i ≠ 0),
+        in one pass over the rows by the fused CPU kernel where it applies (the same
+        values)."""
+        fused = extreme_entries.softmax_backward_or(a[0], probs, dim)
+        return (fused,) if fused is not None else super().softmax_backward(a, probs, dim)

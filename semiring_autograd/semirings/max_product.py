@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import extreme_entries
 from .tensor_level import TensorMaxProduct, tensor_level_instance
-from .base import InlineForms, Semiring, Terms
+from .base import InlineForms, Semiring, Terms, Value
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     all_finite,
@@ -72,6 +73,12 @@ class MaxProduct(Semiring):
 
     def index_add(self, a, index, size):
         return (scatter_extreme(a[0], index, size, "amax", 0.0),)
+
+    def softmax_backward(self, a: Value, probs: Tensor, dim: int) -> Value:
+        """The default formula, max(a_i·|p_i(1 − p_i)|, (max_{j≠i} a_j·|p_j|)·|p_i|), in
+        one pass over the rows by the fused CPU kernel where it applies (the same bits)."""
+        fused = extreme_entries.softmax_backward_max(a[0], probs, dim)
+        return (fused,) if fused is not None else super().softmax_backward(a, probs, dim)
 
 
 def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
