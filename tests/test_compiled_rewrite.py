@@ -602,3 +602,93 @@ def test_an_operator_on_a_constant_written_through_data_sees_the_write():
     w.data[1, 1] = 0.0
     w.data.mul_(-2)
     _replay(program, f, _randn(3, 3, seed=2))
+
+
+def test_a_view_of_a_merged_view_is_a_view_of_the_first():
+    """``b`` is ``a`` (the same view of ``y``): ``b[0]`` is then ``a[0]``, one view."""
+
+    def f(x):
+        y = x * 1
+        a, b = y.t(), y.t()
+        return a[0] * b[0] + (a + b).sum()
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.as_strided.default) == 2  # a and a[0]
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def test_the_one_part_of_a_split_with_empty_parts_is_its_input():
+    def f(x):
+        y = x * 2
+        _, b, _ = torch.split(y, [0, 4, 0], dim=1)
+        return b * 3
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.split_with_sizes.default) == 0
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def test_a_split_into_two_parts_stays_a_split():
+    def f(x):
+        a, b = torch.split(x * 2, [1, 3], dim=1)
+        return a * b
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.split_with_sizes.default) == 1
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def _compared(x: Tensor) -> Tensor:
+    """Comparisons with numbers: an int, a float that float32 does not hold (0.1), -inf,
+    and one writing into a buffer of another dtype."""
+    out = torch.empty(x.shape, dtype=torch.float64)
+    return torch.stack(
+        [
+            torch.where(x == 0, -torch.inf, x),
+            (x > 0.1).to(x.dtype),
+            (x != -torch.inf).to(x.dtype),
+            torch.ne(x, 0, out=out).to(x.dtype),
+        ]
+    )
+
+
+def _number_comparisons(program: Program) -> int:
+    """How many comparisons in the program's source compare with a number (a literal, or
+    a constant that is no tensor)."""
+    names = program.run.__globals__
+    bindings = {_fast_binding(getattr(aten, c).Scalar) for c in ("eq", "ne", "gt")}
+    calls = [k for k, v in names.items() if any(v is b for b in bindings)]
+    count = 0
+    for name in calls:
+        for other in re.findall(rf"\b{name}\(v\d+, ([^,)]+)", program.source):
+            count += not isinstance(names.get(other.strip()), Tensor)
+    return count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_comparison_with_a_number_compares_with_a_constant_of_its_dtype(dtype):
+    """0.1 becomes float32's nearest 0.1 for a float32 tensor (so x = float32(0.1) is not
+    above it, as in eager), float64's own for a float64 tensor."""
+    x = torch.tensor([0.0, -0.0, 0.1, 0.2, -torch.inf, torch.nan], dtype=dtype)
+    program = _record(_compared, x)
+    assert _number_comparisons(program) == 0
+    y = torch.tensor([0.1, 0.0, -torch.inf, 3.0, -0.0, 0.5], dtype=dtype)
+    got = _replay(program, _compared, y)
+    expected = [
+        [0.1, -torch.inf, -torch.inf, 3.0, -torch.inf, 0.5],
+        [0.0, 0.0, 0.0, 1.0, 0.0, 1.0],
+        [1.0, 1.0, 0.0, 1.0, 1.0, 1.0],
+        [1.0, 0.0, 1.0, 1.0, 0.0, 1.0],
+    ]
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=dtype), rtol=0, atol=0)
+
+
+def test_a_comparison_in_half_precision_compares_with_the_number():
+    x = torch.tensor([0.0, 0.1, 2.0], dtype=torch.bfloat16)
+
+    def f(x):
+        return (x > 0.1).to(x.dtype) + (x == 0).to(x.dtype)
+
+    program = _record(f, x)
+    assert _number_comparisons(program) == 2
+    _replay(program, f, torch.tensor([0.1, 0.0, 0.5], dtype=torch.bfloat16))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring, message_dtype
 from .frozen import kept_operand
 from .log import Log
-from .tensor_ops import NEG_INF, nonzero_operand
+from .tensor_ops import NEG_INF
 
 
 class Counting(Log):
@@ -26,9 +27,14 @@ class Counting(Log):
         return (torch.where(w != 0, 0.0, NEG_INF).to(message_dtype(w.dtype)),)
 
     def linear_lift(self, w):
+        """exp(lift(w)) = (w ≠ 0) as 0/1 in the message dtype: kept per weight version
+        inside ``sa.frozen_weights``, else in scratch storage (valid for the calling matmul
+        only), written by one comparison (no bool temporary and cast)."""
         dtype = message_dtype(w.dtype)
         kept = kept_operand(("nonzero", dtype), w, lambda w: torch.ne(w, 0).to(dtype))
-        return nonzero_operand(w, dtype) if kept is None else kept
+        if kept is not None:
+            return kept
+        return torch.ne(w, 0, out=scratch("linear_lift", w.shape, dtype, w.device))
 
     def mul_lift(self, a, w):
         return (torch.where(w == 0, NEG_INF, a[0]),)

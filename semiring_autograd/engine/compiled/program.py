@@ -249,10 +249,12 @@ _PLAIN = frozenset({int, float, bool, str, torch.dtype, torch.device})
 
 def _layouts(func, args: tuple) -> tuple | None:
     """What the rewrites of ``rewrite.py`` read of an operator's tensors: a ``copy_``'s
-    destination and source, the tensor a number is read from."""
-    if func is _aten.copy_.default and len(args) > 1 and isinstance(args[1], Tensor):
-        return layout(args[0]), layout(args[1])
-    if func is _aten._local_scalar_dense.default:
+    destination and source, the tensor a number is read from or compared with."""
+    if func is _aten.copy_.default:
+        if len(args) > 1 and isinstance(args[1], Tensor):
+            return layout(args[0]), layout(args[1])
+        return None
+    if args and isinstance(args[0], Tensor):
         return (layout(args[0]),)
     return None
 
@@ -342,6 +344,13 @@ def _bindings() -> dict:
         _aten.eq.Tensor: torch.eq,
         _aten.ge.Scalar: torch.ge,
         _aten.lt.Scalar: torch.lt,
+        _aten.ne.Tensor: torch.ne,
+        _aten.lt.Tensor: torch.lt,
+        _aten.le.Tensor: torch.le,
+        _aten.gt.Tensor: torch.gt,
+        _aten.ge.Tensor: torch.ge,
+        _aten.eq.Tensor_out: torch.eq,
+        _aten.ne.Tensor_out: torch.ne,
         _aten.ne.Scalar_out: torch.ne,
         _aten.abs.out: torch.abs,
         _aten.full.default: torch.full,

@@ -6,12 +6,15 @@ values bit for bit with fewer operator calls:
 - every other view is one ``as_strided`` of its base (a call through torch's Python binding,
   cheaper than a view operator without one, ``slice``, and than ``view`` itself);
 - a view taken twice (the same ``as_strided`` of the same base) is taken once;
+- the one part of a ``split_with_sizes`` whose other parts are empty is its input;
 - a copy into a fresh buffer from a fresh value of the same layout, neither read elsewhere,
   is that value; a copy into a fresh buffer read nowhere else, filling it, is a ``clone``;
 - a new filled buffer (``full``, ``zeros``, ``ones``) into one part of which (a range
   along one dimension) a value is copied, read nowhere before the copy, is one ``cat``
   of that value and the filled parts around it, made once (the rotary embedding's
   backward pads each half of a gradient so);
+- a comparison of a float tensor with a number compares it with the number as a
+  constant of the tensor's dtype (made once, not converted on every call);
 - a tensor made from numbers alone (``full``, ``scalar_tensor``), and views of it, that the
   program only reads is made once, when the program is built: a constant;
 - a view of a constant (a weight's transpose, a slice of a scratch buffer) that the program
@@ -33,7 +36,17 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .steps import Constant, _aten, _argument, _Ref, _refs, _Step, _traits, _written
+from .steps import (
+    SCALAR_COMPARISONS,
+    Constant,
+    _aten,
+    _argument,
+    _Ref,
+    _refs,
+    _Step,
+    _traits,
+    _written,
+)
 
 #: operators whose result stands for their argument
 _IDENTITIES = frozenset({_aten.lift_fresh.default})
@@ -77,10 +90,12 @@ def rewrite(
     steps, results = _drop_identities(steps, results)
     steps = _strided_views(_fold_views(steps, results))
     steps, results = _merge_views(steps, results)
+    steps, results = _whole_splits(steps, results)
     steps, results = _fill_from_fresh(steps, results)
     steps, results = _clone_into_fresh(steps, results)
     steps, constants = _fill_in_part(_live_steps(steps, results), results, constants)
     steps, constants = _hoist(steps, results, constants)
+    steps, constants = _tensor_comparisons(steps, constants)
     steps, results, constants = _constant_views(steps, results, constants)
     return _live_steps(steps, results), results, constants
 
@@ -195,16 +210,22 @@ def _strided_views(steps: list[_Step]) -> list[_Step]:
     return strided
 
 
-def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
-    """The same view (``as_strided`` with the same size, strides and offset) of the same
-    base taken again (a view reads no data): its result is the first one's. Not where a
-    view's shape is changed in place (``t_``): then every value such an operator touches
-    keeps its own views."""
+def _reshaped(steps: list[_Step]) -> set[int]:
+    """The values an operator changing a shape in place (``t_``) reads or gives."""
     reshaped: set[int] = set()
     for step in steps:
         if _traits(step.func).inplace_view:
             reshaped.update(step.reads)
             reshaped.update(_outputs(step))
+    return reshaped
+
+
+def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
+    """The same view (``as_strided`` with the same size, strides and offset) of the same
+    base taken again (a view reads no data): its result is the first one's; a view of a
+    view so merged is a view of the first one. Not where a view's shape is changed in
+    place (``t_``): then every value such an operator touches keeps its own views."""
+    reshaped = _reshaped(steps)
     returned = set(_refs(results))
     seen: dict[Any, int] = {}
     subst: dict[int, Any] = {}
@@ -217,12 +238,39 @@ def _merge_views(steps: list[_Step], results: list) -> tuple[list, list]:
             and outs[0] not in reshaped
             and outs[0] not in returned
         ):
-            first = seen.setdefault((step.args[0], step.view), outs[0])
+            base = step.args[0]
+            if isinstance(base, _Ref):
+                base = subst.get(base.index, base)
+            first = seen.setdefault((base, step.view), outs[0])
             if first != outs[0]:
                 subst[outs[0]] = _Ref(first)
                 continue
         kept.append(step)
     return _substitute(kept, results, subst)
+
+
+def _whole_splits(steps: list[_Step], results: list) -> tuple[list, list]:
+    """``split_with_sizes(x, sizes, d)`` with one size not 0: that part is ``x`` whole (the
+    sizes add up to x's size along d, so it starts at 0 and spans d: x's size, strides and
+    offset), its value is ``x``; the step stays only where its empty parts are read. Not
+    where a part or ``x`` is returned or has its shape changed in place."""
+    reshaped = _reshaped(steps)
+    returned = set(_refs(results))
+    subst: dict[int, Any] = {}
+    for step in steps:
+        if step.func is not _aten.split_with_sizes.default or not step.args:
+            continue
+        x, sizes = step.args[0], step.args[1]
+        whole = [i for i, size in enumerate(sizes) if size != 0]
+        if not isinstance(x, (_Ref, Constant)) or len(whole) != 1:
+            continue
+        part = step.outputs[whole[0]]
+        if not isinstance(part, _Ref) or part.index in returned or part.index in reshaped:
+            continue
+        if isinstance(x, _Ref) and x.index in reshaped:
+            continue
+        subst[part.index] = x
+    return _substitute(steps, results, subst)
 
 
 def _producers(steps: list[_Step], funcs: frozenset) -> dict[int, _Step]:
@@ -421,6 +469,44 @@ def _pieces(
             t = Constant(len(constants) - 1)
         tensors.append(t)
     return tensors, d
+
+
+#: dtypes whose comparisons with a number ``_tensor_comparisons`` rewrites
+_COMPARED = (torch.float32, torch.float64)
+
+
+def _tensor_comparisons(
+    steps: list[_Step], constants: list[Tensor]
+) -> tuple[list[_Step], list[Tensor]]:
+    """A comparison of a CPU float32/float64 tensor with a number (``eq(x, 0)``) compares
+    it with a constant of no dimension holding the number in x's dtype: the operator
+    converts the number so on every call (a tensor made, converted and copied: three
+    operators inside it), the constant is that conversion made once (the number as a
+    tensor of its own type, int64 or float64, then ``to(x.dtype)``: the same value)."""
+    constants = list(constants)
+    made: dict[tuple, Constant] = {}
+    rewritten = []
+    for step in steps:
+        tensor_form = SCALAR_COMPARISONS.get(step.func)
+        number = step.args[1] if len(step.args) == 2 else None
+        if (
+            tensor_form is not None
+            and step.layouts is not None
+            and type(number) in (int, float)
+            and step.layouts[0][0] in _COMPARED
+            and step.layouts[0][1].type == "cpu"
+        ):
+            dtype = step.layouts[0][0]
+            key = (type(number), number, dtype)
+            if key not in made:
+                own = torch.float64 if type(number) is float else torch.int64
+                with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
+                    constants.append(torch.tensor(number, dtype=own).to(dtype))
+                made[key] = Constant(len(constants) - 1)
+            args = (step.args[0], made[key])
+            step = dataclasses.replace(step, func=tensor_form, args=args, layouts=None)
+        rewritten.append(step)
+    return rewritten, constants
 
 
 def _hoist(steps: list[_Step], results: list, constants: list[Tensor]) -> tuple[list, list]:

@@ -101,9 +101,20 @@ class _Traits:
     view: bool  # one of ``_views()``
     written: tuple  # ``_written(func)``
     fresh: bool  # an aten operator whose results are new tensors: no view, no alias, no write
-    laid_out: bool  # ``copy_`` or ``_local_scalar_dense``: the recorder notes its tensors' layouts
+    laid_out: bool  # one of ``_LAID_OUT``: the recorder notes its tensors' layouts
     outs: tuple  # the names of its ``out`` arguments (keyword-only, written)
 
+
+#: comparisons of a tensor with a number -> the same comparison with a tensor
+SCALAR_COMPARISONS = {
+    getattr(_aten, name).Scalar: getattr(_aten, name).Tensor
+    for name in ("eq", "ne", "lt", "le", "gt", "ge")
+} | {
+    getattr(_aten, name).Scalar_out: getattr(_aten, name).Tensor_out
+    for name in ("eq", "ne", "lt", "le", "gt", "ge")
+}
+#: operators whose tensors' layouts the recorder notes (``program._layouts``)
+_LAID_OUT = frozenset({_aten.copy_.default, _aten._local_scalar_dense.default, *SCALAR_COMPARISONS})
 
 #: id(operator) -> (the operator, kept so that its id is not reused; its traits)
 _TRAITS: dict[int, tuple[Any, _Traits]] = {}
@@ -127,7 +138,7 @@ def _traits(func) -> _Traits:
         and func not in _views()
         and all(r.alias_info is None for r in returns)
         and not _written(func),
-        func in (_aten.copy_.default, _aten._local_scalar_dense.default),
+        func in _LAID_OUT,
         tuple(name for i, name in _written(func) if func._schema.arguments[i].kwarg_only),
     )
     _TRAITS[id(func)] = (func, traits)
