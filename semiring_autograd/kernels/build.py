@@ -59,6 +59,7 @@ _SOURCES = (
     _HERE / "k_best.h",
     _HERE / "log_entries.h",
     _HERE / "extreme_entries.h",
+    _HERE / "counting_entries.h",
 )
 ENV = "SEMIRING_AUTOGRAD_KERNELS"
 MODES = ("off", "check", "trust")

@@ -592,6 +592,25 @@ def _check_softmax_backward_or(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def _check_where_zero(c: _Case) -> str | None:
+    """where(w == 0, fill, y): w with zeros of both signs, NaN and infinities; y with -inf
+    and NaN; the one loop's operands and torch's (w broadcast, y transposed)."""
+    problems = []
+    for count in (9, 2 * 5 * 37):
+        w = c.randn(count, zeros=0.3)
+        w[:4] = torch.tensor([-0.0, NAN, INF, -INF], dtype=c.dtype)
+        y = c.randn(count)
+        y[4], y[5] = -INF, NAN
+        fill = torch.tensor(-INF, dtype=c.dtype)
+        got, _ = c.run(w, fill, y)
+        problems.append(_differs("where_zero", got, torch.where(w == 0, fill, y)))
+    w, y = c.randn(5, 1, zeros=0.4), c.randn(7, 5).t()
+    fill = torch.tensor(0.5, dtype=c.dtype)
+    got, _ = c.run(w, fill, y)
+    problems.append(_differs("where_zero", got, torch.where(w == 0, fill, y)))
+    return _first(*problems)
+
+
 def _check_entropy_reduce_rows(c: _Case) -> str | None:
     la = _log_rows(c)
     r = c.rand(*la.shape).masked_fill(la == -INF, 0.0)
@@ -767,6 +786,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "softmax_backward_log": _check_softmax_backward_log,
     "softmax_backward_max": _check_softmax_backward_max,
     "softmax_backward_or": _check_softmax_backward_or,
+    "where_zero": _check_where_zero,
     "any_nan_or_inf": _check_any_nan_or_inf,
     "all_rows_live": _check_all_rows_live,
     "log_gemm_finish_": _check_log_gemm_finish,

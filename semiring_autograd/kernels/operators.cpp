@@ -20,6 +20,7 @@
 #include "k_best.h"
 #include "log_entries.h"
 #include "extreme_entries.h"
+#include "counting_entries.h"
 
 namespace {
 
@@ -531,4 +532,5 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("softmax_backward_log", &log_entries::softmax_backward_log_op);
     m.impl("softmax_backward_max", &extreme_entries::softmax_backward_max_op);
     m.impl("softmax_backward_or", &extreme_entries::softmax_backward_or_op);
+    m.impl("where_zero", &counting_entries::where_zero_op);
 }

@@ -38,6 +38,8 @@ one dtype.
 ``softmax_backward_max`` MaxProduct's message at softmax's input s from g at its output p
                          along the last dim, g and p of one shape; CPU only
 ``softmax_backward_or``  Boolean's, g bool, p float, of one shape; CPU only
+``where_zero``           where(w == 0, fill, y), fill of no dimension (Counting's y times
+                         lift(w) with fill -inf); CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
                          (+1, -1; 0: either) (0-d bool; CPU tensors of any dtype)
 ``all_rows_live``        every row (last dim) of x has a term: its maximum is not ``empty``
@@ -83,6 +85,7 @@ SCHEMAS = {
     "softmax_backward_log": "(Tensor g, Tensor p) -> (Tensor, Tensor)",
     "softmax_backward_max": "(Tensor g, Tensor p) -> Tensor",
     "softmax_backward_or": "(Tensor g, Tensor p) -> Tensor",
+    "where_zero": "(Tensor w, Tensor fill, Tensor y) -> Tensor",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
     "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
@@ -186,6 +189,11 @@ def _(g, p):
 @_fake("softmax_backward_or")
 def _(g, p):
     return g.new_empty(g.shape)
+
+
+@_fake("where_zero")
+def _(w, fill, y):
+    return torch.where(w == 0, fill, y)
 
 
 @_fake("ratio_where_positive_")
