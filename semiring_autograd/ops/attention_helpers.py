@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..semirings.base import Semiring
+from ..semirings.base import Semiring, broadcast_value
 
 #: elements of one batch × heads × rows × S block on the CPU (4 MiB a tensor in float32) …
 BLOCK_ELEMENTS = 1 << 20
@@ -78,7 +78,9 @@ def blocked_rule(name: str, rule: Callable, semiring: Semiring | None) -> Callab
 def _run_blocks(rule: Callable, call: dict, rows: int, S: Semiring, generic: bool) -> tuple:
     """The rule on each block of ``rows`` queries; the blocks' messages joined as each
     block ends (the query's, and a per-row mask's, side by side along queries; the key's,
-    the value's and a mask's broadcast over queries ⊕-accumulated in block order)."""
+    the value's and a mask's broadcast over queries ⊕-accumulated in block order). A
+    causal block reads the keys and values up to its last query only (see
+    :func:`_causal_block`)."""
     query, mask = call["query"], call["attn_mask"]
     length, keys = query.shape[-2], call["key"].shape[-2]
     per_row = mask is not None and mask.dim() >= 2 and mask.shape[-2] == length
@@ -92,8 +94,7 @@ def _run_blocks(rule: Callable, call: dict, rows: int, S: Semiring, generic: boo
         block["query"] = query.narrow(-2, start, size)
         block["query__shape"] = block["query"].shape
         if call["is_causal"]:
-            block["attn_mask"] = _causal_rows(start, size, keys, query.device)
-            block["is_causal"] = False
+            _causal_block(block, start, size, keys)
         elif per_row:
             block["attn_mask"] = mask.narrow(-2, start, size)
             block["attn_mask__shape"] = block["attn_mask"].shape
@@ -102,12 +103,58 @@ def _run_blocks(rule: Callable, call: dict, rows: int, S: Semiring, generic: boo
                 continue
             if shapes[i] is not None:
                 joined[i] = (joined[i] or []) + [_expanded(wrap(part), shapes[i], size)]
+            elif joined[i] is None:
+                joined[i] = wrap(part)
+            elif i in (1, 2):  # the key's and value's: causal blocks cover fewer keys
+                joined[i] = _add_keys(S, joined[i], wrap(part))
             else:
-                joined[i] = wrap(part) if joined[i] is None else S.add(joined[i], wrap(part))
+                joined[i] = S.add(joined[i], wrap(part))
     for i, shape in enumerate(shapes):
         if shape is not None and joined[i] is not None:
             joined[i] = tuple(torch.cat(components, -2) for components in zip(*joined[i]))
+    for i, name in ((1, "key"), (2, "value")):
+        if joined[i] is not None:
+            joined[i] = _zero_padded(S, joined[i], call[name + "__shape"])
     return tuple(v if v is None or generic else v[0] for v in joined)
+
+
+def _causal_block(block: dict, start: int, size: int, keys: int) -> None:
+    """``block`` (the rule's arguments) set to queries [start, start + size) of a causal
+    attention: the causal mask's rows, and the keys and values up to the last query. Key
+    j > i has p = 0 at every query i ≤ start + size − 1, so its messages from this block
+    are the semiring zero (each is a product with lift(0)) and ⊕ them changes nothing."""
+    end = min(keys, start + size)
+    for name in ("key", "value"):
+        block[name] = block[name].narrow(-2, 0, end)
+        block[name + "__shape"] = block[name].shape
+    block["attn_mask"] = _causal_rows(start, size, end, block["query"].device)
+    block["is_causal"] = False
+
+
+def _add_keys(S: Semiring, a: tuple, b: tuple) -> tuple:
+    """a ⊕ b for messages over key positions where one may cover fewer keys (a causal
+    block's): the shorter one ⊕ the other's leading keys, the longer one's other keys as
+    they are (the shorter one is zero there)."""
+    na, nb = a[0].shape[-2], b[0].shape[-2]
+    if na == nb:
+        return S.add(a, b)
+    a, b = broadcast_value(a), broadcast_value(b)
+    if na < nb:
+        head = S.add(a, tuple(c.narrow(-2, 0, na) for c in b))
+        return tuple(torch.cat([h, c.narrow(-2, na, nb - na)], -2) for h, c in zip(head, b))
+    head = S.add(tuple(c.narrow(-2, 0, nb) for c in a), b)
+    return tuple(torch.cat([h, c.narrow(-2, nb, na - nb)], -2) for h, c in zip(head, a))
+
+
+def _zero_padded(S: Semiring, value: tuple, shape: torch.Size) -> tuple:
+    """A key's or value's message over its leading keys, with the semiring zero appended
+    for the keys no query reaches (more keys than queries, causal)."""
+    have, keys = value[0].shape[-2], shape[-2]
+    if have == keys:
+        return value
+    value = broadcast_value(value)
+    rest = S.zero((*value[0].shape[:-2], keys - have, value[0].shape[-1]), value[0])
+    return tuple(torch.cat([c, z.to(c.dtype)], -2) for c, z in zip(value, rest))
 
 
 def _expanded(value: tuple, shape: torch.Size, rows: int) -> tuple:

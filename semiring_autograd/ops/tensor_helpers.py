@@ -33,21 +33,23 @@ def attention_probs(
 ) -> Tensor:
     """softmax(q·kᵀ·scale + mask) along keys, as ``scaled_dot_product_attention`` computes it
     (bool masks and ``is_causal`` exclude positions; float masks are added). A query row whose
-    keys are all excluded has probability 0 everywhere (no edges), not NaN."""
+    keys are all excluded has probability 0 everywhere (no edges), not NaN. Each step after
+    the product writes into the product's storage: a fresh (…, L, S) tensor per step costs
+    its page faults, more than the step."""
     dtype = message_dtype(query.dtype)
     q, k = query.to(dtype), key.to(dtype)
     factor = attention_scale(q.shape, scale)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(dtype)
-    scores = mask_scores((q @ k.transpose(-2, -1)) * factor, attn_mask, is_causal)
+    scores = _mask_scores_(torch.matmul(q, k.transpose(-2, -1)).mul_(factor), attn_mask, is_causal)
     if scores.numel() == 0:  # no query or no key: no probabilities (amax needs a key)
         return scores.to(query.dtype)
     top = scores.amax(-1, keepdim=True)
     excluded = torch.isneginf(top)  # masks on row maxima only: elementwise selects are slow
-    weights = torch.exp(scores - top.masked_fill(excluded, 0.0))
+    weights = scores.sub_(top.masked_fill_(excluded, 0.0)).exp_()
     # an excluded row's weights are all e^-inf = 0: dividing by 1 keeps them 0 (and a NaN
     # score still makes its row NaN)
-    probs = weights / weights.sum(-1, keepdim=True).masked_fill_(excluded, 1.0)
+    probs = weights.div_(weights.sum(-1, keepdim=True).masked_fill_(excluded, 1.0))
     return probs.to(query.dtype)
 
 
@@ -64,6 +66,30 @@ def mask_scores(scores: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Te
         else:
             scores = scores + attn_mask
     return scores
+
+
+def _mask_scores_(scores: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    """:func:`mask_scores` written into ``scores`` (a fresh tensor), out of place only where
+    the mask broadcasts it to a larger shape."""
+    if attn_mask is not None and not _broadcasts_to(attn_mask.shape, scores.shape):
+        return mask_scores(scores, attn_mask, is_causal)
+    if is_causal:
+        length, source = scores.shape[-2], scores.shape[-1]
+        keep = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
+        scores.masked_fill_(~keep, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores.masked_fill_(~attn_mask, -math.inf)
+        else:
+            scores.add_(attn_mask)
+    return scores
+
+
+def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without enlarging it."""
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
 def element_positions(

@@ -56,7 +56,7 @@ class MaxProduct(Semiring):
         return a[0]
 
     def _reduce(self, a, dims, keepdim):
-        return (a[0].amax(dim=dims, keepdim=keepdim),)
+        return (_amax(a[0], dims, keepdim),)
 
     def loo(self, a, dim):
         return (loo_max(a[0], dim, 0.0),)
@@ -85,7 +85,12 @@ def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
     """max_k a[..., i, k] · b[..., k, j] for non-negative a, b (0 where k is empty), or
     with |b| when ``abs_b`` (b a real derivative): the fused kernel, else in row blocks so
     m×k×n is never held at once. Operands with a NaN or an infinity take the blocks, which
-    propagate NaN (and give ∞·0 = NaN) as torch does; the kernel drops NaN terms."""
+    propagate NaN (and give ∞·0 = NaN) as torch does; the kernel drops NaN terms. A
+    transposed ``a`` with more rows than b has columns (the key's message in attention, (b
+    ⊗ a)ᵀ there) is read as the product's transpose, bᵀ ⊗ aᵀ, the same terms: copying ``a``
+    to rows would cost more than the product."""
+    if _transposed(a, b):
+        return max_times((b.abs() if abs_b else b).mT, a.mT).mT
     a3, b3, batch = batch_flatten(a, b)
     m, k, n = a3.shape[-2], a3.shape[-1], b3.shape[-1]
     if k == 0:
@@ -108,6 +113,24 @@ def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
         else a3.new_zeros((a3.shape[0], 0, n))
     )
     return out.reshape(*batch, m, n)
+
+
+def _amax(x: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:
+    """``x.amax(dims)``; where x is stored as its transpose (``max_times``'s transposed
+    products) and ``dims`` leave its last two dims, amax of the stored layout, transposed
+    back: the same maxima, read in memory order."""
+    last = x.dim() - 2
+    if last > 0 and not x.is_contiguous() and x.mT.is_contiguous() and max(dims) < last:
+        return x.mT.amax(dim=dims, keepdim=keepdim).mT
+    return x.amax(dim=dims, keepdim=keepdim)
+
+
+def _transposed(a: Tensor, b: Tensor) -> bool:
+    """Whether CPU ``a`` (…, m, k) is stored as its transpose (k, m rows) and b (…, k, n)
+    has n < m columns: then ``max_times`` reads the product transposed."""
+    if a.dim() < 2 or b.dim() < 2 or not a.is_cpu or a.is_contiguous():
+        return False
+    return b.shape[-1] < a.shape[-2] and a.mT.is_contiguous()
 
 
 def _fused(a3: Tensor, b3: Tensor, abs_b: bool) -> Tensor | None:
