@@ -692,3 +692,51 @@ def test_a_comparison_in_half_precision_compares_with_the_number():
     program = _record(f, x)
     assert _number_comparisons(program) == 2
     _replay(program, f, torch.tensor([0.1, 0.0, 0.5], dtype=torch.bfloat16))
+
+
+def _zero_select(x: Tensor, w: Tensor) -> Tensor:
+    """Counting's x ⊗ lift(w): -inf where w = 0."""
+    return torch.where(w == 0, -torch.inf, x) * 2
+
+
+def _where_zero_calls(program: Program) -> int:
+    return _calls(program, torch.ops.semiring_autograd.where_zero.default)
+
+
+@pytest.mark.skipif(not sa.kernels.available(), reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_select_by_a_zero_test_is_one_operator(dtype):
+    x, w = _randn(4, 5).to(dtype), _randn(4, 5, seed=1).to(dtype)
+    program = _record(_zero_select, x, w)
+    assert _where_zero_calls(program) == 1
+    assert _calls(program, aten.where.self) == 0
+    w = torch.tensor([[0.0, -0.0, torch.nan, torch.inf, 1.0]] * 4, dtype=dtype)
+    got = _replay(program, _zero_select, _randn(4, 5, seed=2).to(dtype), w)
+    expected = (_randn(4, 5, seed=2).to(dtype) * 2).masked_fill(w == 0, -torch.inf)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    broadcast = _record(_zero_select, x, w[0])  # w broadcast: torch's where inside the operator
+    assert _where_zero_calls(broadcast) == 1
+    _replay(broadcast, _zero_select, _randn(4, 5, seed=3).to(dtype), w[1])
+
+
+@pytest.mark.skipif(not sa.kernels.available(), reason="the CPU kernels are not built here")
+def test_a_zero_test_read_again_or_written_between_stays_apart():
+    """The mask read twice, or ``w`` written between the test and the select (the select
+    must see the mask of w before the write): eq and where stay."""
+
+    def read_again(x, w):
+        m = w == 0
+        return torch.where(m, -torch.inf, x) + m
+
+    def written_between(x, w):
+        w = w * 1
+        m = w == 0
+        w.add_(1)
+        return torch.where(m, -torch.inf, x) + w
+
+    for f in (read_again, written_between):
+        x, w = _randn(3, 4), _randn(3, 4, seed=1).masked_fill(_randn(3, 4, seed=4) > 0, 0.0)
+        program = _record(f, x, w)
+        assert _where_zero_calls(program) == 0
+        w = torch.tensor([[0.0, -1.0, 1.0, -0.0]] * 3)
+        _replay(program, f, _randn(3, 4, seed=2), w)

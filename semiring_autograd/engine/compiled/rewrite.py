@@ -13,6 +13,8 @@ values bit for bit with fewer operator calls:
   along one dimension) a value is copied, read nowhere before the copy, is one ``cat``
   of that value and the filled parts around it, made once (the rotary embedding's
   backward pads each half of a gradient so);
+- ``where(eq(w, 0), fill, y)`` on CPU float tensors is one ``where_zero(w, fill, y)``
+  (Counting's product by a lifted value);
 - a comparison of a float tensor with a number compares it with the number as a
   constant of the tensor's dtype (made once, not converted on every call);
 - a tensor made from numbers alone (``full``, ``scalar_tensor``), and views of it, that the
@@ -36,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ... import kernels
 from .steps import (
     SCALAR_COMPARISONS,
     Constant,
@@ -95,6 +98,7 @@ def rewrite(
     steps, results = _clone_into_fresh(steps, results)
     steps, constants = _fill_in_part(_live_steps(steps, results), results, constants)
     steps, constants = _hoist(steps, results, constants)
+    steps = _where_zero(steps, results, constants)
     steps, constants = _tensor_comparisons(steps, constants)
     steps, results, constants = _constant_views(steps, results, constants)
     return _live_steps(steps, results), results, constants
@@ -507,6 +511,61 @@ def _tensor_comparisons(
             step = dataclasses.replace(step, func=tensor_form, args=args, layouts=None)
         rewritten.append(step)
     return rewritten, constants
+
+
+def _where_zero(steps: list[_Step], results: list, constants: list[Tensor]) -> list[_Step]:
+    """``m = eq(w, 0)`` read only by ``where(m, fill, y)``, with ``w`` a CPU float32/float64
+    tensor, ``fill`` a constant of no dimension and no step between the two writing into a
+    tensor: one ``where_zero(w, fill, y)`` (``kernels/counting_entries.h``, Counting's y ⊗
+    lift(w): the same values and layout), where that kernel is ready for w's dtype."""
+    uses = _uses(steps, results)
+    masks: dict[int, tuple[int, _Step]] = {}  # mask value -> (position, its eq step)
+    dropped: set[int] = set()
+    replaced: dict[int, _Step] = {}
+    last_write = -1
+    for i, step in enumerate(steps):
+        if _written(step.func):
+            last_write = i
+        elif _zero_test(step) and uses.get(step.outputs[0].index) == 1:
+            masks[step.outputs[0].index] = (i, step)
+        elif step.func is _aten.where.self and len(step.args) == 3:
+            mask, fill, y = step.args
+            found = masks.get(mask.index) if isinstance(mask, _Ref) else None
+            if found is None or found[0] < last_write or mask in (fill, y):
+                continue
+            if not isinstance(fill, Constant) or constants[fill.index].dim() != 0:
+                continue
+            w = found[1].args[0]
+            if not _where_zero_ready(found[1].layouts[0][0]):
+                continue
+            dropped.add(id(found[1]))
+            args = (w, fill, y)
+            replaced[id(step)] = _Step(_where_zero_op(), args, {}, step.outputs, False, _refs(args))
+    return [replaced.get(id(s), s) for s in steps if id(s) not in dropped]
+
+
+def _zero_test(step: _Step) -> bool:
+    """Whether ``step`` is ``eq(w, 0)`` of a CPU float32/float64 tensor ``w``, one result."""
+    return (
+        step.func is _aten.eq.Scalar
+        and len(step.args) == 2
+        and type(step.args[1]) in (int, float)
+        and step.args[1] == 0
+        and step.layouts is not None
+        and step.layouts[0][0] in _COMPARED
+        and step.layouts[0][1].type == "cpu"
+        and len(step.outputs) == 1
+        and isinstance(step.outputs[0], _Ref)
+    )
+
+
+def _where_zero_op():
+    return torch.ops.semiring_autograd.where_zero.default
+
+
+def _where_zero_ready(dtype: torch.dtype) -> bool:
+    """Whether the ``where_zero`` CPU kernel may run for ``dtype`` (built, on, checked)."""
+    return kernels._cpu_ready("where_zero", torch.empty(0, dtype=dtype))
 
 
 def _hoist(steps: list[_Step], results: list, constants: list[Tensor]) -> tuple[list, list]:
