@@ -9,8 +9,18 @@ from ..kernels import log_entries
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring, _message
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, log_loo
+from .log_space import LOG_TERMS, LogSpaceGemm, log_loo, matmul_by_weight
 from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
+
+
+def _abs_into(w: Tensor, out: Tensor) -> Tensor:
+    """|w| = exp(lift(w)) written into ``out``: Log's linear GEMM operand of a weight."""
+    return torch.abs(w, out=out)
+
+
+def _log_abs_operand(w: Tensor) -> tuple[Tensor, None]:
+    """lift(w) = log|w| as the log-space GEMM operand (no r component)."""
+    return torch.log(w.abs()), None
 
 
 class Log(Semiring):
@@ -96,6 +106,9 @@ class Log(Semiring):
         return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
+        done = matmul_by_weight(a[0], None, w, "abs", _abs_into, _log_abs_operand)
+        if done is not None:
+            return (done[0],)
         result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF,))
         return result or self._matmul_lift(a, w)
 
