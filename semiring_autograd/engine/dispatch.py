@@ -54,9 +54,9 @@ class OpTable:
             return []
 
     def dispatcher(self, semiring: Semiring, op: OpSpec) -> tuple[Callable[..., Any], bool]:
-        """(generated function, whether it takes the semiring as first argument): a built-in
-        semiring's own module, else the generic one (user semirings, and built-ins whose
-        registry entry says ``module="generic"``)."""
+        """(the generated Function's ``record``, whether its leading arguments are (semiring,
+        call) rather than (call,)): a built-in semiring's own module, else the generic one
+        (user semirings, and built-ins whose registry entry says ``module="generic"``)."""
         key = (type(semiring), op.name)
         found = self._dispatch.get(key)
         if found is None:

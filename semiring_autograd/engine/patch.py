@@ -300,11 +300,8 @@ class _SemiringMode(TorchFunctionMode):
         found = handle.functions.get(op.name)
         if found is None:
             found = handle.functions[op.name] = handle.op_table.dispatcher(handle.semiring, op)
-        fn, takes_semiring = found
-        if takes_semiring:
-            out = fn(handle.semiring, call, **bound)
-        else:
-            out = fn(call, **bound)
+        record, takes_semiring = found
+        out = record((handle.semiring, call) if takes_semiring else (call,), bound)
         if isinstance(out, torch.Tensor):  # most ops: one tensor, no flatten
             if out.is_complex():  # a cast to a complex dtype
                 raise handle.complex_refusal(func)
@@ -450,7 +447,7 @@ class PatchHandle:
         )
         #: torch records its own graph of each op (sa.Real(); see the semiring registry)
         self.torch_graph = records_torch_graph(semiring)
-        #: op name → the generated function that records it under this semiring, and
+        #: op name → the ``record`` of the generated Function of it under this semiring, and
         #: whether it takes the semiring first (the op table's dispatcher, read once per op)
         self.functions: dict[str, tuple[Callable[..., Any], bool]] = {}
         #: complex tensors made from real pairs requiring grad, with those pairs

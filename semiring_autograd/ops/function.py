@@ -8,7 +8,9 @@ op has several) and the values the op's :class:`Plan` keeps (one plan per op, em
 what is the same for every op: the call, saving what the plan says (a tensor only when a
 formula that reads it will run), unwrapping the incoming message, asking which inputs the
 running backward uses (:func:`.demand.input_demand`), calling the rule and wrapping each
-result as a message with its input's metadata. A structural rule (views, reshapes,
+result as a message with its input's metadata. Saving and the backward are written out per
+op from its plan (:func:`_setup_source`, :func:`_backward_source`), compiled on the op's
+first use. A structural rule (views, reshapes,
 permutes: no ⊕, ⊗ or lift, ``generated/structural.py``) is written once, on one component
 tensor; each module's base runs it on every component of a value. Inside ``torch.func``
 transforms each op runs as its :meth:`~SemiringFunction.transformed` Function (forward and
@@ -113,16 +115,17 @@ def _values(plan: Plan, args: tuple) -> tuple:
 
 class SemiringFunction(torch.autograd.Function):
     """The base of every generated Function. ``apply`` takes the semiring (generic modules
-    only), the unpatched call and the op's arguments; :meth:`call` takes them as the
+    only), the unpatched call and the op's arguments; :meth:`record` takes them as the
     dispatcher binds them (by name, a tensor list as one list).
 
     The forward (:meth:`outputs`, then :meth:`setup`: ``setup_context``) and the backward
-    run for every recorded op, so each is loops in one function body, not calls of
-    helpers. Inside ``torch.func`` transforms an op runs as :meth:`transformed`."""
+    run for every recorded op: ``setup`` and ``backward`` are each op's own, their source
+    written out from its plan on first use (what the plan fixes is decided once, not per
+    call). Inside ``torch.func`` transforms an op runs as :meth:`transformed`."""
 
     plan: ClassVar[Plan]
     #: ``torch._C._FunctionBase.apply``: records the call (``Function.apply`` without its
-    #: checks for ``setup_context`` and transforms, which :meth:`call` makes itself)
+    #: checks for ``setup_context`` and transforms, which :meth:`record` makes itself)
     _apply = torch._C._FunctionBase.__dict__["apply"]
     #: the op's backward rule (see :meth:`functions`; torch's ``Function.vjp`` is its
     #: ``backward``) and whether the rule reads the output's (dtype, device)
@@ -138,8 +141,9 @@ class SemiringFunction(torch.autograd.Function):
     one_component: ClassVar[bool] = False
 
     @classmethod
-    def call(cls, *leading: Any, **bound: Any) -> Any:
-        """Record the op: ``leading`` is (call,) or (semiring, call)."""
+    def record(cls, leading: tuple, bound: dict[str, Any]) -> Any:
+        """Record the op: ``leading`` is (call,) or (semiring, call), ``bound`` the op's
+        arguments by name (a tensor list as one list)."""
         plan = cls.plan
         values = list(map(bound.__getitem__, plan.params))
         if plan.list_at is not None:
@@ -198,61 +202,14 @@ class SemiringFunction(torch.autograd.Function):
 
     @classmethod
     def setup(cls, ctx: Any, args: tuple, outputs: Any) -> None:
-        """Save on ``ctx`` what the plan says the backward reads (``setup_context``)."""
-        plan = cls.plan
-        lead = cls.lead
-        S = cls.semiring if lead == 1 else args[0]
-        args = args[lead:]
-        list_at = plan.list_at
-        values = args if list_at is None else _values(plan, args)
-        ctx.materialize_grads = False  # ctx.set_materialize_grads(False), without its call
-        ctx.semiring = S
-        ctx._tensor_args = (False,) * lead + tuple(map(isinstance, args, _TENSOR))
-        if plan.has_aux:
-            output, aux = outputs
-            ctx.mark_non_differentiable(aux)
-        else:
-            output, aux = outputs, None
-        if cls.takes_ref:
-            first = output[0] if plan.multi_output else output
-            ctx._ref = (first.dtype, _CPU if first.is_cpu else first.device)
-        if plan.saved:
-            needs = ctx.needs_input_grad
-            need = []
-            for t, p in zip(plan.targets, plan.positions):
-                need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
-            tensors = []
-            for source, readers in plan.saved:
-                value = output if source == OUTPUT else aux if source == AUX else values[source]
-                live = False
-                for r in readers:
-                    live = live or need[r]
-                if source != list_at:
-                    tensors.append(value if live else None)
-                else:
-                    tensors += value if live else [None] * len(value)
-            ctx.to_save = tuple(tensors)  # ctx.save_for_backward(*tensors), without its call
-        kept = []
-        for kind, source, attr in plan.kept:
-            value = output if source == OUTPUT else values[source]
-            if kind == "meta":
-                value = None if value is None else getattr(value, attr)
-            elif kind == "shapes":
-                value = [t.shape for t in value]
-            kept.append(value)
-        ctx.kept = tuple(kept)
-        if cls.messages:
-            metas = []
-            for t in plan.targets:
-                value = values[t]
-                if t == list_at:
-                    metas.append(
-                        [(v.shape, v.dtype, _CPU if v.is_cpu else v.device) for v in value]
-                    )
-                else:
-                    device = _CPU if value is None or value.is_cpu else value.device
-                    metas.append(None if value is None else (value.shape, value.dtype, device))
-            ctx.metas = tuple(metas)
+        """Save on ``ctx`` what the plan says the backward reads (``setup_context``): the
+        semiring, which arguments are tensors, the tensors the running formulas read
+        (None for one no formula that will run reads), the kept values and each target's
+        metadata. Each op's Function runs its own copy, written out for its plan
+        (:func:`_setup_source`), made on its first call."""
+        setup = _specialised_setup(cls)
+        cls.setup = staticmethod(setup)
+        setup(ctx, args, outputs)
 
     @classmethod
     def transformed(cls) -> type[SemiringFunction]:
@@ -302,83 +259,18 @@ class SemiringFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple:
+        """The op's backward, written out for its plan (:func:`_backward_source`), made on
+        the op's first backward: the engine runs it directly from then on."""
         cls = ctx._forward_cls
         if not issubclass(cls, SemiringFunction):  # torch.func's Function around ours
             cls = ctx.function
-        plan = cls.plan
-        S = ctx.semiring
-        tensor_args = ctx._tensor_args
-        none = (None,) * len(tensor_args)
-        if plan.multi_output:
-            incoming = [cls.unwrap(S, g, plan.name) for g in grads]
-            if cls.one_component:
-                incoming = [None if g is None else g[0] for g in incoming]
-            if all(g is None for g in incoming):
-                return none
-        else:
-            grad = grads[0]
-            if type(grad) is Message and grad.semiring is S and not S.settles:
-                incoming = grad.value  # unwrap's common case, inline
-            else:
-                incoming = cls.unwrap(S, grad, plan.name)
-                if incoming is None:
-                    return none
-            if cls.one_component:
-                incoming = incoming[0]
-        lead = cls.lead
-        list_at = plan.list_at
-        single = plan.single
-        if single is not None:  # one input with a formula, not a tensor list
-            position = lead + single
-            if not ctx.needs_input_grad[position]:
-                return none
-            node = ctx.next_functions[tensor_args[:position].count(True)][0]
-            if node is None:
-                return none
-            if type(node) is LEAF:
-                if REQUESTED:
-                    requested = REQUESTED.get(_graph_task_id())
-                    if requested is not None and id(node.variable) not in requested:
-                        return none
-            elif not _will_execute(node):
-                return none
-        else:
-            needs = input_demand(ctx, tensor_args)
-            need = []
-            for t, p in zip(plan.targets, plan.positions):
-                need.append(any(needs[lead + p :]) if t == list_at else needs[lead + p])
-            if not any(need):
-                return none
-        args = ctx.saved_tensors
-        if plan.saved_list_at is not None:
-            args = cls._listed(plan, args)
-        args = (*args, *ctx.kept, ctx._ref) if cls.takes_ref else (*args, *ctx.kept)
-        several = len(plan.targets) > 1
-        if several:
-            args = (*need, *args)
-        if cls.semiring is None:
-            results = cls.rule(S, incoming, *args)
-        else:
-            results = cls.rule(incoming, *args)
-        if single is not None:
-            out = list(none)
-            out[lead + single] = cls.wrap(S, results, ctx.metas[0]) if cls.messages else results
-            return tuple(out)
-        if not several:
-            results = (results,)
-        out = list(none)
-        messages = cls.messages
-        for i, (t, p) in enumerate(zip(plan.targets, plan.positions)):
-            if not need[i]:
-                continue
-            if t != list_at:
-                out[lead + p] = cls.wrap(S, results[i], ctx.metas[i]) if messages else results[i]
-                continue
-            start = lead + p
-            for j, v in enumerate(results[i]):
-                if needs[start + j]:
-                    out[start + j] = cls.wrap(S, v, ctx.metas[i][j]) if messages else v
-        return tuple(out)
+        run = cls.__dict__.get("written_backward")
+        if run is None:
+            run = cls.written_backward = _specialised_backward(cls)
+            nodes = cls._backward_cls
+            if nodes.__dict__.get("apply") is SemiringFunction.backward:  # see functions()
+                nodes.apply = run
+        return run(ctx, *grads)
 
     @staticmethod
     def unwrap(S: Semiring, grad: Tensor | None, op: str) -> Any:
@@ -415,13 +307,219 @@ class SemiringFunction(torch.autograd.Function):
             # the engine runs a node as ``ctx.apply(*grads)``: torch's ``apply`` picks
             # between ``backward`` and ``vjp`` on every call; this goes to ``backward``
             function._backward_cls.apply = SemiringFunction.backward
-            table[name] = function.call
+            table[name] = function.record
         return table
 
     @staticmethod
     def componentwise(rule: Callable) -> Callable:
         """A structural rule of one component tensor as this module's rule."""
         return rule
+
+
+def _specialised_setup(cls: type[SemiringFunction]) -> Callable[[Any, tuple, Any], None]:
+    """``cls.setup`` written out for ``cls``'s plan: no loop over the plan's entries and no
+    test of what the plan fixes, per recorded op."""
+    namespace = {"S": cls.semiring, "Tensor": Tensor, "_CPU": _CPU, "_TENSOR": _TENSOR}
+    exec(_setup_source(cls.plan, cls.lead, cls.takes_ref, cls.messages), namespace)
+    return namespace["setup"]
+
+
+def _setup_source(plan: Plan, lead: int, takes_ref: bool, messages: bool) -> str:
+    """The source of ``setup(ctx, args, outputs)`` for ``plan``: ``args`` are ``apply``'s,
+    ``lead`` of them before the op's (the semiring first where ``lead`` is 2)."""
+    value = functools.partial(_value_source, plan, lead)
+    output = "outputs[0]" if plan.has_aux else "outputs"
+    lines = [
+        "ctx.materialize_grads = False",  # ctx.set_materialize_grads(False), without its call
+        f"ctx.semiring = {'S' if lead == 1 else 'args[0]'}",
+        f"ctx._tensor_args = {(False,) * lead} + tuple(map(isinstance, args[{lead}:], _TENSOR))",
+    ]
+    if plan.has_aux:
+        lines.append("ctx.mark_non_differentiable(outputs[1])")
+    if takes_ref:
+        first = f"{output}[0]" if plan.multi_output else output
+        lines += [
+            f"first = {first}",
+            "ctx._ref = (first.dtype, _CPU if first.is_cpu else first.device)",
+        ]
+    if plan.saved:
+        lines.append("needs = ctx.needs_input_grad")
+        saved = []
+        for source, readers in plan.saved:
+            tensor = (
+                output if source == OUTPUT else "outputs[1]" if source == AUX else value(source)
+            )
+            live = " or ".join(_need_source(plan, lead, r) for r in readers)
+            if source != plan.list_at:
+                saved.append(f"({tensor} if {live} else None),")
+            else:
+                saved.append(f"*({tensor} if {live} else [None] * len({tensor})),")
+        lines.append(f"ctx.to_save = ({' '.join(saved)})")  # save_for_backward, without its call
+    kept = []
+    for kind, source, attr in plan.kept:
+        item = output if source == OUTPUT else value(source)
+        if kind == "meta":
+            item = f"(None if {item} is None else {item}.{attr})"
+        elif kind == "shapes":
+            item = f"[t.shape for t in {item}]"
+        kept.append(f"{item},")
+    lines.append(f"ctx.kept = ({' '.join(kept)})")
+    if messages:
+        metas = []
+        for t in plan.targets:
+            item = value(t)
+            if t == plan.list_at:
+                metas.append(
+                    f"[(v.shape, v.dtype, _CPU if v.is_cpu else v.device) for v in {item}],"
+                )
+            else:
+                metas.append(
+                    f"(None if {item} is None else ({item}.shape, {item}.dtype, "
+                    f"_CPU if {item}.is_cpu else {item}.device)),"
+                )
+        lines.append(f"ctx.metas = ({' '.join(metas)})")
+    body = "".join(f"    {line}\n" for line in lines)
+    return f"def setup(ctx, args, outputs):\n{body}"
+
+
+def _value_source(plan: Plan, lead: int, i: int) -> str:
+    """The expression of parameter ``i``'s value among ``apply``'s ``args`` (a tensor list,
+    which ``apply`` takes unpacked after the others, as a list)."""
+    list_at = plan.list_at
+    if list_at is None or i < list_at:
+        return f"args[{lead + i}]"
+    if i == list_at:
+        return f"list(args[{lead + len(plan.params) - 1}:])"
+    return f"args[{lead + i - 1}]"
+
+
+def _need_source(plan: Plan, lead: int, r: int) -> str:
+    """The expression of whether target ``r``'s input needs a message (a tensor list: any
+    of its tensors), read from ``needs``, the ``ctx.needs_input_grad`` of ``apply``."""
+    at = lead + plan.positions[r]
+    return f"any(needs[{at}:])" if plan.targets[r] == plan.list_at else f"needs[{at}]"
+
+
+def _specialised_backward(cls: type[SemiringFunction]) -> Callable[..., tuple]:
+    """The backward of ``cls``'s op written out for its plan: no loop over the plan's
+    targets and no test of what the plan fixes, per node."""
+    namespace = {
+        "Message": Message,
+        "LEAF": LEAF,
+        "REQUESTED": REQUESTED,
+        "_graph_task_id": _graph_task_id,
+        "_will_execute": _will_execute,
+        "input_demand": input_demand,
+        "unwrap": cls.unwrap,
+        "wrap": cls.wrap,
+        "rule": cls.rule,
+        "listed": functools.partial(cls._listed, cls.plan),
+    }
+    exec(_backward_source(cls), namespace)
+    return namespace["backward"]
+
+
+def _backward_source(cls: type[SemiringFunction]) -> str:
+    """The source of ``backward(ctx, *grads)`` for ``cls``: the incoming message unwrapped,
+    None for every input when none that has a formula is used, else the rule's results
+    wrapped as messages (their inputs' metadata) where their inputs are used."""
+    plan, lead = cls.plan, cls.lead
+    name = repr(plan.name)
+    if plan.list_at is None:
+        lines = [f"none = {(None,) * (lead + len(plan.params))}"]
+    else:
+        lines = ["none = (None,) * len(ctx._tensor_args)"]
+    lines.append("S = ctx.semiring")
+    if plan.multi_output:
+        lines.append(f"incoming = [unwrap(S, g, {name}) for g in grads]")
+        if cls.one_component:
+            lines.append("incoming = [None if g is None else g[0] for g in incoming]")
+        lines += ["if all(g is None for g in incoming):", "    return none"]
+    else:
+        lines += [
+            "grad = grads[0]",
+            "if type(grad) is Message and grad.semiring is S and not S.settles:",
+            "    incoming = grad.value",  # unwrap's common case, inline
+            "else:",
+            f"    incoming = unwrap(S, grad, {name})",
+            "    if incoming is None:",
+            "        return none",
+        ]
+        if cls.one_component:
+            lines.append("incoming = incoming[0]")
+    single = plan.single
+    if single is not None:
+        lines += _single_demand(lead + single)
+    else:
+        lines.append("needs = input_demand(ctx, ctx._tensor_args)")
+        lines += [f"need{k} = {_need_source(plan, lead, k)}" for k in range(len(plan.targets))]
+        lines += [f"if not ({' or '.join(f'need{k}' for k in range(len(plan.targets)))}):"]
+        lines.append("    return none")
+    saved = "listed(ctx.saved_tensors)" if plan.saved_list_at is not None else "ctx.saved_tensors"
+    rule_args = ["S"] if cls.semiring is None else []
+    rule_args.append("incoming")
+    if len(plan.targets) > 1:
+        rule_args += [f"need{k}" for k in range(len(plan.targets))]
+    rule_args += [f"*{saved}", "*ctx.kept"] + (["ctx._ref"] if cls.takes_ref else [])
+    lines.append(f"results = rule({', '.join(rule_args)})")
+    lines += _wrapped_results(cls)
+    body = "".join(f"    {line}\n" for line in lines)
+    return f"def backward(ctx, *grads):\n{body}"
+
+
+def _single_demand(position: int) -> list[str]:
+    """Lines returning ``none`` when the running backward does not use the one input with
+    a formula, argument ``position`` of ``apply`` (:func:`.demand.input_demand`'s test, of
+    that input alone)."""
+    return [
+        f"if not ctx.needs_input_grad[{position}]:",
+        "    return none",
+        f"node = ctx.next_functions[ctx._tensor_args[:{position}].count(True)][0]",
+        "if node is None:",
+        "    return none",
+        "if type(node) is LEAF:",
+        "    if REQUESTED:",
+        "        requested = REQUESTED.get(_graph_task_id())",
+        "        if requested is not None and id(node.variable) not in requested:",
+        "            return none",
+        "elif not _will_execute(node):",
+        "    return none",
+    ]
+
+
+def _wrapped_results(cls: type[SemiringFunction]) -> list[str]:
+    """Lines returning the rule's ``results`` as the gradients of ``apply``'s arguments:
+    each used input's result wrapped with its metadata, None elsewhere."""
+    plan, lead = cls.plan, cls.lead
+    several = len(plan.targets) > 1
+    if plan.list_at is None:
+        items = ["None"] * (lead + len(plan.params))
+        for k, p in enumerate(plan.positions):
+            value = f"results[{k}]" if several else "results"
+            if cls.messages:
+                value = f"wrap(S, {value}, ctx.metas[{k}])"
+            # a single input is used (tested above); one of several where its need says so
+            items[lead + p] = value if plan.single is not None else f"{value} if need{k} else None"
+        return [f"return ({', '.join(f'({item})' for item in items)},)"]
+    lines = ["out = list(none)"]
+    for k, (t, p) in enumerate(zip(plan.targets, plan.positions)):
+        value = f"results[{k}]" if several else "results"
+        if t != plan.list_at:
+            if cls.messages:
+                value = f"wrap(S, {value}, ctx.metas[{k}])"
+            if plan.single is not None:  # the input is used: tested above
+                lines.append(f"out[{lead + p}] = {value}")
+            else:
+                lines += [f"if need{k}:", f"    out[{lead + p}] = {value}"]
+            continue
+        part = f"wrap(S, v, ctx.metas[{k}][j])" if cls.messages else "v"
+        lines += [
+            f"if need{k}:",
+            f"    for j, v in enumerate({value}):",
+            f"        if needs[{lead + p} + j]:",
+            f"            out[{lead + p} + j] = {part}",
+        ]
+    return [*lines, "return tuple(out)"]
 
 
 class _Rebound:
