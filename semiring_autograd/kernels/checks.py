@@ -593,21 +593,20 @@ def _check_softmax_backward_or(c: _Case) -> str | None:
 
 
 def _check_where_zero(c: _Case) -> str | None:
-    """where(w == 0, fill, y): w with zeros of both signs, NaN and infinities; y with -inf
-    and NaN; the one loop's operands and torch's (w broadcast, y transposed)."""
+    """where(w == 0, fill, y): w with zeros of both signs, NaN and infinities, of y's shape,
+    broadcast along rows, columns or whole (the loop's operands), and y transposed (torch's
+    inside the operator); y with -inf and NaN."""
     problems = []
-    for count in (9, 2 * 5 * 37):
-        w = c.randn(count, zeros=0.3)
-        w[:4] = torch.tensor([-0.0, NAN, INF, -INF], dtype=c.dtype)
-        y = c.randn(count)
-        y[4], y[5] = -INF, NAN
-        fill = torch.tensor(-INF, dtype=c.dtype)
-        got, _ = c.run(w, fill, y)
-        problems.append(_differs("where_zero", got, torch.where(w == 0, fill, y)))
-    w, y = c.randn(5, 1, zeros=0.4), c.randn(7, 5).t()
-    fill = torch.tensor(0.5, dtype=c.dtype)
-    got, _ = c.run(w, fill, y)
-    problems.append(_differs("where_zero", got, torch.where(w == 0, fill, y)))
+    y = c.randn(2, 5, 37)
+    y[0, 0, :2] = torch.tensor([-INF, NAN], dtype=c.dtype)
+    ws = [c.randn(2, 5, 37, zeros=0.3), c.randn(37, zeros=0.3), c.randn(2, 5, 1, zeros=0.5)]
+    ws[0][0, 1, :4] = torch.tensor([-0.0, NAN, INF, -INF], dtype=c.dtype)
+    ws += [torch.zeros((), dtype=c.dtype), c.randn(5, 1, zeros=0.4)]
+    for w, y in zip(ws, [y, y, y, y, c.randn(7, 5).t()]):
+        for fill in (-INF, 0.5):
+            fill = torch.tensor(fill, dtype=c.dtype)
+            got, _ = c.run(w, fill, y)
+            problems.append(_differs("where_zero", got, torch.where(w == 0, fill, y)))
     return _first(*problems)
 
 
