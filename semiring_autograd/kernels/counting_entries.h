@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <vector>
 
 namespace counting_entries {
 
@@ -70,18 +71,21 @@ inline at::Tensor where_zero_op(const at::Tensor& w, const at::Tensor& fill,
     auto out = at::empty_like(y, at::MemoryFormat::Contiguous);
     if (out.numel() == 0) return out;
     const int64_t d = y.dim(), n = d ? y.size(d - 1) : 1, rows = out.numel() / n;
-    const auto strides = w.expand(y.sizes()).strides().vec();  // 0 where w broadcasts
-    const int64_t w_step = d ? strides[d - 1] : 0;
     AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "where_zero", [&] {
         const scalar_t* wp = w.const_data_ptr<scalar_t>();
         const scalar_t* yp = y.const_data_ptr<scalar_t>();
         scalar_t* op = out.data_ptr<scalar_t>();
-        const scalar_t f = fill.item<scalar_t>();
+        const scalar_t f = *fill.const_data_ptr<scalar_t>();
         if (w.sizes() == y.sizes()) {
             where_zero_rows(wp, 1, [n](int64_t row) { return row * n; }, f, yp, op, rows, n);
             return;
         }
         const auto sizes = y.sizes().vec();
+        const int64_t skip = d - w.dim();
+        std::vector<int64_t> strides(d, 0);  // w's along y's dims, 0 where it broadcasts
+        for (int64_t k = skip; k < d; ++k)
+            if (w.size(k - skip) != 1) strides[k] = w.stride(k - skip);
+        const int64_t w_step = d ? strides[d - 1] : 0;
         auto offset = [&](int64_t row) {  // w's offset for row (y's leading indices)
             int64_t at = 0;
             for (int64_t k = d - 2; k >= 0; --k) {
