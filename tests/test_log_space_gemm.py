@@ -94,9 +94,10 @@ def test_entropy_lifted_matmul_takes_the_weight_path(monkeypatch):
         torch.testing.assert_close(g, e, rtol=4e-6, atol=4e-6)
 
 
-def _sliced_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A message (2, 3, k) with every row live, k spanning two full weight slices and a
-    partial one, a row whose shifted products underflow, and a weight with a 0."""
+def _sliced_case(seed: int, dead_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A message (2, 3, k), k spanning two full weight slices and a partial one, with a row
+    whose shifted products underflow (and, given ``dead_row``, a row without a term), and
+    a weight with a 0."""
     k = 2 * log_space.WEIGHT_SLICE_ROWS + 37
     gen = torch.Generator().manual_seed(seed)
     la = torch.randn(2, 3, k, generator=gen) * 3
@@ -105,16 +106,20 @@ def _sliced_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     w = torch.randn(k, 11, generator=gen)
     w[3, 4] = 0.0
     w[k - 5 :, 0] *= 1e-36
+    if dead_row:
+        la[1, 0] = float("-inf")
     return la, ra, w
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the CPU kernels did not build")
+@pytest.mark.parametrize("dead_row", [False, True])
 @pytest.mark.parametrize("frozen", [False, True])
-def test_sliced_weight_gemm_equals_definition(monkeypatch, frozen):
+def test_sliced_weight_gemm_equals_definition(monkeypatch, frozen, dead_row):
     """Entropy's and Log's matmul by a weight of more rows than a slice: the sliced GEMM
-    (and, inside sa.frozen_weights, the GEMM by the kept whole operand) against the float64
-    definitions, with the exact fallback for the underflowing row."""
-    la, ra, w = _sliced_case(seed=7)
+    (inside sa.frozen_weights, by the kept operands of the slices) against the float64
+    definitions, with the exact fallback for the underflowing row; with a row without a
+    term, on the rows that have one."""
+    la, ra, w = _sliced_case(seed=7, dead_row=dead_row)
     slices, exact = [], []
     run, run_exact = log_space.gemm_by_weight_slices, log_space._exact_terms
     monkeypatch.setattr(log_space, "gemm_by_weight_slices", lambda *a: slices.append(1) or run(*a))
@@ -123,10 +128,13 @@ def test_sliced_weight_gemm_equals_definition(monkeypatch, frozen):
     with scope:
         got_l, got_r = sa.Entropy().matmul_lift((la, ra), w)
         (got_log,) = sa.Log().matmul_lift((la,), w)
-    assert len(slices) == (0 if frozen else 2)
+    assert len(slices) == 2
     want_l, want_r = _entropy_formula(la, ra, w)
     torch.testing.assert_close(got_l.double(), want_l, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_r.double(), want_r, rtol=1e-5, atol=1e-4)
     want_log = torch.logsumexp(la.double()[..., :, None] + torch.log(w.double().abs()), dim=-2)
     torch.testing.assert_close(got_log.double(), want_log, rtol=1e-5, atol=1e-5)
     assert exact == [1, 1], "the exact fallback did not run for each semiring"
+    if dead_row:
+        assert torch.isneginf(got_l[1, 0]).all() and (got_r[1, 0] == 0).all()
+        assert torch.isneginf(got_log[1, 0]).all()

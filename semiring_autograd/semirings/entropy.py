@@ -140,13 +140,19 @@ class Entropy(Semiring):
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
-        done = matmul_by_weight(a[0], a[1], w, "entropy", _entropy_weights_into, self.lift)
-        if done is not None:
-            return done
-        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, 0.0))
-        return result or self._matmul_lift(a, w)
+        done = self._by_weight(a, w)
+        if done is None:
+            done = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, 0.0))
+        return done or self._general_matmul_lift(a, w)
+
+    def _by_weight(self, a, w):
+        """:func:`matmul_by_weight` for a message whose every row has a term, else None."""
+        return matmul_by_weight(a[0], a[1], w, _entropy_weights, self.lift)
 
     def _matmul_lift(self, a, w):
+        return self._by_weight(a, w) or self._general_matmul_lift(a, w)
+
+    def _general_matmul_lift(self, a, w):
         la, ra = _same_shape(a)
         return LogSpaceGemm.run(la, None, ra, None, b_linear=_entropy_weights(w))
 

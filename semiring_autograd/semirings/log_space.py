@@ -14,7 +14,6 @@ from .. import kernels
 from ..kernels.workspace import scratch
 from .base import Terms, broadcast_shape
 from .batching import anywhere, batched
-from .frozen import kept_operand
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     NEG_INF,
@@ -307,33 +306,32 @@ def gemm_by_weight(shifted: ShiftedRows, b_linear: Tensor) -> tuple[Tensor, Tens
 def gemm_by_weight_slices(
     shifted: ShiftedRows,
     w: Tensor,
-    lift_into: Callable[[Tensor, Tensor], Tensor],
-    log_lift: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    operand: Callable[[Tensor], Tensor],
+    log_lift: Callable[[Tensor], tuple[Tensor, ...]],
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`gemm_by_weight` by a 2-D weight ``w`` (k, n) whose linear operand is built
     ``WEIGHT_SLICE_ROWS`` rows at a time, each slice multiplied while it is in cache:
-    z = Σ_slices e[:, s] @ eb[s] (and r's numerators likewise). ``lift_into(w_s, out)``
-    writes the operand of rows w_s (eb, or [eb; eb·rb] with r) into ``out`` and returns
-    it; ``log_lift(w)`` is lift(w) in log space (log|w|, and rb or None), for the sums that
-    need the exact fallback."""
+    z = Σ_slices e[:, s] @ eb[s] (and r's numerators likewise). ``operand(w_s)`` is the
+    linear operand of the rows w_s (eb, or [eb; eb·rb] with r), valid until its next call;
+    ``log_lift(w)`` is lift(w) (log eb, and rb with r), for the sums that need the exact
+    fallback."""
     rows, r_rows, stacked, *_ = shifted
     count, k = rows.shape
-    parts = 1 if r_rows is None else 2
     e = stacked[:count]
     if r_rows is not None:
         torch.mul(e, r_rows, out=stacked[count:])
     step = min(k, WEIGHT_SLICE_ROWS)
-    operand = scratch("weight_slice", (parts * step, w.shape[-1]), w.dtype, w.device)
     sums = None
     for s in range(0, k, step):
         size = min(step, k - s)
-        b = lift_into(w[s : s + size], operand[: parts * size])
+        b = operand(w[s : s + size])
         a = stacked[:, s : s + size]
         sums = torch.mm(a, b[:size]) if sums is None else sums.addmm_(a, b[:size])
         if r_rows is not None:
             sums[count:].addmm_(e[:, s : s + size], b[size:])
     z, num = (sums, None) if r_rows is None else (sums[:count], sums[count:])
-    return _finish_rows(shifted, z, num, lambda: log_lift(w))
+    # lift(w)'s components (log eb,) or (log eb, rb), as the pair (log eb, rb or None)
+    return _finish_rows(shifted, z, num, lambda: (*log_lift(w), None)[:2])
 
 
 def _finish_rows(
@@ -360,29 +358,19 @@ def matmul_by_weight(
     la: Tensor,
     ra: Tensor | None,
     w: Tensor,
-    tag: str,
-    lift_into: Callable[[Tensor, Tensor], Tensor],
-    log_lift: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+    operand: Callable[[Tensor], Tensor],
+    log_lift: Callable[[Tensor], tuple[Tensor, ...]],
 ) -> tuple[Tensor, Tensor | None] | None:
     """matmul(a, lift(w)) in log space by a 2-D weight ``w`` (k, n) for a message ``la``
-    (and ``ra``) (…, m, k) whose every row has a term: by the operand kept under ``tag``
-    inside ``sa.frozen_weights`` (:func:`gemm_by_weight`), else by slices of the weight
-    (:func:`gemm_by_weight_slices`). None where the message has a row without a term or
-    :func:`shifted_rows` does not apply."""
+    (and ``ra``) (…, m, k) whose every row has a term, by :func:`gemm_by_weight_slices`.
+    None where the message has a row without a term or :func:`shifted_rows` does not
+    apply."""
     if w.dim() != 2 or w.shape[0] != la.shape[-1]:
         return None
     shifted = shifted_rows(la, ra)
     if shifted is None or not bool(shifted.live.all()):
         return None
-    parts = 1 if ra is None else 2
-
-    def build(v: Tensor) -> Tensor:
-        return lift_into(v, v.new_empty(parts * v.shape[0], v.shape[1]))
-
-    kept = kept_operand(tag, w, build)
-    if kept is not None:
-        return gemm_by_weight(shifted, kept)
-    return gemm_by_weight_slices(shifted, w, lift_into, log_lift)
+    return gemm_by_weight_slices(shifted, w, operand, log_lift)
 
 
 def _by_weight(
