@@ -69,6 +69,10 @@ def _samples(dtype):
         ],
         "softmax_backward_max": [(r, torch.softmax(rand(3, 40), -1)), (rows.abs(), rand(4, 9))],
         "softmax_backward_or": [(la > 0, torch.softmax(rand(3, 40), -1)), (rows > 0, rand(4, 9))],
+        "softmax_backward_signed": [
+            (la, la - r, torch.softmax(rand(3, 40), -1)),
+            (hi, lo, rand(2, 5, 7)),
+        ],
         "where_zero": [
             (la.masked_fill(la > 0.5, 0.0), torch.tensor(-INF, dtype=dtype), r),
             (rand(40).masked_fill(r[0] > 0.5, 0.0), torch.tensor(0.5, dtype=dtype), r),

@@ -1,9 +1,10 @@
-"""MaxProduct's and Boolean's ``softmax_backward`` (the attention rule's message at the
-scores) on the fused CPU kernels (``softmax_backward_max``, ``softmax_backward_or``):
-bit for bit the generic formula (``Semiring.softmax_backward`` on the semiring's ⊕, ⊗ and
-lift) and the kernels-off path, and against the Jacobian's path enumeration in float64 (the
-strongest path; whether a path exists), with p = 0, p = 1, ties, zero messages, +inf
-and NaN; and the attention backward with and without the kernels."""
+"""MaxProduct's, Boolean's and SignedMaxProduct's ``softmax_backward`` (the attention
+rule's message at the scores) on the fused CPU kernels (``softmax_backward_max``,
+``softmax_backward_or``, ``softmax_backward_signed``): bit for bit the generic formula
+(``Semiring.softmax_backward`` on the semiring's ⊕, ⊗ and lift) and the kernels-off path,
+and against the Jacobian's path enumeration in float64 (the strongest path; whether a path
+exists; the largest and smallest signed path), with p = 0, p = 1, ties, zero messages,
+empty pairs, +inf and NaN; and the attention backward with and without the kernels."""
 
 from __future__ import annotations
 
@@ -66,6 +67,32 @@ def _some_path(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(p.shape[-1], dtype=torch.float64)
     jacobian = p[..., None, :] * (eye - p[..., :, None])
     return (g[..., None, :] & (jacobian != 0)).any(-1)
+
+
+def _signed_messages(dtype: torch.dtype, n: int, rows: int = 6) -> tuple:
+    """SignedMaxProduct messages (hi ≥ lo) of (2, rows, n): signs mixed, empty pairs
+    (-inf, +inf), a row of ties, a row of points (hi = lo)."""
+    gen = torch.Generator().manual_seed(300 + n)
+    hi = torch.randn(2, rows, n, generator=gen, dtype=torch.float64) * 20
+    lo = hi - torch.rand(2, rows, n, generator=gen, dtype=torch.float64) * 10
+    empty = (torch.arange(hi.numel()) % 6 == 2).reshape(hi.shape)
+    hi, lo = hi.masked_fill(empty, -INF), lo.masked_fill(empty, INF)
+    hi[1, 3], lo[1, 3] = 4.0, -4.0
+    lo[0, 4] = hi[0, 4]
+    return hi.to(dtype), lo.to(dtype)
+
+
+def _signed_paths(hi: torch.Tensor, lo: torch.Tensor, p: torch.Tensor) -> tuple:
+    """The largest and smallest g_j·∂p_j/∂s_i over j and the ends of g_j, in float64;
+    (-inf, +inf) where no edge (∂p_j/∂s_i = 0) or every g_j is empty."""
+    hi, lo, p = hi.double(), lo.double(), p.double()
+    eye = torch.eye(p.shape[-1], dtype=torch.float64)
+    jacobian = p[..., None, :] * (eye - p[..., :, None])  # [i, j] = ∂p_j/∂s_i
+    h, l = hi[..., None, :] * jacobian, lo[..., None, :] * jacobian
+    dead = (jacobian == 0) | (hi < lo)[..., None, :]
+    top = torch.maximum(h, l).masked_fill(dead, -INF).amax(-1)
+    bottom = torch.minimum(h, l).masked_fill(dead, INF).amin(-1)
+    return top, bottom
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -139,6 +166,40 @@ def test_boolean_kernel_is_the_generic_formula(dtype, n, monkeypatch):
     assert torch.equal(S.softmax_backward((g,), p, -1)[0], got)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_signed_kernel_is_the_generic_formula(dtype, n, monkeypatch):
+    """SignedMaxProduct: the kernel's pair, the generic formula's and the kernels-off
+    path's are the same bits; within 2 ulp (and a subnormal step) of the largest and
+    smallest signed path through the Jacobian."""
+    (hi, lo), p = _signed_messages(dtype, n), _probs(dtype, n)
+    S = sa.SignedMaxProduct()
+    assert extreme_entries.softmax_backward_signed((hi, lo), p, -1) is not None
+    got = S.softmax_backward((hi, lo), p, -1)
+    generic = Semiring.softmax_backward(S, (hi, lo), p, -1)
+    assert all(_same(g, w) for g, w in zip(got, generic))
+    monkeypatch.setenv(ENV, "off")
+    assert extreme_entries.softmax_backward_signed((hi, lo), p, -1) is None
+    assert all(_same(g, w) for g, w in zip(S.softmax_backward((hi, lo), p, -1), got))
+    eps, step = torch.finfo(dtype).eps, torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    for g, w in zip(got, _signed_paths(hi, lo, p)):  # products of two tiny p underflow
+        torch.testing.assert_close(g.double(), w, rtol=2 * eps, atol=step)
+
+
+@pytest.mark.parametrize("value", [INF, NAN])
+def test_signed_specials_are_the_generic_formula(value):
+    """An infinite end (a path of infinite weight; ∞·0 where p = 0 is no edge) on the
+    kernel, a NaN (declined: the formula's NaN) on the formula: the generic formula's bits."""
+    (hi, lo), p = _signed_messages(torch.float64, 37), _probs(torch.float64, 37)
+    hi[0, 2, 3] = value
+    hi[1, 0, 1] = value  # p = 0 there
+    S = sa.SignedMaxProduct()
+    fused = extreme_entries.softmax_backward_signed((hi, lo), p, -1)
+    assert (fused is None) == (value != value)
+    got = S.softmax_backward((hi, lo), p, -1)
+    assert all(_same(g, w) for g, w in zip(got, Semiring.softmax_backward(S, (hi, lo), p, -1)))
+
+
 def test_boolean_nan_probability_is_an_edge():
     """A NaN derivative is non-zero: an edge, as lift(NaN) = (NaN ≠ 0) says."""
     p = _probs(torch.float32, 16).clone()
@@ -175,7 +236,7 @@ def test_other_layouts_take_the_formula_or_a_contiguous_copy(semiring):
         assert _same(got, Semiring.softmax_backward(S, (gi,), pi, dim)[0])
 
 
-@pytest.mark.parametrize("semiring", ["MaxProduct", "Boolean"])
+@pytest.mark.parametrize("semiring", ["MaxProduct", "Boolean", "SignedMaxProduct"])
 @pytest.mark.parametrize("length", [100, 300])
 def test_attention_backward_with_and_without_the_kernels(semiring, length, monkeypatch):
     """The backward through grouped-query causal F.scaled_dot_product_attention (one block
@@ -195,7 +256,11 @@ def test_attention_backward_with_and_without_the_kernels(semiring, length, monke
 
     fused = messages()
     monkeypatch.setenv(ENV, "off")
-    assert _same(fused, messages())
+    plain = messages()
+    if semiring == "SignedMaxProduct":
+        assert all(_same(f, w) for f, w in zip(fused, plain))
+    else:
+        assert _same(fused, plain)
 
 
 class _GroupedCausalAttention(torch.nn.Module):

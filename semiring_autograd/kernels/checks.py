@@ -610,6 +610,54 @@ def _check_where_zero(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def softmax_backward_signed_formula(g_hi: Tensor, g_lo: Tensor, p: Tensor) -> tuple:
+    """SignedMaxProduct's message at softmax's input (last dim), Semiring.softmax_backward's
+    formula in torch: g_i ⊗ lift(p_i(1 − p_i)) ⊕ (⊕_{j≠i} g_j ⊗ lift(p_j)) ⊗ lift(−p_i), ⊗
+    lift(w) keeping (w > 0) or swapping (w < 0) the pair's ends, no edge at w = 0."""
+
+    def lift(h, l, w):
+        none = (w == 0) & ~(torch.isnan(h) | torch.isnan(l))
+        pos = w > 0
+        hi = (torch.where(pos, h, l) * w).masked_fill(none, -INF)
+        return hi, (torch.where(pos, l, h) * w).masked_fill(none, INF)
+
+    def loo(x):
+        if x.shape[-1] < 2:
+            return torch.full_like(x, -INF)
+        first, at = x.max(-1, keepdim=True)
+        second = x.scatter(-1, at, -INF).amax(-1, keepdim=True)
+        return first.expand_as(x).scatter(-1, at, second)
+
+    own_hi, own_lo = lift(g_hi, g_lo, p * (1 - p))
+    t_hi, t_lo = lift(g_hi, g_lo, p)
+    rest_hi, rest_lo = lift(loo(t_hi), -loo(-t_lo), -p)
+    return torch.maximum(own_hi, rest_hi), torch.minimum(own_lo, rest_lo)
+
+
+def _check_softmax_backward_signed(c: _Case) -> str | None:
+    problems = []
+    for n in (9, 37):  # a vector tail; two vectors and a tail
+        p = _softmax_rows(c, n)[1]
+        hi = c.randn(2, 5, n) * 3
+        lo = hi - c.rand(2, 5, n) * 2
+        empty = c.where(0.2, (2, 5, n))
+        hi, lo = hi.masked_fill(empty, -INF), lo.masked_fill(empty, INF)
+        hi[0, 2], lo[0, 2] = 0.5, -0.5  # ties of either end
+        hi[1, 4, 0] = INF  # +inf·p
+        (out_hi, out_lo, declined), _ = c.run(hi, lo, p)
+        if bool(declined):
+            return "softmax_backward_signed declined rows without NaN"
+        want_hi, want_lo = softmax_backward_signed_formula(hi, lo, p)
+        problems.append(_differs("softmax_backward_signed hi", out_hi, want_hi))
+        problems.append(_differs("softmax_backward_signed lo", out_lo, want_lo))
+        bent = lo.clone()
+        bent[1, 3, n - 1] = NAN
+        (_, _, declined), _ = c.run(hi, bent, p)
+        if not bool(declined):
+            problems.append("softmax_backward_signed did not decline a row holding NaN")
+    return _first(*problems)
+
+
 def _check_entropy_reduce_rows(c: _Case) -> str | None:
     la = _log_rows(c)
     r = c.rand(*la.shape).masked_fill(la == -INF, 0.0)
@@ -785,6 +833,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "softmax_backward_log": _check_softmax_backward_log,
     "softmax_backward_max": _check_softmax_backward_max,
     "softmax_backward_or": _check_softmax_backward_or,
+    "softmax_backward_signed": _check_softmax_backward_signed,
     "where_zero": _check_where_zero,
     "any_nan_or_inf": _check_any_nan_or_inf,
     "all_rows_live": _check_all_rows_live,

@@ -1,14 +1,15 @@
-"""MaxProduct's and Boolean's ``softmax_backward`` on fused CPU operators
-(``extreme_entries.h``): the message at softmax's input in one operator call per tensor,
-where the semiring formula (``Semiring.softmax_backward``) takes about a dozen passes over
-the rows. Both are that formula's operations entry by entry, so their results are the
-formula's to the bit (NaN rows included).
+"""MaxProduct's, Boolean's and SignedMaxProduct's ``softmax_backward`` on fused CPU
+operators (``extreme_entries.h``): the message at softmax's input in one operator call per
+tensor, where the semiring formula (``Semiring.softmax_backward``) takes about a dozen
+passes over the rows. Each is that formula's operations entry by entry, so the results are
+the formula's to the bit (MaxProduct's NaN rows included; the signed kernel declines rows
+holding NaN).
 
-Each takes CPU operands of one shape along the last dim (``softmax_backward_max``: g and p
-float32 or float64 of one dtype; ``softmax_backward_or``: g bool, p float32 or float64),
-copied to contiguous rows where they are not, and returns None otherwise, or where the
-kernels are off, unbuilt or failed their check (``kernels``'s modes); the callers then take
-the torch formula.
+Each takes CPU operands of one shape along the last dim (``softmax_backward_max``: g and p,
+``softmax_backward_signed``: g's two ends and p, float32 or float64 of one dtype;
+``softmax_backward_or``: g bool, p float32 or float64), copied to contiguous rows where
+they are not, and returns None otherwise, or where the kernels are off, unbuilt or failed
+their check (``kernels``'s modes); the callers then take the torch formula.
 """
 
 from __future__ import annotations
@@ -43,3 +44,19 @@ def softmax_backward_or(g: Tensor, p: Tensor, dim: int) -> Tensor | None:
     if not _nonempty_ready("softmax_backward_or", p):
         return None
     return op("softmax_backward_or")(g.contiguous(), p.contiguous())
+
+
+def softmax_backward_signed(g: tuple[Tensor, Tensor], p: Tensor, dim: int) -> tuple | None:
+    """SignedMaxProduct's message at softmax's input from the pair ``g`` = (hi, lo) at its
+    output ``p`` along ``dim`` (the last): g_i ⊗ lift(p_i(1 − p_i)) ⊕ (⊕_{j≠i} g_j ⊗
+    lift(p_j)) ⊗ lift(−p_i), by the fused CPU kernel; None where it does not apply or a row
+    holds NaN."""
+    hi, lo = g
+    if not (_rows(hi, p, dim) and lo.shape == p.shape):
+        return None
+    if not _nonempty_ready("softmax_backward_signed", hi, lo, p):
+        return None
+    out_hi, out_lo, declined = op("softmax_backward_signed")(
+        hi.contiguous(), lo.contiguous(), p.contiguous()
+    )
+    return None if declined else (out_hi, out_lo)

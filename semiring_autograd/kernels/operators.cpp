@@ -532,5 +532,6 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("softmax_backward_log", &log_entries::softmax_backward_log_op);
     m.impl("softmax_backward_max", &extreme_entries::softmax_backward_max_op);
     m.impl("softmax_backward_or", &extreme_entries::softmax_backward_or_op);
+    m.impl("softmax_backward_signed", &extreme_entries::softmax_backward_signed_op);
     m.impl("where_zero", &counting_entries::where_zero_op);
 }

@@ -38,6 +38,8 @@ one dtype.
 ``softmax_backward_max`` MaxProduct's message at softmax's input s from g at its output p
                          along the last dim, g and p of one shape; CPU only
 ``softmax_backward_or``  Boolean's, g bool, p float, of one shape; CPU only
+``softmax_backward_signed`` (hi, lo, flag): SignedMaxProduct's, g a (hi, lo) pair; the
+                         flag: a row held NaN (then left uncomputed); CPU only
 ``where_zero``           where(w == 0, fill, y), fill of no dimension (Counting's y times
                          lift(w) with fill -inf); CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
@@ -85,6 +87,7 @@ SCHEMAS = {
     "softmax_backward_log": "(Tensor g, Tensor p) -> (Tensor, Tensor)",
     "softmax_backward_max": "(Tensor g, Tensor p) -> Tensor",
     "softmax_backward_or": "(Tensor g, Tensor p) -> Tensor",
+    "softmax_backward_signed": "(Tensor g_hi, Tensor g_lo, Tensor p) -> (Tensor, Tensor, Tensor)",
     "where_zero": "(Tensor w, Tensor fill, Tensor y) -> Tensor",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
@@ -189,6 +192,11 @@ def _(g, p):
 @_fake("softmax_backward_or")
 def _(g, p):
     return g.new_empty(g.shape)
+
+
+@_fake("softmax_backward_signed")
+def _(g_hi, g_lo, p):
+    return g_hi.new_empty(g_hi.shape), g_lo.new_empty(g_lo.shape), _declined(p)
 
 
 @_fake("where_zero")

@@ -7,12 +7,18 @@ on ``rows`` queries at a time: the query's message is the blocks' messages side 
 the key's and value's (and a mask's broadcast over queries) the ⊕ of the blocks'. Peak
 memory is then batch × heads × rows × S per layer, not batch × heads × L × S, for rows
 set by :func:`query_rows`: blocks of a few MiB on the CPU, where caches set the cost, and of
-hundreds of MiB on an accelerator, where each block's kernel launches do. ``is_causal`` becomes the block's rows of the causal mask
-(key j ≤ query i), which the rule excludes as it excludes a boolean mask.
+hundreds of MiB on an accelerator, where each block's kernel launches do. ``is_causal``
+becomes the block's rows of the causal mask (key j ≤ query i), which the rule excludes as
+it excludes a boolean mask, and the block reads the keys and values up to its last query
+only: the keys after it have p = 0 at each of its queries, no edge, so their messages from
+the block are the semiring zero. A causal backward then does about half the work of the
+full score matrix.
 
 Values: the message at each query row (query, a per-row mask) is the one the unblocked
-rule computes (the same row-local formulas; bit-identical on the CPU tested). The key's and value's regroup
-their ⊕ over queries by block: exact for a ⊕ that picks an operand (MaxProduct,
+rule computes (the same row-local formulas; bit-identical on the CPU tested), except that
+a causal block normalises its probabilities by sums over its keys only, which round
+differently from the whole row's (an ulp or so of p). The key's and value's regroup their
+⊕ over queries by block: exact for a ⊕ that picks an operand (MaxProduct,
 SignedMaxProduct, Boolean, KBest), a few ulps of rounding for a float sum (Real, Log,
 Entropy, Counting).
 """
@@ -35,7 +41,7 @@ BLOCK_ELEMENTS = 1 << 20
 #: few dozen kernels again, so blocks there stay few (Llama-2-7B's 32 heads: one block up
 #: to 1448 tokens) …
 DEVICE_BLOCK_ELEMENTS = 1 << 26
-#: … but at least this many query rows: each block also reads the whole key and value
+#: … but at least this many query rows: each block also reads the key and value
 #: (lifts, copies for GQA, the ⊕ into their messages), work that fewer rows do not repay
 MIN_ROWS = 128
 

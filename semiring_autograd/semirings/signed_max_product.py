@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import extreme_entries
 from .tensor_level import TensorSignedMaxProduct, tensor_level_instance
 from .base import Semiring, Terms, Value
 from .tensor_ops import (
@@ -110,6 +111,12 @@ class SignedMaxProduct(Semiring):
         # no edge where w = 0, except from a NaN value: NaN ⊗ lift(0) is NaN, as in torch
         zero = (w == 0) & ~(torch.isnan(a[0]) | torch.isnan(a[1]))
         return (hi.masked_fill(zero, NEG_INF), lo.masked_fill(zero, POS_INF))
+
+    def softmax_backward(self, a: Value, probs: Tensor, dim: int) -> Value:
+        """The default formula in one pass over the rows by the fused CPU kernel where it
+        applies (the same bits; rows holding NaN take the formula)."""
+        fused = extreme_entries.softmax_backward_signed(a, probs, dim)
+        return fused if fused is not None else super().softmax_backward(a, probs, dim)
 
     def index_add(self, a, index, size):
         hi, lo = torch.broadcast_tensors(*a)
