@@ -203,10 +203,10 @@ class SemiringFunction(torch.autograd.Function):
     @classmethod
     def setup(cls, ctx: Any, args: tuple, outputs: Any) -> None:
         """Save on ``ctx`` what the plan says the backward reads (``setup_context``): the
-        semiring, which arguments are tensors, the tensors the running formulas read
-        (None for one no formula that will run reads), the kept values and each target's
-        metadata. Each op's Function runs its own copy, written out for its plan
-        (:func:`_setup_source`), made on its first call."""
+        semiring, which arguments are tensors, the tensors read by a formula that will run
+        (None for the others), the kept values and each target's metadata. Each op's
+        Function runs its own copy, written out for its plan (:func:`_setup_source`), made
+        on its first call."""
         setup = _specialised_setup(cls)
         cls.setup = staticmethod(setup)
         setup(ctx, args, outputs)
@@ -319,7 +319,7 @@ class SemiringFunction(torch.autograd.Function):
 def _specialised_setup(cls: type[SemiringFunction]) -> Callable[[Any, tuple, Any], None]:
     """``cls.setup`` written out for ``cls``'s plan: no loop over the plan's entries and no
     test of what the plan fixes, per recorded op."""
-    namespace = {"S": cls.semiring, "Tensor": Tensor, "_CPU": _CPU, "_TENSOR": _TENSOR}
+    namespace = {"S": cls.semiring, "_CPU": _CPU, "_TENSOR": _TENSOR}
     exec(_setup_source(cls.plan, cls.lead, cls.takes_ref, cls.messages), namespace)
     return namespace["setup"]
 
