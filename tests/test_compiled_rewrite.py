@@ -740,3 +740,33 @@ def test_a_zero_test_read_again_or_written_between_stays_apart():
         assert _where_zero_calls(program) == 0
         w = torch.tensor([[0.0, -1.0, 1.0, -0.0]] * 3)
         _replay(program, f, _randn(3, 4, seed=2), w)
+
+
+def test_a_conversion_to_its_own_dtype_and_a_clone_of_a_fresh_value_are_no_steps():
+    def f(x):
+        return (x * 2).to(torch.float32).clone() + 1
+
+    program = _record(f, _randn(3, 4))
+    assert _calls(program, aten.to.dtype) == 0
+    assert _calls(program, aten.clone.default) == 0
+    _replay(program, f, _randn(3, 4, seed=1))
+
+
+def test_a_clone_of_a_value_read_again_or_not_row_major_stays_a_clone():
+    """Were the clone its source, ``add_`` would change the source read after it; the
+    product of a transposed input is laid out as the input, its row-major copy is not (a
+    view of the flat copy reads it so)."""
+
+    def read_again(x):
+        y = x * 2
+        z = y.clone()
+        z.add_(1)
+        return z + y
+
+    def transposed(x):
+        return (x.t() * 2).contiguous().view(-1)
+
+    for f in (read_again, transposed):
+        program = _record(f, _randn(3, 4))
+        assert _calls(program, aten.clone.default) == 1
+        _replay(program, f, _randn(3, 4, seed=1))

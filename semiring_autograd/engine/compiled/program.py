@@ -3,7 +3,8 @@ plain tensors, and the straight-line Python function it becomes.
 
 The recorder runs each operator and notes it with its arguments, the tensors as program
 values: a slot (a tensor the program is given), the result of an earlier operator, or a
-constant (a tensor from outside: scratch storage, a parameter of a compiled step). An
+constant (a tensor from outside: scratch storage, a parameter of a compiled step); an
+operator returning its argument itself (``to`` the dtype it has) is no step. An
 operator on messages runs its handler with the recorder active, so the component
 operators inside are recorded. Python that reads tensor data (an operator returning a
 number) and operators whose result shape depends on data become guards of the program.
@@ -146,6 +147,8 @@ class Recorder(TorchDispatchMode):
         layouts = _layouts(func, args) if traits.laid_out else None
         outs = out_layouts(traits.outs, kwargs) if traits.outs else None
         result = func(*args, **kwargs)
+        if args and result is args[0] and not traits.written:
+            return result  # its argument itself (``to`` its own dtype): no step
         if traits.view and self._identity_view(args, source, result):
             return result
         sequence = isinstance(result, (tuple, list))

@@ -9,6 +9,7 @@ values bit for bit with fewer operator calls:
 - the one part of a ``split_with_sizes`` whose other parts are empty is its input;
 - a copy into a fresh buffer from a fresh value of the same layout, neither read elsewhere,
   is that value; a copy into a fresh buffer read nowhere else, filling it, is a ``clone``;
+- a clone of a fresh row-major value read nowhere else is that value;
 - a new filled buffer (``full``, ``zeros``, ``ones``) into one part of which (a range
   along one dimension) a value is copied, read nowhere before the copy, is one ``cat``
   of that value and the filled parts around it, made once (the rotary embedding's
@@ -96,6 +97,7 @@ def rewrite(
     steps, results = _whole_splits(steps, results)
     steps, results = _fill_from_fresh(steps, results)
     steps, results = _clone_into_fresh(steps, results)
+    steps, results = _clone_of_fresh(steps, results)
     steps, constants = _fill_in_part(_live_steps(steps, results), results, constants)
     steps, constants = _hoist(steps, results, constants)
     steps = _where_zero(steps, results, constants)
@@ -323,6 +325,37 @@ def _fill_from_fresh(steps: list[_Step], results: list) -> tuple[list, list]:
         ):
             dropped.update((id(buffer), id(step)))
             subst[step.outputs[0].index] = src
+    kept = [s for s in steps if id(s) not in dropped]
+    return _substitute(kept, results, subst)
+
+
+def _clone_of_fresh(steps: list[_Step], results: list) -> tuple[list, list]:
+    """``clone(a)`` of a fresh value ``a`` (an aten operator's new result) read only there,
+    row-major from offset 0, not complex: the clone (row-major in either memory format,
+    the same elements) is ``a`` itself; the clone is dropped."""
+    uses = _uses(steps, results)
+    producer = _producers(steps, frozenset())
+    dropped: set[int] = set()
+    subst: dict[int, Any] = {}
+    for step in steps:
+        if step.func is not _aten.clone.default or step.layouts is None:
+            continue
+        source, made = step.args[0], None
+        if isinstance(source, _Ref) and uses.get(source.index) == 1:
+            made = producer.get(source.index)
+        dtype, _, shape, stride, offset = step.layouts[0]
+        if (
+            made is not None
+            and not made.sequence
+            and _traits(made.func).fresh
+            and step.kwargs.get("memory_format", torch.preserve_format)
+            in (torch.preserve_format, torch.contiguous_format)
+            and offset == 0
+            and _contiguous(shape, stride)
+            and not dtype.is_complex
+        ):
+            dropped.add(id(step))
+            subst[step.outputs[0].index] = source
     kept = [s for s in steps if id(s) not in dropped]
     return _substitute(kept, results, subst)
 

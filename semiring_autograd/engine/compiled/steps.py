@@ -114,7 +114,14 @@ SCALAR_COMPARISONS = {
     for name in ("eq", "ne", "lt", "le", "gt", "ge")
 }
 #: operators whose tensors' layouts the recorder notes (``program._layouts``)
-_LAID_OUT = frozenset({_aten.copy_.default, _aten._local_scalar_dense.default, *SCALAR_COMPARISONS})
+_LAID_OUT = frozenset(
+    {
+        _aten.copy_.default,
+        _aten._local_scalar_dense.default,
+        _aten.clone.default,
+        *SCALAR_COMPARISONS,
+    }
+)
 
 #: id(operator) -> (the operator, kept so that its id is not reused; its traits)
 _TRAITS: dict[int, tuple[Any, _Traits]] = {}
