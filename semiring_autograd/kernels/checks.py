@@ -601,9 +601,10 @@ def _check_where_zero(c: _Case) -> str | None:
     y[0, 0, :2] = torch.tensor([-INF, NAN], dtype=c.dtype)
     ws = [c.randn(2, 5, 37, zeros=0.3), c.randn(37, zeros=0.3), c.randn(2, 5, 1, zeros=0.5)]
     ws[0][0, 1, :4] = torch.tensor([-0.0, NAN, INF, -INF], dtype=c.dtype)
-    ws += [torch.zeros((), dtype=c.dtype), c.randn(5, 1, zeros=0.4)]
-    for w, y in zip(ws, [y, y, y, y, c.randn(7, 5).t()]):
-        for fill in (-INF, 0.5):
+    ws += [torch.ones((), dtype=c.dtype), torch.zeros((), dtype=c.dtype)]
+    ws.append(c.randn(5, 1, zeros=0.4))
+    for w, y in zip(ws, [y, y, y, y, y, c.randn(7, 5).t()]):
+        for fill in (-INF, 0.5) if w.dim() else (float(w) - 0.5,):  # a finite result
             fill = torch.tensor(fill, dtype=c.dtype)
             got, _ = c.run(w, fill, y)
             problems.append(_differs("where_zero", got, torch.where(w == 0, fill, y)))
