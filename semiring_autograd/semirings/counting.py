@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring, message_dtype
 from .frozen import kept_operand
 from .log import Log
-from .tensor_ops import NEG_INF
+from .tensor_ops import NEG_INF, nonzero_operand
 
 
 class Counting(Log):
@@ -29,12 +28,10 @@ class Counting(Log):
     def linear_lift(self, w):
         """exp(lift(w)) = (w ≠ 0) as 0/1 in the message dtype: kept per weight version
         inside ``sa.frozen_weights``, else in scratch storage (valid for the calling matmul
-        only), written by one comparison (no bool temporary and cast)."""
+        only)."""
         dtype = message_dtype(w.dtype)
         kept = kept_operand(("nonzero", dtype), w, lambda w: torch.ne(w, 0).to(dtype))
-        if kept is not None:
-            return kept
-        return torch.ne(w, 0, out=scratch("linear_lift", w.shape, dtype, w.device))
+        return nonzero_operand(w, dtype) if kept is None else kept
 
     def mul_lift(self, a, w):
         return (torch.where(w == 0, NEG_INF, a[0]),)

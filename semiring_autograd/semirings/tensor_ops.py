@@ -107,9 +107,8 @@ def ratio_or_zero(num: Tensor, den: Tensor) -> Tensor:
 
 def nonzero_operand(w: Tensor, dtype: torch.dtype) -> Tensor:
     """w ≠ 0 as 0/1 in ``dtype``, a GEMM operand (Counting, Boolean), in scratch storage
-    (valid for the calling matmul only)."""
-    nonzero = torch.ne(w, 0, out=scratch("nonzero", w.shape, torch.bool, w.device))
-    return scratch("linear_lift", w.shape, dtype, w.device).copy_(nonzero)
+    (valid for the calling matmul only), written by one comparison."""
+    return torch.ne(w, 0, out=scratch("linear_lift", w.shape, dtype, w.device))
 
 
 def flat_batch(x: Tensor, batch: tuple[int, ...]) -> Tensor:
