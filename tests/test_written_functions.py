@@ -74,3 +74,20 @@ def test_max_product_of_part_of_the_inputs_is_the_product_of_its_path(wanted):
     paths = (3.0 * w[:2], (2 * b.detach()).abs() * w[2:5], w[5:])
     for g, i in zip(got, wanted):
         torch.testing.assert_close(g, paths[i], rtol=0, atol=1e-15)
+
+
+def test_a_traceback_through_a_written_backward_shows_its_source_lines():
+    import traceback
+
+    module = MODULES[sorted(MODULES)[0]]
+    function = next(iter(module.FUNCTIONS.values())).__self__
+    backward = _specialised_backward(function)
+
+    class Bare:  # a ctx without the semiring the backward reads first
+        pass
+
+    with pytest.raises(AttributeError) as raised:
+        backward(Bare(), None)
+    text = "".join(traceback.format_exception(raised.value))
+    assert f"<semiring_autograd {function.__module__}.{function.__qualname__}.backward>" in text
+    assert "S = ctx.semiring" in text

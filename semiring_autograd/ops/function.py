@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import linecache
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -320,8 +321,8 @@ def _specialised_setup(cls: type[SemiringFunction]) -> Callable[[Any, tuple, Any
     """``cls.setup`` written out for ``cls``'s plan: no loop over the plan's entries and no
     test of what the plan fixes, per recorded op."""
     namespace = {"S": cls.semiring, "_CPU": _CPU, "_TENSOR": _TENSOR}
-    exec(_setup_source(cls.plan, cls.lead, cls.takes_ref, cls.messages), namespace)
-    return namespace["setup"]
+    source = _setup_source(cls.plan, cls.lead, cls.takes_ref, cls.messages)
+    return _defined(source, f"{cls.__module__}.{cls.__qualname__}.setup", namespace)["setup"]
 
 
 def _setup_source(plan: Plan, lead: int, takes_ref: bool, messages: bool) -> str:
@@ -415,8 +416,18 @@ def _specialised_backward(cls: type[SemiringFunction]) -> Callable[..., tuple]:
         "rule": cls.rule,
         "listed": functools.partial(cls._listed, cls.plan),
     }
-    exec(_backward_source(cls), namespace)
-    return namespace["backward"]
+    return _defined(
+        _backward_source(cls), f"{cls.__module__}.{cls.__qualname__}.backward", namespace
+    )["backward"]
+
+
+def _defined(source: str, name: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """``namespace`` with ``source`` run in it, its lines kept in ``linecache`` under
+    ``<semiring_autograd NAME>`` so that a traceback through it shows them."""
+    filename = f"<semiring_autograd {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
 
 
 def _backward_source(cls: type[SemiringFunction]) -> str:
