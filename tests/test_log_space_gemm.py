@@ -5,8 +5,6 @@ underflow (the exact fallback), and the path taken where the kernels are built."
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -73,68 +71,22 @@ def test_log_matmul_by_weight_equals_definition(shape, k, n, transposed):
 
 @pytest.mark.skipif(not kernels.available(), reason="the CPU kernels did not build")
 def test_entropy_lifted_matmul_takes_the_weight_path(monkeypatch):
-    """With every row live, Entropy's matmul by a 2-D weight runs gemm_by_weight_slices
-    (its exact fallback included: the underflowing row), and its values are the general
+    """With every row live, Entropy's matmul by a 2-D weight runs gemm_by_weight (its
+    exact fallback included: the underflowing row), and its values are the general
     path's (two GEMMs of the message) to float32 rounding."""
     import semiring_autograd.semirings.entropy as entropy
 
     calls, exact = [], []
-    run, run_exact = log_space.gemm_by_weight_slices, log_space._exact_terms
-    monkeypatch.setattr(log_space, "gemm_by_weight_slices", lambda *a: calls.append(1) or run(*a))
+    run, run_exact = log_space.gemm_by_weight, log_space._exact_terms
+    monkeypatch.setattr(entropy, "gemm_by_weight", lambda *a: calls.append(1) or run(*a))
     monkeypatch.setattr(log_space, "_exact_terms", lambda *a: exact.append(1) or run_exact(*a))
     la, ra = _messages((2, 6), 24, transposed=False, seed=3)
     la.view(-1, 24)[1] = 0.5  # every row live
     w = _weight(24, 10, seed=4)
     got = sa.Entropy().matmul_lift((la, ra), w)
     assert calls and exact, "the weight path or its exact fallback did not run"
-    monkeypatch.setattr(entropy, "matmul_by_weight", lambda *a: None)
+    monkeypatch.setattr(entropy, "shifted_rows", lambda *a: None)
     monkeypatch.setattr(log_space, "_by_weight", lambda *a: None)
     general = sa.Entropy().matmul_lift((la, ra), w)
     for g, e in zip(got, general):
         torch.testing.assert_close(g, e, rtol=4e-6, atol=4e-6)
-
-
-def _sliced_case(seed: int, dead_row: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A message (2, 3, k), k spanning two full weight slices and a partial one, with a row
-    whose shifted products underflow (and, given ``dead_row``, a row without a term), and
-    a weight with a 0."""
-    k = 2 * log_space.WEIGHT_SLICE_ROWS + 37
-    gen = torch.Generator().manual_seed(seed)
-    la = torch.randn(2, 3, k, generator=gen) * 3
-    ra = torch.randn(2, 3, k, generator=gen)
-    la[0, 2, : k - 5] -= 200.0  # its largest terms in the last slice, the rest underflow
-    w = torch.randn(k, 11, generator=gen)
-    w[3, 4] = 0.0
-    w[k - 5 :, 0] *= 1e-36
-    if dead_row:
-        la[1, 0] = float("-inf")
-    return la, ra, w
-
-
-@pytest.mark.skipif(not kernels.available(), reason="the CPU kernels did not build")
-@pytest.mark.parametrize("dead_row", [False, True])
-@pytest.mark.parametrize("frozen", [False, True])
-def test_sliced_weight_gemm_equals_definition(monkeypatch, frozen, dead_row):
-    """Entropy's and Log's matmul by a weight of more rows than a slice: the sliced GEMM
-    (inside sa.frozen_weights, by the kept operands of the slices) against the float64
-    definitions, with the exact fallback for the underflowing row; with a row without a
-    term, on the rows that have one."""
-    la, ra, w = _sliced_case(seed=7, dead_row=dead_row)
-    slices, exact = [], []
-    run, run_exact = log_space.gemm_by_weight_slices, log_space._exact_terms
-    monkeypatch.setattr(log_space, "gemm_by_weight_slices", lambda *a: slices.append(1) or run(*a))
-    monkeypatch.setattr(log_space, "_exact_terms", lambda *a: exact.append(1) or run_exact(*a))
-    scope = sa.frozen_weights(w) if frozen else contextlib.nullcontext()
-    with scope:
-        got_l, got_r = sa.Entropy().matmul_lift((la, ra), w)
-        (got_log,) = sa.Log().matmul_lift((la,), w)
-    assert len(slices) == 2
-    want_l, want_r = _entropy_formula(la, ra, w)
-    torch.testing.assert_close(got_l.double(), want_l, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_r.double(), want_r, rtol=1e-5, atol=1e-4)
-    want_log = torch.logsumexp(la.double()[..., :, None] + torch.log(w.double().abs()), dim=-2)
-    torch.testing.assert_close(got_log.double(), want_log, rtol=1e-5, atol=1e-5)
-    assert exact == [1, 1], "the exact fallback did not run for each semiring"
-    if dead_row:
-        assert torch.isneginf(got_l[1, 0]).all() and (got_r[1, 0] == 0).all()
-        assert torch.isneginf(got_log[1, 0]).all()

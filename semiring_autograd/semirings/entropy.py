@@ -10,7 +10,7 @@ from ..kernels.workspace import scratch
 from .base import Semiring, Value
 from .batching import batched
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, matmul_by_weight, top_two_shifts
+from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, shifted_rows, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
     POS_INF,
@@ -140,19 +140,14 @@ class Entropy(Semiring):
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
-        done = self._by_weight(a, w)
-        if done is None:
-            done = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, 0.0))
-        return done or self._general_matmul_lift(a, w)
-
-    def _by_weight(self, a, w):
-        """:func:`matmul_by_weight` for a message whose every row has a term, else None."""
-        return matmul_by_weight(a[0], a[1], w, _entropy_weights, self.lift)
+        by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
+        shifted = shifted_rows(*a) if by_weight else None
+        if shifted is not None and bool(shifted.live.all()):  # no row to drop
+            return gemm_by_weight(shifted, _entropy_weights(w))
+        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, 0.0))
+        return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):
-        return self._by_weight(a, w) or self._general_matmul_lift(a, w)
-
-    def _general_matmul_lift(self, a, w):
         la, ra = _same_shape(a)
         return LogSpaceGemm.run(la, None, ra, None, b_linear=_entropy_weights(w))
 

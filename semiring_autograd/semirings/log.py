@@ -9,7 +9,7 @@ from ..kernels import log_entries
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring, _message
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, log_loo, matmul_by_weight
+from .log_space import LOG_TERMS, LogSpaceGemm, log_loo
 from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
 
 
@@ -96,21 +96,10 @@ class Log(Semiring):
         return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
-        done = self._by_weight(a, w)
-        if done is None:
-            done = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF,))
-        return done or self._general_matmul_lift(a, w)
-
-    def _by_weight(self, a, w):
-        """:func:`matmul_by_weight` by the operand of :meth:`linear_lift` (a subclass's
-        own), for a message whose every row has a term; else None."""
-        done = matmul_by_weight(a[0], None, w, self.linear_lift, self.lift)
-        return None if done is None else (done[0],)
+        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF,))
+        return result or self._matmul_lift(a, w)
 
     def _matmul_lift(self, a, w):
-        return self._by_weight(a, w) or self._general_matmul_lift(a, w)
-
-    def _general_matmul_lift(self, a, w):
         return (LogSpaceGemm.run(a[0], None, None, None, b_linear=self.linear_lift(w))[0],)
 
     def index_add(self, a, index, size):

@@ -4,7 +4,6 @@ semiring matmul with its exact fallback, and the leave-one-out logsumexp."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -27,10 +26,6 @@ from .tensor_ops import (
 
 # The largest shifted message operand of a log-space GEMM kept in scratch storage.
 _MESSAGE_SCRATCH_BYTES = 16 << 20
-
-#: Rows of a weight per slice in :func:`gemm_by_weight_slices`: the slice's linear operand
-#: (256 × n, or 512 × n with r) is written and read back by the GEMM while in cache.
-WEIGHT_SLICE_ROWS = 256
 
 
 def finite_max(x: Tensor, dim: int) -> Tensor:
@@ -290,7 +285,7 @@ def gemm_by_weight(shifted: ShiftedRows, b_linear: Tensor) -> tuple[Tensor, Tens
     the rows e and their products e·r are stacked along m, so that one GEMM by eb gives
     z = e @ eb over e·r @ eb (a larger m runs faster than two GEMMs: eb is packed once), and
     r's numerators add e @ (eb·rb) in place."""
-    rows, r_rows, stacked, *_ = shifted
+    rows, r_rows, stacked, shift, live, batch = shifted
     count, k = rows.shape
     e = stacked[:count]
     if r_rows is not None:
@@ -300,77 +295,13 @@ def gemm_by_weight(shifted: ShiftedRows, b_linear: Tensor) -> tuple[Tensor, Tens
         num.addmm_(e, b_linear[k:])
     else:
         z, num = torch.mm(e, b_linear), None
-    return _finish_rows(shifted, z, num, lambda: _log_operands(b_linear, k, r_rows is not None))
-
-
-def gemm_by_weight_slices(
-    shifted: ShiftedRows,
-    w: Tensor,
-    operand: Callable[[Tensor], Tensor],
-    log_lift: Callable[[Tensor], tuple[Tensor, ...]],
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`gemm_by_weight` by a 2-D weight ``w`` (k, n) whose linear operand is built
-    ``WEIGHT_SLICE_ROWS`` rows at a time, each slice multiplied while it is in cache:
-    z = Σ_slices e[:, s] @ eb[s] (and r's numerators likewise). ``operand(w_s)`` is the
-    linear operand of the rows w_s (eb, or [eb; eb·rb] with r), valid until its next call;
-    ``log_lift(w)`` is lift(w) (log eb, and rb with r), for the sums that need the exact
-    fallback."""
-    rows, r_rows, stacked, *_ = shifted
-    count, k = rows.shape
-    e = stacked[:count]
-    if r_rows is not None:
-        torch.mul(e, r_rows, out=stacked[count:])
-    step = min(k, WEIGHT_SLICE_ROWS)
-    sums = None
-    for s in range(0, k, step):
-        size = min(step, k - s)
-        b = operand(w[s : s + size])
-        a = stacked[:, s : s + size]
-        sums = torch.mm(a, b[:size]) if sums is None else sums.addmm_(a, b[:size])
-        if r_rows is not None:
-            sums[count:].addmm_(e[:, s : s + size], b[size:])
-    z, num = (sums, None) if r_rows is None else (sums[:count], sums[count:])
-    # lift(w)'s components (log eb,) or (log eb, rb), as the pair (log eb, rb or None)
-    return _finish_rows(shifted, z, num, lambda: (*log_lift(w), None)[:2])
-
-
-def _finish_rows(
-    shifted: ShiftedRows,
-    z: Tensor,
-    num: Tensor | None,
-    log_operands: Callable[[], tuple[Tensor, Tensor | None]],
-) -> tuple[Tensor, Tensor | None]:
-    """The last steps of a GEMM by a weight from shifted rows: :func:`_finish`, then the
-    exact fallback where a shifted sum underflowed, from the weight's log-space operands
-    (k, n) that ``log_operands()`` returns; both results in the message's shape."""
-    rows, r_rows, _, shift, live, batch = shifted
     out, num, bad = _finish(z, num, shift, None, live, _tiny(z.dtype), True)
     if bad is not None and anywhere(bad):
-        b3, rb3 = log_operands()
+        b3, rb3 = _log_operands(b_linear[None], k, r_rows is not None)
         ra3, r3 = (None, None) if r_rows is None else (r_rows[None], num[None])
-        rb3 = None if rb3 is None else rb3[None]
-        _exact_terms(rows[None], b3[None], ra3, rb3, bad[None], out[None], r3)
-    shape = (*batch, z.shape[-1])
+        _exact_terms(rows[None], b3, ra3, rb3, bad[None], out[None], r3)
+    shape = (*batch, b_linear.shape[-1])
     return out.view(shape), (None if num is None else num.view(shape))
-
-
-def matmul_by_weight(
-    la: Tensor,
-    ra: Tensor | None,
-    w: Tensor,
-    operand: Callable[[Tensor], Tensor],
-    log_lift: Callable[[Tensor], tuple[Tensor, ...]],
-) -> tuple[Tensor, Tensor | None] | None:
-    """matmul(a, lift(w)) in log space by a 2-D weight ``w`` (k, n) for a message ``la``
-    (and ``ra``) (…, m, k) whose every row has a term, by :func:`gemm_by_weight_slices`.
-    None where the message has a row without a term or :func:`shifted_rows` does not
-    apply."""
-    if w.dim() != 2 or w.shape[0] != la.shape[-1]:
-        return None
-    shifted = shifted_rows(la, ra)
-    if shifted is None or not bool(shifted.live.all()):
-        return None
-    return gemm_by_weight_slices(shifted, w, operand, log_lift)
 
 
 def _by_weight(
