@@ -25,7 +25,6 @@ From a source checkout the defaults are the checkout's ``derivatives/`` and
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import hashlib
 import multiprocessing
