@@ -267,6 +267,18 @@ def test_opcheck_cuda(name):
         torch.library.opcheck(operators.op(name), moved)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_where_zero_with_a_cuda_y_is_torchs_where():
+    """A compiled program may call ``where_zero`` with a CPU number-like w and fill and a
+    CUDA y: the operator's other-device kernel, torch's where(eq(w, 0), fill, y)."""
+    y = torch.randn(3, 4, device="cuda")
+    fill = torch.tensor(float("-inf"))
+    for w in (torch.tensor(0.0), torch.tensor(2.0), torch.tensor([0.0, 1.0, 0.0, 3.0]).cuda()):
+        expected = torch.where(torch.eq(w, 0), fill, y)
+        torch.testing.assert_close(operators.op("where_zero")(w, fill, y), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "name, args",
     [

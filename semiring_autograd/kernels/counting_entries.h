@@ -10,7 +10,8 @@
 // weight over rows, a column, a scalar), both of one dtype (float32 or float64), and fill
 // of that dtype, one loop over rows writes a contiguous result (torch's layout for such
 // operands); other operands take torch's where(eq(w, 0), fill, y) inside the operator:
-// the same values and layout either way.
+// the same values and layout either way. On devices other than the CPU the operator is
+// that torch formula (operators.cpp registers it for CompositeExplicitAutograd).
 //
 // Part of semiring_autograd; included by operators.cpp.
 

@@ -11,7 +11,8 @@
 // and their temporaries, here each row of n entries is read once and its leave-one-out ⊕
 // works on a scratch row in L1. Every entry is the formula's own operations in its order
 // (products and comparisons; no addition follows a product, so nothing contracts to an
-// FMA): the results are the formula's to the bit. Operands: contiguous, of one shape; g
+// FMA): the results are the formula's to the bit, but for the sign of a zero where +0 and
+// −0 tie for a row's largest term (the same value; which one torch's max keeps is its own). Operands: contiguous, of one shape; g
 // and p float32 or float64 of one dtype (max, signed), or g bool and p float32/float64
 // (or). The Python wrappers (extreme_entries.py) check that and take the torch formula
 // otherwise, and where the signed kernel declines a row holding NaN.
@@ -244,8 +245,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_backward_signed_op
     return {hi, lo, bad.any().to(at::kBool)};
 }
 
-// A bool tensor's storage as bytes (0 or 1 each).
-inline uint8_t* bytes(const at::Tensor& b) {
+// A bool tensor's storage as bytes (0 or 1 each): read-only, and to write.
+inline const uint8_t* read_bytes(const at::Tensor& b) {
+    return reinterpret_cast<const uint8_t*>(b.const_data_ptr<bool>());
+}
+inline uint8_t* write_bytes(at::Tensor& b) {
     return reinterpret_cast<uint8_t*>(b.data_ptr<bool>());
 }
 
@@ -263,11 +267,11 @@ inline at::Tensor softmax_backward_or_op(const at::Tensor& g, const at::Tensor& 
     auto out = at::empty_like(g, at::MemoryFormat::Contiguous);
     const int threads = log_entries::threads_for(2 * g.numel());
     if (p.scalar_type() == at::kDouble)
-        softmax_backward_or_rows<double>(bytes(g), p.const_data_ptr<double>(), bytes(out), n,
-                                         rows, threads);
+        softmax_backward_or_rows<double>(read_bytes(g), p.const_data_ptr<double>(),
+                                         write_bytes(out), n, rows, threads);
     else
-        softmax_backward_or_rows<float>(bytes(g), p.const_data_ptr<float>(), bytes(out), n,
-                                        rows, threads);
+        softmax_backward_or_rows<float>(read_bytes(g), p.const_data_ptr<float>(),
+                                        write_bytes(out), n, rows, threads);
     return out;
 }
 

@@ -3,7 +3,7 @@ operators (``extreme_entries.h``): the message at softmax's input in one operato
 tensor, where the semiring formula (``Semiring.softmax_backward``) takes about a dozen
 passes over the rows. Each is that formula's operations entry by entry, so the results are
 the formula's to the bit (MaxProduct's NaN rows included; the signed kernel declines rows
-holding NaN).
+holding NaN), but for the sign of a zero where +0 and −0 tie for a row's largest term.
 
 Each takes CPU operands of one shape along the last dim (``softmax_backward_max``: g and p,
 ``softmax_backward_signed``: g's two ends and p, float32 or float64 of one dtype;

@@ -535,3 +535,9 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("softmax_backward_signed", &extreme_entries::softmax_backward_signed_op);
     m.impl("where_zero", &counting_entries::where_zero_op);
 }
+
+// where_zero on every other device: torch's where(eq(w, 0), fill, y) inside the operator (a
+// compiled program may call it with a CPU number-like w and a y elsewhere).
+TORCH_LIBRARY_IMPL(semiring_autograd, CompositeExplicitAutograd, m) {
+    m.impl("where_zero", &counting_entries::where_zero_op);
+}

@@ -141,10 +141,10 @@ def _add_keys(S: Semiring, a: tuple, b: tuple) -> tuple:
     """a ⊕ b for messages over key positions where one may cover fewer keys (a causal
     block's): the shorter one ⊕ the other's leading keys, the longer one's other keys as
     they are (the shorter one is zero there)."""
+    a, b = broadcast_value(a), broadcast_value(b)
     na, nb = a[0].shape[-2], b[0].shape[-2]
     if na == nb:
         return S.add(a, b)
-    a, b = broadcast_value(a), broadcast_value(b)
     if na < nb:
         head = S.add(a, tuple(c.narrow(-2, 0, na) for c in b))
         return tuple(torch.cat([h, c.narrow(-2, na, nb - na)], -2) for h, c in zip(head, b))
@@ -155,10 +155,10 @@ def _add_keys(S: Semiring, a: tuple, b: tuple) -> tuple:
 def _zero_padded(S: Semiring, value: tuple, shape: torch.Size) -> tuple:
     """A key's or value's message over its leading keys, with the semiring zero appended
     for the keys no query reaches (more keys than queries, causal)."""
+    value = broadcast_value(value)
     have, keys = value[0].shape[-2], shape[-2]
     if have == keys:
         return value
-    value = broadcast_value(value)
     rest = S.zero((*value[0].shape[:-2], keys - have, value[0].shape[-1]), value[0])
     return tuple(torch.cat([c, z.to(c.dtype)], -2) for c, z in zip(value, rest))
 

@@ -76,7 +76,8 @@ class MaxProduct(Semiring):
 
     def softmax_backward(self, a: Value, probs: Tensor, dim: int) -> Value:
         """The default formula, max(a_i·|p_i(1 − p_i)|, (max_{j≠i} a_j·|p_j|)·|p_i|), in
-        one pass over the rows by the fused CPU kernel where it applies (the same bits)."""
+        one pass over the rows by the fused CPU kernel where it applies (the same bits but
+        for the sign of a zero where +0 and −0 tie for a row's largest term)."""
         fused = extreme_entries.softmax_backward_max(a[0], probs, dim)
         return (fused,) if fused is not None else super().softmax_backward(a, probs, dim)
 

@@ -1,7 +1,6 @@
 """Rewriting a recorded program before its source is generated, each rewrite giving the same
 values bit for bit with fewer operator calls:
 
-- an identity operator (``lift_fresh``) is no step: its result stands for its argument;
 - a view of a view read nowhere else becomes one ``as_strided`` of the first one's base;
 - every other view is one ``as_strided`` of its base (a call through torch's Python binding,
   cheaper than a view operator without one, ``slice``, and than ``view`` itself);
@@ -52,8 +51,6 @@ from .steps import (
     _written,
 )
 
-#: operators whose result stands for their argument
-_IDENTITIES = frozenset({_aten.lift_fresh.default})
 #: operators giving a buffer whose contents are not set
 _ALLOCATIONS = frozenset(
     {
@@ -91,7 +88,6 @@ def rewrite(
 ) -> tuple[list[_Step], list, list[Tensor]]:
     """The steps a replay runs, the results' layout and the constants (the recorded ones,
     then those made once) after the rewrites of the module docstring."""
-    steps, results = _drop_identities(steps, results)
     steps = _strided_views(_fold_views(steps, results))
     steps, results = _merge_views(steps, results)
     steps, results = _whole_splits(steps, results)
@@ -151,21 +147,6 @@ def _substitute(steps: list[_Step], results: list, subst: dict[int, Any]) -> tup
 
 def _outputs(step: _Step) -> list[int]:
     return [o.index for o in step.outputs if type(o) is _Ref]
-
-
-def _drop_identities(steps: list[_Step], results: list) -> tuple[list, list]:
-    """An identity operator's result (not a result of the program) is its argument."""
-    returned = set(_refs(results))
-    subst: dict[int, Any] = {}
-    kept = []
-    for step in steps:
-        if step.func in _IDENTITIES and isinstance(step.args[0], (_Ref, Constant)):
-            (out,) = _outputs(step)
-            if out not in returned:
-                subst[out] = step.args[0]
-                continue
-        kept.append(step)
-    return _substitute(kept, results, subst)
 
 
 def _fold_views(steps: list[_Step], results: list) -> list[_Step]:
@@ -259,7 +240,7 @@ def _whole_splits(steps: list[_Step], results: list) -> tuple[list, list]:
     """``split_with_sizes(x, sizes, d)`` with one size not 0: that part is ``x`` whole (the
     sizes add up to x's size along d, so it starts at 0 and spans d: x's size, strides and
     offset), its value is ``x``; the step stays only where its empty parts are read. Not
-    where a part or ``x`` is returned or has its shape changed in place."""
+    where a part is returned or has its shape changed in place."""
     reshaped = _reshaped(steps)
     returned = set(_refs(results))
     subst: dict[int, Any] = {}

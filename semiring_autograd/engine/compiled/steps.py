@@ -36,8 +36,8 @@ class _Step:
     reads: list  # the values its arguments read (indices, in order, repeated as read)
     shapes: list | None = None  # data-shaped outputs: the recorded shapes
     view: tuple | None = None  # a view operator's result: (size, stride, storage offset)
-    #: ``copy_``: its destination's and source's ``layout()``; a number read from a tensor
-    #: (``_local_scalar_dense``): the tensor's ``layout()``
+    #: the operators of ``_LAID_OUT``: ``copy_``'s destination's and source's ``layout()``;
+    #: the others' first tensor's (the tensor a number is read from, cloned or compared)
     layouts: tuple | None = None
     #: an ``out`` argument's shape, strides or storage offset changed (the operator resized
     #: it to its result's shape)
