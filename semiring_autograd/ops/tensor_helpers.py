@@ -41,7 +41,8 @@ def attention_probs(
     factor = attention_scale(q.shape, scale)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(dtype)
-    scores = _mask_scores_(torch.matmul(q, k.transpose(-2, -1)).mul_(factor), attn_mask, is_causal)
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(factor)
+    scores = mask_scores(scores, attn_mask, is_causal, inplace=True)
     if scores.numel() == 0:  # no query or no key: no probabilities (amax needs a key)
         return scores.to(query.dtype)
     top = scores.amax(-1, keepdim=True)
@@ -53,35 +54,25 @@ def attention_probs(
     return probs.to(query.dtype)
 
 
-def mask_scores(scores: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+def mask_scores(
+    scores: Tensor, attn_mask: Tensor | None, is_causal: bool, inplace: bool = False
+) -> Tensor:
     """Attention scores with ``scaled_dot_product_attention``'s masking: ``is_causal`` and
-    a bool mask (True = attend) set excluded positions to −inf; a float mask is added."""
+    a bool mask (True = attend) set excluded positions to −inf; a float mask is added. With
+    ``inplace`` (``scores`` a fresh tensor) each step writes into ``scores``, but where the
+    mask broadcasts it to a larger shape."""
+    if inplace and attn_mask is not None and not _broadcasts_to(attn_mask.shape, scores.shape):
+        inplace = False
+    fill = Tensor.masked_fill_ if inplace else Tensor.masked_fill
     length, source = scores.shape[-2], scores.shape[-1]
     if is_causal:
         keep = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~keep, -math.inf)
+        scores = fill(scores, ~keep, -math.inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
+            scores = fill(scores, ~attn_mask, -math.inf)
         else:
-            scores = scores + attn_mask
-    return scores
-
-
-def _mask_scores_(scores: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
-    """:func:`mask_scores` written into ``scores`` (a fresh tensor), out of place only where
-    the mask broadcasts it to a larger shape."""
-    if attn_mask is not None and not _broadcasts_to(attn_mask.shape, scores.shape):
-        return mask_scores(scores, attn_mask, is_causal)
-    if is_causal:
-        length, source = scores.shape[-2], scores.shape[-1]
-        keep = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
-        scores.masked_fill_(~keep, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores.masked_fill_(~attn_mask, -math.inf)
-        else:
-            scores.add_(attn_mask)
+            scores = scores.add_(attn_mask) if inplace else scores + attn_mask
     return scores
 
 
