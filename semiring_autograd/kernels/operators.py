@@ -174,24 +174,17 @@ def _(a, w):
     return w.new_empty(w.shape)
 
 
-@_fake("log_add")
-def _(a, b):
+def _like_first(a, b):
     return a.new_empty(a.shape)
+
+
+for _name in ("log_add", "softmax_backward_max", "softmax_backward_or"):
+    _fake(_name)(_like_first)
 
 
 @_fake("softmax_backward_log")
 def _(g, p):
     return g.new_empty(g.shape), _declined(g)
-
-
-@_fake("softmax_backward_max")
-def _(g, p):
-    return g.new_empty(g.shape)
-
-
-@_fake("softmax_backward_or")
-def _(g, p):
-    return g.new_empty(g.shape)
 
 
 @_fake("softmax_backward_signed")
