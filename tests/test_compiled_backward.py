@@ -20,7 +20,7 @@ from user_semirings import Tropical
 import semiring_autograd as sa
 from semiring_autograd.engine.compiled import backward as compiled
 from semiring_autograd.ops.message import Message
-from semiring_autograd.semirings import BUILTIN_SEMIRINGS
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS, tensor_ops
 
 tf.logging.set_verbosity_error()
 
@@ -130,10 +130,12 @@ def test_float64_and_float32_models_differ_in_signature(llama):
     assert compiled.stats()["signatures"] == 2
 
 
-def test_data_read_in_the_backward_is_guarded(llama):
+def test_data_read_in_the_backward_is_guarded(llama, monkeypatch):
     """The live rows of a seed decide which rows a matmul multiplies (a nonzero whose shape
-    the replay checks): a seed with another number of live rows fails the guard, runs
+    the replay checks; the products of this small model are pruned to their live rows with
+    the size bound lifted): a seed with another number of live rows fails the guard, runs
     eagerly under the recorder and becomes a second program of the same signature."""
+    monkeypatch.setattr(tensor_ops, "PRUNE_PRODUCTS", 0)
     semiring = sa.MaxProduct()
     emb = _embeddings(llama, 0)
     seeds = [torch.zeros(1, 6, 50) for _ in range(4)]
@@ -182,6 +184,7 @@ def test_python_branch_in_a_user_semiring_is_exact():
 
 def test_too_many_branches_run_eagerly_with_one_warning(llama, monkeypatch):
     monkeypatch.setattr(compiled, "MAX_VARIANTS", 1)
+    monkeypatch.setattr(tensor_ops, "PRUNE_PRODUCTS", 0)  # live rows pruned: branches
     semiring = sa.MaxProduct()
     emb = _embeddings(llama, 0)
     seeds = [torch.zeros(1, 6, 50) for _ in range(3)]
@@ -345,9 +348,11 @@ def test_compiled_step_equals_eager(llama, semiring):
     assert stats["captures"] == 1 and stats["replays"] == 3 and stats["eager"] == 0, stats
 
 
-def test_compiled_step_keyword_tensors_are_inputs(llama):
+def test_compiled_step_keyword_tensors_are_inputs(llama, monkeypatch):
     """Tensors passed as keyword arguments (an attention mask, a scale) are read from each
-    call, not frozen into the program."""
+    call, not frozen into the program (the products pruned to their live rows whatever
+    their size, so that the masks' live rows are read in the backward)."""
+    monkeypatch.setattr(tensor_ops, "PRUNE_PRODUCTS", 0)
     semiring = sa.Log()
     step = sa.compiled_step(
         llama,

@@ -21,7 +21,7 @@ import torch
 
 import semiring_autograd as sa
 from semiring_autograd import kernels
-from semiring_autograd.semirings import BUILTIN_SEMIRINGS, MaxProduct, SignedMaxProduct
+from semiring_autograd.semirings import BUILTIN_SEMIRINGS, MaxProduct, SignedMaxProduct, tensor_ops
 
 NAN, INF = float("nan"), float("inf")
 SHAPES = [
@@ -1050,14 +1050,16 @@ def test_entropy_add_small_terms_relative(dtype):
 @pytest.mark.parametrize(
     "semiring", [MaxProduct(), SignedMaxProduct(), sa.Log(), sa.Entropy(), sa.Boolean()], ids=repr
 )
-def test_matmul_lift_columns_without_terms(semiring):
-    """A read-out of one logit: one live row holding terms in two of its k columns. The
+def test_matmul_lift_columns_without_terms(semiring, monkeypatch):
+    """A read-out of one logit: one live row holding terms in two of its k columns (the
+    product pruned to its live rows and columns whatever its size). The
     columns without a term are dropped with their rows of w: the result equals the
     definition (finite weights). Inf or NaN weights in the dropped rows of w change nothing
     where the zero annihilates them (SignedMaxProduct, Boolean); where zero ⊗ lift(∞) is NaN
     (MaxProduct, Log, Entropy: IEEE 0·∞, as in torch) nothing is dropped and the result is
     the definition's, NaN included, whatever the other rows hold. In log space a NaN weight
     in a kept row still shows (the max kernels take a NaN weight for no edge)."""
+    monkeypatch.setattr(tensor_ops, "PRUNE_PRODUCTS", 0)
     gen = torch.Generator().manual_seed(41)
     x = torch.randn(1, 5, 9, dtype=torch.float64, generator=gen)
     w = torch.randn(9, 4, dtype=torch.float64, generator=gen)

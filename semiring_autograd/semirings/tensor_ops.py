@@ -19,6 +19,10 @@ POS_INF = float("inf")
 
 # Elements of a broadcast product (rows × k × n) an eager max-times matmul holds at once.
 CHUNK_ELEMENTS = 1 << 22
+#: the products (rows × k × n) below which ``on_live_rows`` computes every row: finding
+#: the live rows and columns takes some twenty operators, which cost more than the
+#: semiring GEMM they would trim at that size
+PRUNE_PRODUCTS = 1 << 23
 
 
 def any_nan_or_inf(tensors: Sequence[Tensor], signs: Sequence[int]) -> bool:
@@ -162,8 +166,11 @@ def on_live_rows(
     weight with an infinity or NaN, so each row's result is the same in any batch. Without
     a live row the result's dtype is ``dtype``, by default that of ``parts`` and ``w`` promoted. None when every
     row is live, k is 0, ``w`` is batched, or ``w`` is not finite where zero ⊗ lift(w) is
-    NaN (see ``live_rows``; the caller then computes all rows)."""
+    NaN (see ``live_rows``; the caller then computes all rows), or the product has fewer
+    than :data:`PRUNE_PRODUCTS` terms (rows × k × n)."""
     if w.dim() != 2 or parts[0].shape[-1] == 0:
+        return None
+    if parts[0].numel() * w.shape[-1] < PRUNE_PRODUCTS:
         return None
     found = live_rows(parts, terms, w)
     if found is None:
