@@ -202,6 +202,8 @@ _PATCH = "__semiring_autograd_patch__"
 #: an attribute the module lacks (removed since its name was read; a ``forward`` the
 #: module has only while patched)
 _ABSENT = object()
+#: the immutable values ``Identities.value`` keys as they are (a float is keyed by its bits)
+_BY_VALUE = IMMUTABLE - {float}
 
 
 def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]]:
@@ -222,7 +224,7 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
     with torch._C.DisableTorchFunctionSubclass():  # a Parameter's metadata read directly
         while stack:
             module = stack.pop()
-            if id(module) in seen:
+            if module is None or id(module) in seen:
                 continue
             seen.add(id(module))
             found = module.__dict__
@@ -231,8 +233,15 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
             # add or remove a forward), in an order the dict's fixes; each value by name
             for name in found.keys() - _STANDARD:
                 value = found.get(name, _ABSENT)
-                if type(value) not in IMMUTABLE:
+                kind = type(value)
+                if kind in _BY_VALUE:  # ids.value's key, without the call
+                    parts.append((name, value))
+                    continue
+                if kind is not float:
                     if value is _ABSENT:
+                        continue
+                    if id(value) in described:  # a config every layer holds, seen above
+                        parts.append((name, ("settings", id(value))))
                         continue
                     if isinstance(value, types.FunctionType) and hasattr(value, _PATCH):
                         value = _unpatched(value, module)
@@ -247,7 +256,7 @@ def _model_state(model: nn.Module, ids: Identities) -> tuple[tuple, list[Tensor]
                     if t is not None:
                         held.append(t)
                         parts.append((name, ids.of(t), *_tensor_layout(t)))
-            stack += [m for m in module._modules.values() if m is not None]
+            stack.extend(module._modules.values())  # None (a removed submodule) skipped
     return tuple(parts), held
 
 
