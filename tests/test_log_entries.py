@@ -90,14 +90,51 @@ def test_the_kernels_decline_what_they_do_not_take():
 
 
 def test_log_methods_fall_back_to_the_formulas():
-    """Log's lift, ⊗ lift and ⊕ where the kernels do not apply (broadcast operands) equal
-    torch's formulas exactly."""
+    """Log's lift, ⊗ lift and ⊕ where the kernels do not apply (a full-size a times a
+    broadcast w; two operands that both broadcast) equal torch's formulas exactly."""
     S = sa.Log()
     a = torch.randn(300, 64)
     w = torch.randn(64)
     torch.testing.assert_close(S.plus_log_abs(a, w), a + torch.log(w.abs()), rtol=0, atol=0)
-    torch.testing.assert_close(S.log_add(a, w), torch.logaddexp(a, w), rtol=0, atol=0)
     torch.testing.assert_close(S.mul_lift((a,), w)[0], a + torch.log(w.abs()), rtol=0, atol=0)
+    column = a[:, :1].contiguous()
+    torch.testing.assert_close(S.log_add(column, w), torch.logaddexp(column, w), rtol=0, atol=0)
+
+
+def _full_and_rows(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-size operand (rows, 64) with specials, and one entry per row (rows, 1)."""
+    a, w = _operands(dtype)
+    rows = (COUNT // 64) + 1
+    full = torch.cat((w, w[: rows * 64 - COUNT])).reshape(rows, 64)
+    return full, a[:rows].reshape(rows, 1).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plus_log_abs_of_a_broadcast_a(dtype):
+    """a (rows, 1) + log|w| (rows, 64): log|w| by the kernel, a added; within 2 ulp of the
+    scale of the float64 formula, specials of both operands included."""
+    w, a = _full_and_rows(dtype)
+    want = a.double() + torch.log(w.double().abs())
+    got = log_entries.plus_log_abs(a, w)
+    assert got is not None and got.shape == w.shape and got.dtype == dtype
+    scale = a.double().abs() + torch.log(w.double().abs()).abs()
+    _assert_within(got, want, _ulps(dtype, 2, scale))
+    torch.testing.assert_close(sa.Log.plus_log_abs(a, w), got, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_add_of_a_broadcast_operand(dtype):
+    """log(e^a + e^b) with one operand broadcast along rows or columns, either side:
+    within 3 ulp of float64 torch.logaddexp, infinities and NaN as torch's."""
+    full, rows = _full_and_rows(dtype)
+    full = full.clamp(-1e30, 1e30).nan_to_num(nan=NAN, posinf=INF, neginf=-INF) * 1e-28 * 30
+    columns = rows[:64].reshape(64)
+    for a, b in ((full, rows), (rows, full), (columns, full), (full, columns)):
+        want = torch.logaddexp(a.double(), b.double())
+        got = log_entries.log_add(a, b)
+        assert got is not None and got.shape == full.shape
+        scale = torch.maximum(a.double().abs(), b.double().abs()) + want.abs()
+        _assert_within(got, want, _ulps(dtype, 3, scale))
 
 
 def _log_grad(model, x):

@@ -5,8 +5,9 @@ torch.logaddexp), one pass each where torch takes three passes or a slower serie
 where the semiring formula takes about a dozen passes.
 
 Each takes contiguous CPU float32/float64 operands of one shape and dtype (the elementwise
-two with at least ``MIN_ENTRIES`` entries: below that an operator call costs what it saves)
-and returns None otherwise, or where the kernels are off, unbuilt or failed their check
+two with at least ``MIN_ENTRIES`` entries: below that an operator call costs what it saves;
+of two operands where one broadcasts to the other's shape, the elementwise two take the
+full-size one, as below) and returns None otherwise, or where the kernels are off, unbuilt or failed their check
 (``kernels``'s modes); the callers then take the torch formula. Their log and exp are the
 kernels' own series (on AVX-512 float, within 1 ulp of the true values), within 3 ulp of
 torch's.
@@ -30,10 +31,25 @@ def _takes(x: Tensor, y: Tensor) -> bool:
     )
 
 
+def _spreads(small: Tensor, full: Tensor) -> bool:
+    """Whether ``small`` broadcasts to ``full``'s shape (of ``full``'s dtype)."""
+    if small.dim() > full.dim() or small.dtype != full.dtype:
+        return False
+    for s, f in zip(reversed(small.shape), reversed(full.shape)):
+        if s != 1 and s != f:
+            return False
+    return True
+
+
 def plus_log_abs(a: Tensor | None, w: Tensor) -> Tensor | None:
-    """a + log|w| (log|w| where ``a`` is None) by the fused CPU kernel, or None."""
+    """a + log|w| (log|w| where ``a`` is None) by the fused CPU kernel, or None. Where
+    ``a`` broadcasts to ``w``'s shape: log|w| by the kernel, then a added in place (two
+    passes where the formula takes three)."""
     x = w if a is None else a
     if not _takes(x, w):
+        if a is not None and a.shape != w.shape and _spreads(a, w):
+            log_w = plus_log_abs(None, w)
+            return None if log_w is None else log_w.add_(a)
         return None
     if not (
         _nonempty_ready("plus_log_abs", w) if a is None else _nonempty_ready("plus_log_abs", a, w)
@@ -43,10 +59,24 @@ def plus_log_abs(a: Tensor | None, w: Tensor) -> Tensor | None:
 
 
 def log_add(a: Tensor, b: Tensor) -> Tensor | None:
-    """log(e^a + e^b) by the fused CPU kernel, or None."""
-    if not _takes(a, b) or not _nonempty_ready("log_add", a, b):
+    """log(e^a + e^b) by the fused CPU kernel, or None. An operand that broadcasts to the
+    other's shape is expanded to it first (a copy and the kernel take less time than
+    ``torch.logaddexp`` broadcasting)."""
+    if not _nonempty_ready("log_add", a, b):
         return None
-    return op("log_add")(a, b)
+    if a.shape != b.shape:
+        a, b = _spread_pair(a, b)
+    return op("log_add")(a, b) if _takes(a, b) else None
+
+
+def _spread_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(a, b) with the one that broadcasts to the other's shape expanded to it, contiguous,
+    where the other is an operand the kernel takes; else (a, b) as they are."""
+    for small, full in ((b, a), (a, b)):
+        if _takes(full, full) and _spreads(small, full):
+            spread = small.expand(full.shape).contiguous()
+            return (full, spread) if full is a else (spread, full)
+    return a, b
 
 
 def softmax_backward(g: Tensor, p: Tensor, dim: int) -> Tensor | None:
