@@ -73,6 +73,10 @@ def _samples(dtype):
             (la, la - r, torch.softmax(rand(3, 40), -1)),
             (hi, lo, rand(2, 5, 7)),
         ],
+        "entropy_softmax_backward": [
+            (la, r, torch.softmax(rand(3, 40), -1)),
+            (rand(2, 1, 7), rand(2, 1, 7), rand(2, 1, 7)),
+        ],
         "where_zero": [
             (la.masked_fill(la > 0.5, 0.0), torch.tensor(-INF, dtype=dtype), r),
             (rand(40).masked_fill(r[0] > 0.5, 0.0), torch.tensor(0.5, dtype=dtype), r),

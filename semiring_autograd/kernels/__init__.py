@@ -295,6 +295,24 @@ def entropy_reduce_rows(la: Tensor, r: Tensor) -> tuple[Tensor, Tensor] | None:
     return None if declined else (out_l, out_r)
 
 
+def entropy_softmax_backward(
+    gl: Tensor, gr: Tensor, p: Tensor, dim: int
+) -> tuple[Tensor, Tensor] | None:
+    """Entropy's message at softmax's input s from the message (gl, gr) at its output p =
+    softmax(s) along ``dim`` (the last), in one pass per row on the CPU: with t = g ⊗
+    lift(p) and L its leave-one-out ⊕, t ⊗ lift(1 - p) ⊕ L ⊗ lift(p). None off the CPU,
+    without the kernels, for operands not contiguous or not of one shape, or when a row of t
+    holds NaN or +inf (the caller's formula then handles every row)."""
+    if p.dim() == 0 or dim not in (-1, p.dim() - 1) or not gl.shape == gr.shape == p.shape:
+        return None
+    if not (gl.is_contiguous() and gr.is_contiguous() and p.is_contiguous()):
+        return None
+    if not _nonempty_ready("entropy_softmax_backward", gl, gr, p):
+        return None
+    out_l, out_r, declined = op("entropy_softmax_backward")(gl, gr, p)
+    return None if declined else (out_l, out_r)
+
+
 def log_space_rows(a: Tensor, r: Tensor | None, out: Tensor) -> tuple[Tensor, Tensor] | None:
     """The message operand of a shift-and-GEMM in log space, in one pass over the rows of
     ``a`` (…, m, k): each row's shift (its maximum where finite, else 0) and liveness (that

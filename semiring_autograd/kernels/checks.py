@@ -545,6 +545,46 @@ def _check_softmax_backward_log(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def entropy_softmax_backward_oracle(gl: Tensor, gr: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
+    """The Entropy message at softmax's input from (gl, gr) at its output ``p`` (last dim),
+    by the Jacobian in float64 and the semiring's definition: terms (gl_j + log|J_ij|,
+    gr_j - log|J_ij|) with J_ij = ∂p_j/∂s_i = p_j(δ_ij − p_i), ⊕-reduced over j: log Σ e^l
+    and the e^l-weighted mean of r (0 where no term has weight)."""
+    gl, gr, p = gl.double(), gr.double(), p.double()
+    eye = torch.eye(p.shape[-1], dtype=torch.float64, device=p.device)
+    log_j = torch.log((p[..., None, :] * (eye - p[..., :, None])).abs())  # [i, j]
+    terms = gl[..., None, :] + log_j
+    log_z = torch.logsumexp(terms, -1)
+    weight = torch.exp(terms - log_z[..., None]).nan_to_num(nan=0.0)
+    values = torch.where(weight > 0, gr[..., None, :] - log_j, 0.0)
+    return log_z, (weight * values).sum(-1)
+
+
+def _check_entropy_softmax_backward(c: _Case) -> str | None:
+    problems = []
+    for n in (9, 37):  # a vector tail; two vectors and a tail
+        gl, p = _softmax_rows(c, n)
+        gr = c.randn(*gl.shape) * 3
+        (out_l, out_r, declined), _ = c.run(gl, gr, p)
+        if bool(declined):
+            return "entropy_softmax_backward declined rows without NaN or +inf"
+        log_z, mean = entropy_softmax_backward_oracle(gl, gr, p)
+        log_p = torch.log(p.double()).nan_to_num(neginf=0.0).abs()
+        t = (gl.double() + torch.log(p.double())).nan_to_num(neginf=0.0).abs()
+        scale = 1 + t.amax(-1, keepdim=True) + log_z.nan_to_num(neginf=0.0).abs() + log_p
+        spread = 1 + gr.double().abs().amax(-1, keepdim=True) + log_p.amax(-1, keepdim=True)
+        problems.append(
+            _differs("entropy_softmax_backward log Z", out_l, log_z, _ulps(c, 8, scale))
+        )
+        problems.append(_differs("entropy_softmax_backward r", out_r, mean, _ulps(c, 64, spread)))
+        bent = gl.clone()
+        bent[1, 3, n - 1] = NAN
+        (_, _, declined), _ = c.run(bent, gr, p)
+        if not bool(declined):
+            problems.append("entropy_softmax_backward did not decline a row holding NaN")
+    return _first(*problems)
+
+
 def softmax_backward_max_formula(g: Tensor, p: Tensor) -> Tensor:
     """MaxProduct's message at softmax's input (last dim), Semiring.softmax_backward's
     formula in torch: max(g_i·|p_i(1 − p_i)|, (max_{j≠i} g_j·|p_j|)·|−p_i|)."""
@@ -835,6 +875,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "softmax_backward_max": _check_softmax_backward_max,
     "softmax_backward_or": _check_softmax_backward_or,
     "softmax_backward_signed": _check_softmax_backward_signed,
+    "entropy_softmax_backward": _check_entropy_softmax_backward,
     "where_zero": _check_where_zero,
     "any_nan_or_inf": _check_any_nan_or_inf,
     "all_rows_live": _check_all_rows_live,

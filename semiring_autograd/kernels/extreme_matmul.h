@@ -11,8 +11,8 @@
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add, zero_where_no_path and ratio_where_positive
 //   are elementwise; nan_or_inf scans entries;
-//   loo_log, log_space_rows, entropy_reduce_rows, all_rows_live and gemm_exact work along
-//   contiguous rows.
+//   loo_log, log_space_rows, entropy_reduce_rows, entropy_softmax_backward_rows,
+//   all_rows_live and gemm_exact work along contiguous rows.
 //
 // A NaN operand entry means "no edge" (the semiring zero): NaN products never win a max or
 // a min, because an update is `p > acc ? p : acc`, false for NaN. max_block and lift_block
@@ -1222,6 +1222,57 @@ void loo_log(const T* x, const T* r, T* out_l, T* out_r, uint8_t* bad, int64_t n
         const bool done = r ? loo_row<T, true>(x + at, r + at, out_l + at, out_r + at, n)
                             : loo_row<T, false>(x + at, nullptr, out_l + at, nullptr, n);
         bad[row] = !done;
+    }
+}
+
+// The Entropy value (l, r) times lift(w) given log|w| (lw): (l + lw, r - lw), r = 0 where
+// the new l is -inf (no path; a NaN in r stays).
+template <typename T>
+inline void entropy_times_log(T l, T r, T lw, T* l_out, T* r_out) {
+    const T sum = l + lw;
+    *l_out = sum;
+    *r_out = sum == -T(__builtin_inf()) ? T(0) : r - lw;
+}
+
+// Entropy's message at softmax's input from (gl, gr) at its output p = softmax(s), along
+// rows of n contiguous entries (rows [r0, r1)): with t = g ⊗ lift(p) and its leave-one-out
+// ⊕ L (loo_row), out_i = t_i ⊗ lift(1 - p_i) ⊕ L_i ⊗ lift(p_i), the ⊕ of the paths through
+// ∂p_i/∂s_i = p_i(1 - p_i) and through ∂p_j/∂s_i = -p_j p_i (j ≠ i); log|1 - p| with the
+// rounding of u = 1 - p corrected (log|u| - ((u - 1) + p) / u). t goes to (out_l, out_r),
+// then L to (tl, tr), the row's scratch. bad[row] = 1 where t held NaN or +inf and the row
+// was left uncomputed, else 0.
+template <typename T>
+void entropy_softmax_backward_rows(const T* gl, const T* gr, const T* p, T* out_l, T* out_r,
+                                   uint8_t* bad, int64_t n, int64_t r0, int64_t r1,
+                                   int threads) {
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<T> scratch(2 * n);
+        T* tl = scratch.data();
+        T* tr = tl + n;
+#pragma omp for schedule(static)
+        for (int64_t row = r0; row < r1; ++row) {
+            const int64_t at = row * n;
+            T* ol = out_l + at;
+            T* orr = out_r + at;
+            for (int64_t j = 0; j < n; ++j)
+                entropy_mul_lift_entry(gl[at + j], gr[at + j], p[at + j], ol + j, orr + j);
+            bad[row] = !loo_row<T, true>(ol, orr, tl, tr, n);
+            if (bad[row]) continue;
+            for (int64_t j = 0; j < n; ++j) {
+                const T pj = p[at + j], u = T(1) - pj;
+                const T fix = u != T(0) ? ((u - T(1)) + pj) / u : T(0);
+                const T x = std::fabs(u);
+                const T log_u = (x > T(0) ? log_positive(x) : -T(__builtin_inf())) - fix;
+                const T y = std::fabs(pj);
+                const T log_p = y > T(0) ? log_positive(y) : -T(__builtin_inf());
+                T own_l, own_r, rest_l, rest_r;
+                entropy_times_log(ol[j], orr[j], log_u, &own_l, &own_r);
+                entropy_times_log(tl[j], tr[j], log_p, &rest_l, &rest_r);
+                entropy_add_entry(own_l, own_r, rest_l, rest_r, ol + j, orr + j);
+            }
+        }
     }
 }
 

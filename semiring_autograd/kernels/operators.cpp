@@ -416,6 +416,28 @@ void entropy_weights_op(const at::Tensor& w_, at::Tensor out) {
     });
 }
 
+// (out_l, out_r, declined): entropy_softmax_backward_rows along the last dim of gl, gr and p
+// (contiguous, of one shape and dtype); declined (0-d bool) true when a row was left
+// uncomputed (the caller's torch formula then handles every row)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_softmax_backward_op(const at::Tensor& gl,
+                                                                           const at::Tensor& gr,
+                                                                           const at::Tensor& p) {
+    log_entries::check_entries("entropy_softmax_backward", gl, p);
+    log_entries::check_entries("entropy_softmax_backward", gr, p);
+    TORCH_CHECK(p.dim() >= 1, "entropy_softmax_backward: g and p must have a dim to work along");
+    const int64_t n = p.size(-1), rows = n ? p.numel() / n : 0;
+    auto out_l = at::empty_like(p), out_r = at::empty_like(p);
+    std::vector<uint8_t> bad(rows);
+    FLOATING(p.scalar_type(), [&] {
+        entropy_softmax_backward_rows<T>(gl.const_data_ptr<T>(), gr.const_data_ptr<T>(),
+                                         p.const_data_ptr<T>(), out_l.data_ptr<T>(),
+                                         out_r.data_ptr<T>(), bad.data(), n, 0, rows,
+                                         entry_threads(4 * p.numel()));
+    });
+    const bool declined = std::any_of(bad.begin(), bad.end(), [](uint8_t b) { return b != 0; });
+    return {out_l, out_r, at::scalar_tensor(declined, p.options().dtype(at::kBool))};
+}
+
 // Tests that choose a fused path, one operator each: a captured program replays one call
 // and one read where torch formulas take three per tensor. A float32/float64 tensor is
 // scanned in memory order, once per distinct entry (a broadcast dim read at index 0; a
@@ -533,6 +555,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("softmax_backward_max", &extreme_entries::softmax_backward_max_op);
     m.impl("softmax_backward_or", &extreme_entries::softmax_backward_or_op);
     m.impl("softmax_backward_signed", &extreme_entries::softmax_backward_signed_op);
+    m.impl("entropy_softmax_backward", &entropy_softmax_backward_op);
     m.impl("where_zero", &counting_entries::where_zero_op);
 }
 

@@ -40,6 +40,9 @@ one dtype.
 ``softmax_backward_or``  Boolean's, g bool, p float, of one shape; CPU only
 ``softmax_backward_signed`` (hi, lo, flag): SignedMaxProduct's, g a (hi, lo) pair; the
                          flag: a row held NaN (then left uncomputed); CPU only
+``entropy_softmax_backward`` (l, r, flag): Entropy's message at softmax's input from
+                         (gl, gr) at its output p along the last dim, all of one shape;
+                         the flag: a row held NaN or +inf (then left uncomputed); CPU only
 ``where_zero``           where(w == 0, fill, y), fill of no dimension (Counting's y times
                          lift(w) with fill -inf); CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
@@ -89,6 +92,7 @@ SCHEMAS = {
     "softmax_backward_or": "(Tensor g, Tensor p) -> Tensor",
     "softmax_backward_signed": "(Tensor g_hi, Tensor g_lo, Tensor p) -> (Tensor, Tensor, Tensor)",
     "where_zero": "(Tensor w, Tensor fill, Tensor y) -> Tensor",
+    "entropy_softmax_backward": "(Tensor gl, Tensor gr, Tensor p) -> (Tensor, Tensor, Tensor)",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
     "log_gemm_finish_": "(Tensor(a!) z, Tensor(b!)? num, Tensor shift, Tensor? shift_b, "
@@ -190,6 +194,11 @@ def _(g, p):
 @_fake("softmax_backward_signed")
 def _(g_hi, g_lo, p):
     return g_hi.new_empty(g_hi.shape), g_lo.new_empty(g_lo.shape), _declined(p)
+
+
+@_fake("entropy_softmax_backward")
+def _(gl, gr, p):
+    return p.new_empty(p.shape), p.new_empty(p.shape), _declined(p)
 
 
 @_fake("where_zero")

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.workspace import scratch
-from .base import Semiring, Value
+from .base import Semiring, Value, _message
 from .batching import batched
 from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, shifted_rows, top_two_shifts
@@ -158,6 +158,12 @@ class Entropy(Semiring):
         log_w = torch.log(w.abs())  # -inf at 0: no edge
         la = a[0] + log_w
         return (la, (a[1] - log_w).masked_fill(torch.isneginf(la), 0.0))
+
+    def softmax_backward(self, a, probs, dim):
+        """The default's paths in one pass per row on the CPU kernel: t = a ⊗ lift(p) and
+        its leave-one-out ⊕ L give t ⊗ lift(1 − p) ⊕ L ⊗ lift(p) (|−p| = p)."""
+        fused = kernels.entropy_softmax_backward(*_same_shape(a), _message(probs), dim)
+        return super().softmax_backward(a, probs, dim) if fused is None else fused
 
     def loo(self, a, dim):
         return _entropy_loo(*_same_shape(a), dim)
