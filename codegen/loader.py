@@ -32,6 +32,7 @@ ENTRY_KEYS = frozenset(
         "returns_aux",
         "aux_type",
         "opinfo",
+        "may_return_input",
     }
 )
 
@@ -108,10 +109,27 @@ def load_entry(raw: object, where: str, source_file: str = "<memory>") -> OpEntr
         aux_type=_aux_type(raw, conditions["returns_aux"], where),
         source_file=source_file,
         opinfo=_opinfo(raw, where),
+        may_return_input=_may_return_input(raw, schema, out_diff, where),
         saved=saved,
         kept=kept,
         structural=_is_structural([*intermediates, *formulas.values()], schema),
     )
+
+
+def _may_return_input(raw: dict, schema: Schema, out_diff: tuple[bool, ...], where: str) -> bool:
+    """``may_return_input: true``: for some arguments torch hands back the op's first
+    argument itself (a cast to its own dtype, ``contiguous`` of a contiguous tensor). Only
+    a one-output op whose first parameter is a tensor has it."""
+    value = raw.get("may_return_input", False)
+    if not isinstance(value, bool):
+        raise _fail(where, f"'may_return_input:' is true or false, got {value!r}")
+    if value:
+        first = schema.params[0] if schema.params else None
+        if first is None or first.type != "Tensor":
+            raise _fail(where, "'may_return_input:' needs a first parameter of type Tensor")
+        if schema.returns != "Tensor" or len(out_diff) > 1:
+            raise _fail(where, "'may_return_input:' needs an op returning one tensor")
+    return value
 
 
 def _formula_keys(raw: dict, schema: Schema, where: str) -> list[str]:

@@ -90,6 +90,9 @@ class OpEntry:
     source_file: str
     #: PyTorch OpInfo names (``name`` or ``name.variant``) whose samples call this entry
     opinfo: tuple[str, ...]
+    #: whether torch hands back the first argument itself for some arguments (such a call
+    #: records nothing: the argument's own node takes its messages)
+    may_return_input: bool
     saved: tuple[SavedValue, ...]
     kept: tuple[Kept, ...]
     #: whether its formulas only move, copy or reshape messages (no ⊕, ⊗ or lift): one rule,

@@ -133,6 +133,8 @@ def spec_source(entry: OpEntry) -> str:
         fields["forward_helper"] = repr(entry.forward)
     if entry.differentiable:
         fields["differentiable"] = _tuple(repr(d) for d in entry.differentiable)
+    if entry.may_return_input:
+        fields["may_return_input"] = "True"
     return _call("OpSpec", fields)
 
 

@@ -148,6 +148,36 @@ def _entry(text: str):
             """,
             "no Tensor parameter",
         ),
+        (
+            """
+            name: contiguous(Tensor input) -> Tensor
+            torch: [torch.Tensor.contiguous]
+            granularity: op
+            may_return_input: yes please
+            input: grad
+            """,
+            "'may_return_input:' is true or false",
+        ),
+        (
+            """
+            name: cat(Tensor[] tensors, int dim=0) -> Tensor
+            torch: [torch.cat]
+            granularity: op
+            may_return_input: true
+            tensors: "[reshape(piece, shape) for piece, shape in zip(split(grad, split_sizes(shapes(tensors), dim), dim), shapes(tensors))]"
+            """,
+            "needs a first parameter of type Tensor",
+        ),
+        (
+            """
+            name: unbind(Tensor input, int dim=0) -> Tensor[]
+            torch: [torch.unbind]
+            granularity: op
+            may_return_input: true
+            input: stack(grads, dim)
+            """,
+            "needs an op returning one tensor",
+        ),
     ],
 )
 def test_loader_errors(text, message):

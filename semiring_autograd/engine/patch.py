@@ -222,6 +222,12 @@ class UnpatchedCall(functools.partial):
         )
 
 
+def _computed(out: Any) -> Any:
+    """The call of an op whose output was computed beforehand (``UnpatchedCall(_computed,
+    out)``): ``out``."""
+    return out
+
+
 def _route(handler: Callable, types: tuple, func: Any, *args: Any, **kwargs: Any) -> Any:
     return handler(func, types, args, kwargs)
 
@@ -267,7 +273,15 @@ class _SemiringMode(TorchFunctionMode):
             if bound is not None and (op.accepts is None or op.accepts(**bound)):
                 if handle.torch_graph:
                     return handle.record_torch_graph(func, args, kwargs, op, bound)
-                call = UnpatchedCall(func, *args, **kwargs)
+                if op.may_return_input and not torch._C._are_functorch_transforms_active():
+                    with torch.no_grad():
+                        out = func(*args, **kwargs)
+                    first = bound[op.params[0].name]
+                    if out is first:  # nothing recorded: first's own node takes its messages
+                        return first
+                    call = UnpatchedCall(_computed, out)
+                else:
+                    call = UnpatchedCall(func, *args, **kwargs)
                 return self._run(func, args, kwargs, op, bound, call)
         if inplace.is_inplace(func, kwargs):
             return self._write(func, types, args, kwargs)

@@ -49,6 +49,9 @@ class OpSpec:
     multi_output: bool = False
     forward_helper: str | None = None  # a forward_helpers function computing (output, aux)
     differentiable: tuple[str, ...] = ()  # the parameters with a formula
+    #: whether torch hands back the first argument itself for some arguments (a cast to its
+    #: own dtype, ``contiguous`` of a contiguous tensor); ``sa.patch`` records no node then
+    may_return_input: bool = False
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """Match a torch call to this signature; None when it does not fit. Runs on every
