@@ -20,6 +20,13 @@ of ``tests/model_zoo.py`` (4 attention heads sharing 2 key/value heads), random 
 Usage: ``python benchmarks/dispatch_bound.py [--repeats 15] [--semirings Log,MaxProduct]``.
 Prints one markdown row per semiring. ``--operators N`` prints instead, per semiring, the N
 operators a warm compiled step spends most time in (``torch.profiler`` self time).
+``--floor`` prints instead the cost of one op and one backward node apart from any model:
+a module applying one op 100 times to a (16, 64) tensor (``transpose``, ``x * 1.5``,
+``x[:, :64]``), per op: the forward unpatched, through a bare custom
+``torch.autograd.Function`` (its ``forward`` running the op and saving the input, its
+``backward`` one op: the least a recorded op costs), and patched (per semiring); per node:
+torch's backward, the bare Function's and the semiring backward (``sa.grad``), medians of
+thread CPU time.
 """
 
 from __future__ import annotations
@@ -192,6 +199,87 @@ def operator_table(name: str, top: int, steps: int = 20) -> list[str]:
     return rows
 
 
+#: the ops of ``--floor``: (name, the op, its backward on a gradient)
+FLOOR_OPS = (
+    ("transpose", lambda x: x.transpose(0, 1), lambda g: g.transpose(0, 1)),
+    ("x * 1.5", lambda x: x * 1.5, lambda g: g * 1.5),
+    ("x[:, :64]", lambda x: x[:, :64], lambda g: g),
+)
+
+
+class _Chain(torch.nn.Module):
+    """``op`` applied ``length`` times."""
+
+    def __init__(self, op, length: int):
+        super().__init__()
+        self.op, self.length = op, length
+
+    def forward(self, x):
+        for _ in range(self.length):
+            x = self.op(x)
+        return x
+
+
+def _bare_function(op, backward):
+    """A bare custom Function running ``op``: the least one recorded op costs."""
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return op(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g)
+
+    return Bare.apply
+
+
+def _per_call_us(fn, calls: int, repeats: int) -> float:
+    times = []
+    for _ in range(3 + repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times[3:]) / calls * 1e6
+
+
+def floor_table(semirings: list[str], repeats: int, length: int = 100) -> list[str]:
+    """The ``--floor`` table: µs per op (forward) and per node (backward)."""
+    x = torch.randn(16, 64, requires_grad=True)
+    rows = []
+    for name, op, backward in FLOOR_OPS:
+        chain = _Chain(op, length)
+        bare = _Chain(_bare_function(op, backward), length)
+        with torch.no_grad():
+            plain = _per_call_us(lambda: chain(x), length, repeats)
+        function = _per_call_us(lambda: bare(x), length, repeats)
+        out = chain(x).sum()
+        native = _per_call_us(
+            lambda: torch.autograd.grad(out, x, retain_graph=True), length, repeats
+        )
+        through = bare(x).sum()
+        bare_node = _per_call_us(
+            lambda: torch.autograd.grad(through, x, retain_graph=True), length, repeats
+        )
+        cells = [f"{plain:.1f}", f"{function:.1f}"]
+        nodes = [f"{native:.1f}", f"{bare_node:.1f}"]
+        for semiring in map(semiring_of, semirings):
+
+            def forward():
+                with sa.patch(chain, semiring):
+                    return chain(x)
+
+            cells.append(f"{_per_call_us(forward, length, repeats):.1f}")
+            recorded = forward().sum()
+            nodes.append(
+                f"{_per_call_us(lambda: sa.grad(recorded, x, retain_graph=True), length, repeats):.1f}"
+            )
+        rows.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(nodes) + " |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -202,8 +290,25 @@ def main() -> None:
         metavar="N",
         help="instead: the N operators a compiled step spends most in, per semiring",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="instead: µs per op and per backward node of one-op chains (see the docstring)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.floor:
+        names = args.semirings.split(",")
+        print(
+            "| op | forward: no grad | bare Function | "
+            + " | ".join(f"patched {n}" for n in names)
+            + " | backward: torch | bare Function | "
+            + " | ".join(f"{n} node" for n in names)
+            + " |"
+        )
+        print("|---|" + "---:|" * (4 + 2 * len(names)))
+        print("\n".join(floor_table(names, args.repeats)), flush=True)
+        return
     if args.operators:
         print("| semiring | operator | calls per step | self time per call | of operator time |")
         print("|---|---|---:|---:|---:|")
