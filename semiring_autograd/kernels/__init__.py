@@ -235,9 +235,9 @@ def entropy_mul_lift(la: Tensor, r: Tensor, w: Tensor) -> tuple[Tensor, Tensor] 
     """The Entropy value (la, r) times lift(w) elementwise (broadcasting), in one pass on the
     CPU: (la + log|w|, r - log|w|), with r = 0 where the new la is -inf (no path; a NaN
     in r stays). log|w| is within 2 ulp of torch.log's. A ``w`` smaller than the value (a
-    scalar, a row or a column broadcast over it) takes torch.log of w alone and two
-    broadcasting additions instead (inside the operator): no w-sized copy of the value's
-    size, no log per entry. None off the CPU or without the kernels."""
+    scalar, a row or a column broadcast over it) takes log|w| of w's entries alone, then
+    one pass over the value reading it broadcast: no w-sized copy of the value's size, no
+    log per entry. None off the CPU or without the kernels."""
     if not _nonempty_ready("entropy_mul_lift", la, r, w):
         return None
     return op("entropy_mul_lift")(la, r, w)

@@ -376,12 +376,14 @@ def _check_signed_mul_lift(c: _Case) -> str | None:
 
 def _check_entropy_mul_lift(c: _Case) -> str | None:
     problems = []
-    for a_shape, w_shape in (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1))):
+    shapes = (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1)), ((2, 5, 37), (37,)), ((2, 5, 9), ()))
+    for a_shape, w_shape in shapes:
         la = c.randn(*a_shape) * 5
         la.view(-1)[:3] = -INF  # no path
         r = c.rand(*a_shape).masked_fill(la == -INF, 0.0)
         w = c.randn(*w_shape, zeros=0.2) * 10.0 ** c.randn(*w_shape).clamp(-3, 3)
-        w.view(-1)[-1] = NAN
+        if w.dim():  # (a NaN scalar leaves no finite result)
+            w.view(-1)[-1] = NAN
         got, _ = c.run(la, r, w)
         log_w = torch.log(w.double().abs())
         new_la = la.double() + log_w

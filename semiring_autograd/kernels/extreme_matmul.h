@@ -9,8 +9,8 @@
 //   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
 //   batches bt in [b0, b1), on `threads` OpenMP threads. lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
-//   entropy_weights, entropy_mul_lift, entropy_add, zero_where_no_path and ratio_where_positive
-//   are elementwise; nan_or_inf scans entries;
+//   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise
+//   (entropy_mul_lift_spread: w broadcast); nan_or_inf scans entries;
 //   loo_log, log_space_rows, entropy_reduce_rows, entropy_softmax_backward_rows,
 //   all_rows_live and gemm_exact work along contiguous rows.
 //
@@ -946,16 +946,6 @@ void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* r
         entropy_add_entry(la[i], ra[i], lb[i], rb[i], lo + i, ro + i);
 }
 
-// r = 0 where la is -inf (no path), in place on r, elementwise; a NaN in r stays elsewhere.
-template <typename T>
-void zero_where_no_path(T* r, const T* la, int64_t count, int threads) {
-    const T none = -T(__builtin_inf());
-    (void)threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#pragma omp for simd schedule(static)
-    for (int64_t i = 0; i < count; ++i) r[i] = la[i] == none ? T(0) : r[i];
-}
-
 // num / den where den > 0, else 0 (a sum without terms: 0/0), in place on num, elementwise.
 // A NaN in num stays where den > 0.
 template <typename T>
@@ -1085,14 +1075,19 @@ void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, 
 // The Entropy value (la, r) times lift(w), elementwise: log|w| (-inf at w = 0, +inf at
 // |w| = inf, NaN at NaN) is added to la and subtracted from r, and r is 0 where the new la
 // is -inf (no path). A NaN in r stays.
+// log|w| as entropy_mul_lift takes it: -inf at 0, +inf at |w| = inf, NaN at NaN.
+template <typename T>
+inline T log_w_entry(T w) {
+    const T x = std::fabs(w);
+    const bool finite = (x > T(0)) & (x <= std::numeric_limits<T>::max());
+    const T l = log_positive(finite ? x : T(1));
+    return finite ? l : (x == T(0) ? -T(__builtin_inf()) : x);
+}
+
 template <typename T>
 inline void entropy_mul_lift_entry(T la, T r, T w, T* la_out, T* r_out) {
-    const T inf = __builtin_inf(), big = std::numeric_limits<T>::max();
-    const T x = std::fabs(w);
-    const bool finite = (x > T(0)) & (x <= big);
-    const T l = log_positive(finite ? x : T(1));
-    const T special = x == T(0) ? -inf : x;  // -inf at 0; +inf and NaN pass through
-    const T log_w = finite ? l : special;
+    const T inf = __builtin_inf();
+    const T log_w = log_w_entry(w);
     const T sum = la + log_w, rest = r - log_w;
     *la_out = sum;
     *r_out = sum == -inf ? T(0) : rest;
@@ -1125,6 +1120,27 @@ void entropy_mul_lift(const T* la, const T* r, const T* w, T* la_out, T* r_out, 
 #pragma omp for simd schedule(static)
     for (int64_t i = 0; i < count; ++i)
         entropy_mul_lift_entry(la[i], r[i], w[i], la_out + i, r_out + i);
+}
+
+// entropy_mul_lift with w broadcast over the value: lw holds log|w| (log_w_entry) per entry
+// of w; row `row` of n entries reads lw[w_at[row] + j * w_step] (rows [0, rows)).
+template <typename T>
+void entropy_mul_lift_spread(const T* la, const T* r, const T* lw, const int64_t* w_at,
+                             int64_t w_step, T* la_out, T* r_out, int64_t n, int64_t rows,
+                             int threads) {
+    const T none = -T(__builtin_inf());
+    (void)threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+        const int64_t at = row * n;
+        const T* lws = lw + w_at[row];
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+            const T l = lws[j * w_step], sum = la[at + j] + l, rest = r[at + j] - l;
+            la_out[at + j] = sum;
+            r_out[at + j] = sum == none ? T(0) : rest;
+        }
+    }
 }
 
 // log v for a finite v ≥ 0: -inf at 0.

@@ -293,29 +293,50 @@ std::tuple<at::Tensor, at::Tensor> signed_mul_lift_op(const at::Tensor& a_hi,
     });
 }
 
-// r = 0 where la is -inf (no path), in place
-void zero_where_no_path_in_place(at::Tensor& r, const at::Tensor& la) {
-    TORCH_CHECK(r.is_contiguous() && la.is_contiguous() && r.sizes() == la.sizes(),
-                "zero_where_no_path: r and la contiguous, of one shape");
-    FLOATING(r.scalar_type(), [&] {
-        zero_where_no_path<T>(r.data_ptr<T>(), la.data_ptr<T>(), r.numel(),
-                              entry_threads(r.numel()));
-    });
-}
-
 // A w smaller than the value (a scalar, a row or a column broadcast over it) takes log|w|
-// of w alone and two broadcasting additions: no w-sized copy of the value's size, no log
-// per entry.
-std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_op(const at::Tensor& la, const at::Tensor& r,
-                                                       const at::Tensor& w) {
-    if (la.sizes() == r.sizes() && w.numel() < la.numel() && la.dim() >= w.dim()) {
-        const auto log_w = at::log(at::abs(w));
-        auto sum = at::add(la, log_w), rest = at::sub(r, log_w);
-        if (sum.is_contiguous() && rest.is_contiguous()) {
-            zero_where_no_path_in_place(rest, sum);
-            return {sum, rest};
+// of each entry of w once, then one pass over the value reading it broadcast: no w-sized
+// copy of the value's size, no log per entry.
+std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_spread_op(const at::Tensor& la_,
+                                                              const at::Tensor& r_,
+                                                              const at::Tensor& w_) {
+    const auto la = la_.contiguous(), r = r_.contiguous(), w = w_.contiguous();
+    const auto spread = w.expand(la.sizes());
+    const auto steps = spread.strides();  // 0 along the broadcast dims
+    const int64_t d = la.dim(), n = d ? la.size(-1) : 1, rows = la.numel() / n;
+    std::vector<int64_t> w_at(rows), index(std::max<int64_t>(d - 1, 0), 0);
+    for (int64_t row = 0, at = 0; row < rows; ++row) {  // w's offset per row, an odometer
+        w_at[row] = at;
+        for (int64_t k = d - 2; k >= 0; --k) {
+            at += steps[k];
+            if (++index[k] < la.size(k)) break;
+            at -= steps[k] * la.size(k);
+            index[k] = 0;
         }
     }
+    auto out_l = at::empty_like(la), out_r = at::empty_like(la);
+    FLOATING(la.scalar_type(), [&] {
+        std::vector<T> lw(w.numel());
+        const T* ws = w.const_data_ptr<T>();
+        for (size_t i = 0; i < lw.size(); ++i) lw[i] = log_w_entry(ws[i]);
+        entropy_mul_lift_spread<T>(la.const_data_ptr<T>(), r.const_data_ptr<T>(), lw.data(),
+                                   w_at.data(), d ? steps[d - 1] : 0, out_l.data_ptr<T>(),
+                                   out_r.data_ptr<T>(), n, rows, entry_threads(la.numel()));
+    });
+    return {out_l, out_r};
+}
+
+// whether w broadcasts to x's shape (each of w's dims 1 or x's)
+bool spreads_into(const at::Tensor& w, const at::Tensor& x) {
+    if (w.dim() > x.dim()) return false;
+    for (int64_t d = 1; d <= w.dim(); ++d)
+        if (w.size(-d) != 1 && w.size(-d) != x.size(-d)) return false;
+    return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_op(const at::Tensor& la, const at::Tensor& r,
+                                                       const at::Tensor& w) {
+    if (la.sizes() == r.sizes() && w.numel() < la.numel() && spreads_into(w, la))
+        return entropy_mul_lift_spread_op(la, r, w);
     return entries_to_pair({la, r, w}, [](auto in, auto* l, auto* q, int64_t n, int t) {
         entropy_mul_lift(in[0], in[1], in[2], l, q, n, t);
     });
