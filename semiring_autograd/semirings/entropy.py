@@ -14,6 +14,7 @@ from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, shifted_rows, to
 from .tensor_ops import (
     NEG_INF,
     POS_INF,
+    PRUNE_PRODUCTS,
     filled,
     on_live_rows,
     ratio_or_zero,
@@ -140,6 +141,8 @@ class Entropy(Semiring):
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
+        if w.dim() == 2 and a[0].numel() * w.shape[-1] < PRUNE_PRODUCTS:
+            return self._matmul_lift(a, w)  # no row pruned (on_live_rows): no liveness test
         by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
         shifted = shifted_rows(*a) if by_weight else None
         if shifted is not None and bool(shifted.live.all()):  # no row to drop
