@@ -106,3 +106,24 @@ def test_a_submodule_removed_after_capture():
     model.extra = None
     _check(step, model, 10)
     assert compiled_backward.stats()["captures"] == 2
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_replay_returns_ordinary_tensors(raw):
+    """A replay runs in inference mode; what it returns is an ordinary tensor: written in
+    place and used under autograd outside it, with the eager run's values."""
+    torch.manual_seed(0)
+    model = _Pair().double()
+    step = sa.compiled_step(model, SEMIRING, _read, raw=raw)
+    for seed in range(3):
+        found = step(_x(seed).requires_grad_(True))
+    assert compiled_backward.stats()["replays"] >= 2
+    tensors = found.value if raw else (found,)
+    for t in tensors:
+        assert not t.is_inference()
+        expected = t.clone()
+        t.add_(1.0)  # (an inference tensor refuses this outside inference mode)
+        assert torch.equal(t, expected + 1.0)
+        w = torch.ones_like(t, requires_grad=True)
+        (w * t).sum().backward()
+        assert torch.equal(w.grad, t)

@@ -441,12 +441,25 @@ class Program:
         return self.build()[2]
 
     def replay(self, slots: list[Tensor]) -> tuple:
-        """``run(slots)``: the recorded operators as recorded, so without grad, with no
-        torch function mode (a patch) seeing them and no autocast casting them again (the
-        recorder saw them after autocast's casts)."""
+        """``run(slots)``: the recorded operators as recorded, so in inference mode (no
+        autograd state on the tensors it makes: an operator, a view above all, costs less
+        than under ``no_grad``), with no torch function mode (a patch) seeing them and no
+        autocast casting them again (the recorder saw them after autocast's casts). A
+        result made there is cloned outside it: the caller gets ordinary tensors."""
         run = self.built[0] if self.built is not None else self.build()[0]
-        with torch.no_grad(), torch._C.DisableTorchFunction(), _without_autocast():
-            return run(slots)
+        with torch.inference_mode(), torch._C.DisableTorchFunction(), _without_autocast():
+            values = run(slots)
+        return tuple([_ordinary(v) for v in values])
+
+
+def _ordinary(value: Any) -> Any:
+    """A replay's result (a tensor, a tuple of components, None) with each tensor made in
+    inference mode, or a view taken there, cloned (outside it: an ordinary tensor)."""
+    if isinstance(value, Tensor):
+        return value.clone() if value.is_inference() or value._is_view() else value
+    if isinstance(value, tuple):
+        return tuple([_ordinary(v) for v in value])
+    return value
 
 
 @contextlib.contextmanager
