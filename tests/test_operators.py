@@ -60,6 +60,10 @@ def _samples(dtype):
         "loo_log": [(rows, None), (rows, rows.abs())],
         "entropy_reduce_rows": [(rows, rows.abs())],
         "log_space_rows": [(rows, None, torch.empty_like(rows)), (rows, rows, rows.repeat(1, 2))],
+        "log_space_columns": [
+            (rows[None].mT.contiguous(), None, torch.empty_like(rows[None].mT.contiguous())),
+            (la[None, :, :2], r[None, :, :2], torch.empty(1, 6, 2, dtype=dtype)),
+        ],
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
         "plus_log_abs": [(la, rand(3, 40)), (None, rand(2, 37))],
         "log_add": [(la, rand(3, 40))],

@@ -745,6 +745,33 @@ def _check_log_space_rows(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def _check_log_space_columns(c: _Case) -> str | None:
+    rows = _log_rows(c)  # (count, m, k): the message the operand transposes
+    rows[1, 3] = -torch.linspace(0, 110 if c.dtype == torch.float32 else 760, 9)
+    rows[1, 0, 2], rows[1, 1, 4] = NAN, INF  # columns of std::exp
+    count, m, k = rows.shape
+    problems = []
+    for r in (None, c.rand(count, m, k)):
+        held = torch.zeros(count, k, m + 3, dtype=c.dtype)  # a batch stride past the rows
+        held[..., :m] = rows.mT
+        a = held[..., :m]
+        rt = None if r is None else r.mT.contiguous()
+        out = torch.full((count, k if r is None else 2 * k, m), 7.0, dtype=c.dtype)
+        (shift, live), (_, _, out) = c.run(a, rt, out)
+        top = torch.where(rows.isnan().any(-1, keepdim=True), NAN, rows.amax(-1, keepdim=True))
+        finite = torch.isfinite(top)
+        want_shift = top.masked_fill(~finite, 0.0)
+        problems.append(_differs("log_space_columns live", live, finite))
+        problems.append(_differs("log_space_columns shift", shift, want_shift))
+        e = torch.exp(rows - want_shift).mT
+        got_e = out[:, -k:]
+        problems.append(_differs("log_space_columns e", got_e, e, _ulps(c, 8, e)))
+        if r is not None:
+            er = e * r.mT
+            problems.append(_differs("log_space_columns e·r", out[:, :k], er, _ulps(c, 8, er)))
+    return _first(*problems)
+
+
 def _check_entropy_weights(c: _Case) -> str | None:
     w = c.randn(2, 5, 9, zeros=0.2) * 10.0 ** c.randn(2, 5, 9).clamp(-3, 3)
     w.view(-1)[:3] = torch.tensor([NAN, INF, -INF], dtype=c.dtype, device="cpu")
@@ -870,6 +897,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "loo_log": _check_loo_log,
     "entropy_reduce_rows": _check_entropy_reduce_rows,
     "log_space_rows": _check_log_space_rows,
+    "log_space_columns": _check_log_space_columns,
     "entropy_weights": _check_entropy_weights,
     "plus_log_abs": _check_plus_log_abs,
     "log_add": _check_log_add,

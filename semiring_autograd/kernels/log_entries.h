@@ -4,6 +4,7 @@
 //   log_add(a, b)               log(e^a + e^b) (a ⊕ b), torch.logaddexp's specials
 //   softmax_backward_log(g, p)  the message at softmax's input from g at its output p, per row
 //   log_plus_shifts_            z = log z + shift (+ shift_b) in place, for log_gemm_finish_
+//   log_space_columns(a, r)     log_space_rows along the columns of a transposed message
 //
 // torch spells the first as three passes (abs, log, add) with two temporaries, and its
 // log and logaddexp take several times the time of these loops on AVX-512 (log_abs16 and
@@ -229,6 +230,103 @@ void softmax_backward_rows(const T* g, const T* p, T* out, uint8_t* bad, int64_t
             if (done) softmax_combine_row(t, p + at, lp, out + at, n);
         }
     }
+}
+
+// The message operand of a shift-and-GEMM in log space for a message held transposed: a
+// (count, k, m), unit stride along m, batch and row strides sab and sak (r: srb, srk). Per
+// batch and column j, the shift (the maximum over k where finite, else 0) and liveness
+// (that maximum is finite) into shift[b·m + j] and live[b·m + j], and e = e^(a - shift)
+// into out (count, k, m) contiguous, or, given r, e·r into rows [0, k) and e into rows
+// [k, 2k) of out (count, 2k, m): log_space_rows' values entry by entry, transposed. A
+// column whose maximum is +inf or NaN takes std::exp, as its shifted entries may be positive.
+template <typename T>
+void log_space_columns(const T* a, int64_t sab, int64_t sak, const T* r, int64_t srb,
+                       int64_t srk, T* out, T* shift, uint8_t* live, int64_t count, int64_t k,
+                       int64_t m, int threads) {
+    const T inf = __builtin_inf();
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<uint8_t> slow(m);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < count; ++b) {
+            const T* ab = a + b * sab;
+            T* s = shift + b * m;
+            uint8_t* flags = slow.data();
+            for (int64_t j = 0; j < m; ++j) s[j] = -inf, flags[j] = 0;
+            for (int64_t q = 0; q < k; ++q) {
+                const T* row = ab + q * sak;
+#pragma omp simd
+                for (int64_t j = 0; j < m; ++j) {
+                    const T x = row[j];
+                    flags[j] |= x != x;
+                    s[j] = x > s[j] ? x : s[j];
+                }
+            }
+            bool any_slow = false;
+            for (int64_t j = 0; j < m; ++j) {
+                const bool nan = flags[j], finite = !nan && s[j] > -inf && s[j] < inf;
+                live[b * m + j] = finite;
+                flags[j] = nan || s[j] == inf;
+                any_slow |= flags[j];
+                s[j] = finite ? s[j] : T(0);
+            }
+            T* e = out + b * (r ? 2 : 1) * k * m + (r ? k * m : 0);
+            T* er = r ? out + b * 2 * k * m : nullptr;
+            for (int64_t q = 0; q < k; ++q) {
+                const T* row = ab + q * sak;
+                T* eq = e + q * m;
+#pragma omp simd
+                for (int64_t j = 0; j < m; ++j) {
+                    const T d = row[j] - s[j];  // ≤ 0 but in the slow columns
+                    eq[j] = exp_nonpositive(d <= T(0) ? d : T(0));
+                }
+                if (any_slow)
+                    for (int64_t j = 0; j < m; ++j)
+                        if (flags[j]) eq[j] = std::exp(row[j] - s[j]);
+                if (r) {
+                    const T* rq = r + b * srb + q * srk;
+                    T* erq = er + q * m;
+#pragma omp simd
+                    for (int64_t j = 0; j < m; ++j) erq[j] = eq[j] * rq[j];
+                }
+            }
+        }
+    }
+}
+
+// (shift, live), each (count, m, 1): log_space_columns on a (count, k, m) and r (a's shape),
+// each of unit stride along m, into out (count, k, m), or (count, 2k, m) given r, contiguous.
+inline std::tuple<at::Tensor, at::Tensor> log_space_columns_op(const at::Tensor& a,
+                                                               const std::optional<at::Tensor>& r,
+                                                               at::Tensor out) {
+    const auto dtype = a.scalar_type();
+    TORCH_CHECK(a.dim() == 3 && a.stride(2) == 1 && (dtype == at::kFloat || dtype == at::kDouble),
+                "log_space_columns: a (count, k, m) float32/float64 of unit stride along m, got ",
+                a.sizes(), " ", a.strides(), " ", dtype);
+    TORCH_CHECK(!r || (r->sizes() == a.sizes() && r->stride(2) == 1 && r->scalar_type() == dtype),
+                "log_space_columns: r of a's shape and dtype, unit stride along m");
+    const int64_t count = a.size(0), k = a.size(1), m = a.size(2);
+    TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype &&
+                    out.sizes() == at::IntArrayRef({count, (r ? 2 : 1) * k, m}),
+                "log_space_columns: out (count, k, m), or (count, 2k, m) with r, contiguous, "
+                "got ", out.sizes());
+    auto shift = at::empty({count, m, 1}, a.options());
+    auto live = at::empty({count, m, 1}, a.options().dtype(at::kBool));
+    const int threads = threads_for(a.numel() * (r ? 2 : 1));
+    if (dtype == at::kDouble)
+        log_space_columns<double>(a.const_data_ptr<double>(), a.stride(0), a.stride(1),
+                                  r ? r->const_data_ptr<double>() : nullptr, r ? r->stride(0) : 0,
+                                  r ? r->stride(1) : 0, out.data_ptr<double>(),
+                                  shift.data_ptr<double>(), live.view(at::kByte).data_ptr<uint8_t>(),
+                                  count, k, m, threads);
+    else
+        log_space_columns<float>(a.const_data_ptr<float>(), a.stride(0), a.stride(1),
+                                 r ? r->const_data_ptr<float>() : nullptr, r ? r->stride(0) : 0,
+                                 r ? r->stride(1) : 0, out.data_ptr<float>(),
+                                 shift.data_ptr<float>(), live.view(at::kByte).data_ptr<uint8_t>(),
+                                 count, k, m, threads);
+    return {shift, live};
 }
 
 inline void check_entries(const char* name, const at::Tensor& x, const at::Tensor& y) {

@@ -1,16 +1,17 @@
 """The Log semiring's elementwise primitives on fused CPU operators (``log_entries.h``):
 ``plus_log_abs`` (a + log|w|, or log|w|: ⊗ lift and lift) and ``log_add`` (⊕, as
-torch.logaddexp), one pass each where torch takes three passes or a slower series; and
+torch.logaddexp), one pass each where torch takes three passes or a slower series;
 ``softmax_backward``, the message at softmax's input, in one operator call per tensor
-where the semiring formula takes about a dozen passes.
+where the semiring formula takes about a dozen passes; and ``log_space_columns``, the
+shifted message of a log-space GEMM read from a transposed message where it lies.
 
 Each takes contiguous CPU float32/float64 operands of one shape and dtype (the elementwise
 two with at least ``MIN_ENTRIES`` entries: below that an operator call costs what it saves;
-of two operands where one broadcasts to the other's shape, the elementwise two take the
-full-size one, as below) and returns None otherwise, or where the kernels are off, unbuilt or failed their check
-(``kernels``'s modes); the callers then take the torch formula. Their log and exp are the
-kernels' own series (on AVX-512 float, within 1 ulp of the true values), within 3 ulp of
-torch's.
+of two operands where one broadcasts to the other's shape, they take the full-size one, as
+below; ``log_space_columns`` takes its own layout) and returns None otherwise, or where the
+kernels are off, unbuilt or failed their check (``kernels``'s modes); the callers then take
+the torch formula. Their log and exp are the kernels' own series (on AVX-512 float, within
+1 ulp of the true values), within 3 ulp of torch's.
 """
 
 from __future__ import annotations
@@ -77,6 +78,27 @@ def _spread_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
             spread = small.expand(full.shape).contiguous()
             return (full, spread) if full is a else (spread, full)
     return a, b
+
+
+def log_space_columns(a: Tensor, r: Tensor | None, out: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The message operand of a shift-and-GEMM in log space for a message whose transpose
+    ``a`` (count, k, m) has unit stride along m (a transposed message, read where it lies):
+    per column of ``a`` its shift (the maximum over k where finite, else 0) and liveness,
+    each (count, m, 1), and e = exp(a - shift) written into ``out`` (count, k, m), or,
+    given ``r`` (a's shape, unit stride along m), e·r and e stacked along k into ``out``
+    (count, 2k, m): ``log_space_rows``' values, transposed. None (``out`` untouched) for
+    other operands, k = 0, off the CPU or without the kernels."""
+    if a.dim() != 3 or a.shape[1] == 0 or a.stride(-1) != 1:
+        return None
+    if r is not None and (r.shape != a.shape or r.stride(-1) != 1):
+        return None
+    count, k, m = a.shape
+    if out.shape != (count, k if r is None else 2 * k, m) or not out.is_contiguous():
+        return None
+    ready = _nonempty_ready("log_space_columns", a, out)
+    if not ready or (r is not None and not _nonempty_ready("log_space_columns", r)):
+        return None
+    return op("log_space_columns")(a, r, out)
 
 
 def softmax_backward(g: Tensor, p: Tensor, dim: int) -> Tensor | None:

@@ -573,6 +573,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("plus_log_abs", &log_entries::plus_log_abs_op);
     m.impl("log_add", &log_entries::log_add_op);
     m.impl("softmax_backward_log", &log_entries::softmax_backward_log_op);
+    m.impl("log_space_columns", &log_entries::log_space_columns_op);
     m.impl("softmax_backward_max", &extreme_entries::softmax_backward_max_op);
     m.impl("softmax_backward_or", &extreme_entries::softmax_backward_or_op);
     m.impl("softmax_backward_signed", &extreme_entries::softmax_backward_signed_op);

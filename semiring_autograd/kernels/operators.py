@@ -29,6 +29,7 @@ one dtype.
 ``loo_log``              leave-one-out log-sum-exp along the last dim (and Entropy's r)
 ``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
 ``log_space_rows``       the row shift, liveness and shifted exponentials of a log GEMM
+``log_space_columns``    the same for a message held transposed (count, k, m); CPU only
 ``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
 ``plus_log_abs``         a + log|w| (log|w| without a), elementwise, one shape; CPU only
 ``log_add``              log(e^a + e^b), elementwise, one shape; CPU only
@@ -84,6 +85,7 @@ SCHEMAS = {
     "loo_log": "(Tensor x, Tensor? r) -> (Tensor, Tensor, Tensor)",
     "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
     "log_space_rows": "(Tensor a, Tensor? r, Tensor(a!) out) -> (Tensor, Tensor)",
+    "log_space_columns": "(Tensor a, Tensor? r, Tensor(a!) out) -> (Tensor, Tensor)",
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
     "plus_log_abs": "(Tensor? a, Tensor w) -> Tensor",
     "log_add": "(Tensor a, Tensor b) -> Tensor",
@@ -249,6 +251,12 @@ def _(z, num, shift, shift_b, live, tiny, may_overflow):
 @_fake("log_space_rows")
 def _(a, r, out):
     return a.new_empty(_row_shape(a)), a.new_empty(_row_shape(a), dtype=torch.bool)
+
+
+@_fake("log_space_columns")
+def _(a, r, out):
+    shape = (a.shape[0], a.shape[2], 1)
+    return a.new_empty(shape), a.new_empty(shape, dtype=torch.bool)
 
 
 # ----- CUDA: the hand-tiled Triton kernels of triton_matmul.py, imported on first use -----

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import log_entries
 from ..kernels.workspace import scratch
 from .base import Terms, broadcast_shape
 from .batching import anywhere, batched
@@ -188,9 +189,14 @@ class LogSpaceGemm:
                 torch.sub(b3, mb, out=b_lin[:, :k]).exp_()
                 if with_r:
                     torch.mul(b_lin[:, :k], flat_batch(rb, batch), out=b_lin[:, k:])
-        stacked = _message_operand((count, m, (2 if with_r else 1) * k), a3)
-        ra3 = flat_batch(ra, batch).contiguous() if with_r else None
-        fused = kernels.log_space_rows(a3.contiguous(), ra3, stacked)
+        ra3 = flat_batch(ra, batch) if with_r else None
+        held = None if vmapped else _held_transposed(a3, ra3)
+        if held is not None:  # read where it lies
+            fused, stacked = held[:2], held[2]
+        else:
+            stacked = _message_operand((count, m, (2 if with_r else 1) * k), a3)
+            ra3 = ra3.contiguous() if with_r else None
+            fused = kernels.log_space_rows(a3.contiguous(), ra3, stacked)
         if fused is not None:
             ma, live = fused
             ea = stacked[..., -k:]
@@ -225,6 +231,21 @@ class LogSpaceGemm:
 def _tiny(dtype: torch.dtype) -> float:
     """The smallest shifted GEMM sum trusted (below it the products may have underflowed)."""
     return torch.finfo(dtype).tiny / torch.finfo(dtype).eps
+
+
+def _held_transposed(a3: Tensor, ra3: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+    """For a message a3 (count, m, k) held transposed (unit stride along m), and ra3 alike:
+    (shift, live, stacked) from one pass of ``log_space_columns`` over it where it lies,
+    with ``stacked`` [ea·ra | ea] (count, m, 2k) (or ea) a transposed view of the operand,
+    which the GEMM reads as such; None for other layouts or where the kernel does not run."""
+    if a3.stride(-2) != 1 or a3.stride(-1) == 1:
+        return None
+    if ra3 is not None and (ra3.stride(-2) != 1 or ra3.stride(-1) == 1):
+        return None
+    count, m, k = a3.shape
+    held = _message_operand((count, (1 if ra3 is None else 2) * k, m), a3)
+    fused = log_entries.log_space_columns(a3.mT, None if ra3 is None else ra3.mT, held)
+    return None if fused is None else (*fused, held.mT)
 
 
 def _message_operand(shape: tuple[int, ...], like: Tensor) -> Tensor:
