@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..kernels import log_entries
 from ..kernels.workspace import scratch
+from . import tensor_ops
 from .base import InlineForms, Semiring, _message
 from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, log_loo, shifted_rows
@@ -98,7 +99,9 @@ class Log(Semiring):
     def matmul_lift(self, a, w):
         """a ⊗ lift(w) summed over k: by a 2-D weight, one GEMM of the shifted rows of
         ``a`` when every row has a term (the pass that shifts them tells), else only the
-        rows with a term (``on_live_rows``)."""
+        rows with a term (``on_live_rows``); a product too small for it to prune, at once."""
+        if w.dim() == 2 and a[0].numel() * w.shape[-1] < tensor_ops.PRUNE_PRODUCTS:
+            return self._matmul_lift(a, w)  # no row pruned (on_live_rows): no liveness test
         by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
         shifted = shifted_rows(a[0], None) if by_weight else None
         if shifted is not None and bool(shifted.live.all()):  # no row to drop
