@@ -129,28 +129,18 @@ def test_each_node_names_its_op_module_and_semiring(semiring):
 
 
 class _Casts(torch.nn.Module):
-    """Casts to the input's own dtype and a contiguous of a contiguous tensor (torch hands
-    the input back), then a real cast and a contiguous copy of a transpose."""
+    """Casts to a value's own dtype and a contiguous of a contiguous tensor (torch hands
+    the value back), then a real cast and a contiguous copy of a transpose."""
 
     def forward(self, x):
-        same = x.to(torch.float32).float().type(torch.float32).contiguous()
-        self.handed_back = same is x
-        wide = (same * 3.0).to(torch.float64)
+        scaled = x * 3.0
+        same = scaled.to(torch.float32).float().type(torch.float32).contiguous()
+        self.handed_back = same is scaled
+        wide = same.to(torch.float64)
         return (wide.mT.contiguous() * wide.mT).sum(0)
 
 
-@pytest.mark.parametrize("semiring", [sa.Real(formulas=True), sa.MaxProduct(), sa.Log()], ids=repr)
-def test_a_call_handing_back_its_input_records_nothing(semiring):
-    """A cast to the input's own dtype or ``contiguous`` of a contiguous tensor is the input
-    itself, as in torch, with no node of its own; the real cast and the copying contiguous
-    are recorded. The messages match torch.autograd (Real, in float64) and the path sums
-    of the same computation without the casts (x → 3x → (3x)² has one path per element of
-    weight 2·9·x, two edges of x·9 merged by ⊕)."""
-    model = _Casts()
-    x = (torch.rand(4, 3) + 0.5).requires_grad_(True)
-    with sa.patch(model, semiring):
-        out = model(x)
-    assert model.handed_back
+def _recorded_ops(out: torch.Tensor) -> list[str]:
     ops, seen = [], set()
     stack = [out.grad_fn]
     while stack:
@@ -161,6 +151,22 @@ def test_a_call_handing_back_its_input_records_nothing(semiring):
         info = sa.node_info(node)
         ops.append(info.op if info is not None else node.name())
         stack.extend(n for n, _ in node.next_functions)
+    return ops
+
+
+@pytest.mark.parametrize("semiring", [sa.Real(formulas=True), sa.MaxProduct(), sa.Log()], ids=repr)
+def test_a_call_handing_back_its_input_records_nothing(semiring):
+    """A cast to a value's own dtype or ``contiguous`` of a contiguous tensor is the value
+    itself, as in torch, with no node of its own; the real cast and the copying contiguous
+    are recorded. The messages match torch.autograd (Real, in float64) and the path sums
+    of the same computation without the casts (x → 3x → (3x)² has one path per element of
+    weight 2·9·x, two edges of 3·3x merged by ⊕)."""
+    model = _Casts()
+    x = (torch.rand(4, 3) + 0.5).requires_grad_(True)
+    with sa.patch(model, semiring):
+        out = model(x)
+    assert model.handed_back
+    ops = _recorded_ops(out)
     assert ops.count("to") == 1 and ops.count("contiguous") == 1
     assert "float" not in ops and "type" not in ops
     got = sa.grad(out, x)
@@ -172,3 +178,18 @@ def test_a_call_handing_back_its_input_records_nothing(semiring):
     else:  # log-sum-exp of the two paths' log weights: log(2·3·wide)
         expected = torch.log(2.0 * 3.0 * wide)
     torch.testing.assert_close(got.double(), expected.to(got.device), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("semiring", [sa.MaxProduct(), sa.Log()], ids=repr)
+def test_a_call_handing_back_a_leaf_is_recorded(semiring):
+    """A cast of a leaf (or of a tensor made outside the patch) to its own dtype is recorded
+    as a node, so that a forward of nothing else still names its semiring: its message is
+    the seed (identity edges)."""
+    model = torch.nn.Identity()
+    model.forward = lambda x: x.to(torch.float32)
+    x = torch.rand(5, requires_grad=True)
+    with sa.patch(model, semiring):
+        out = model(x)
+    assert out is not x and _recorded_ops(out)[0] == "to"
+    expected = torch.ones(5) if isinstance(semiring, sa.MaxProduct) else torch.zeros(5)
+    torch.testing.assert_close(sa.grad(out, x), expected)

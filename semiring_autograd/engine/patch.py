@@ -222,6 +222,14 @@ class UnpatchedCall(functools.partial):
         )
 
 
+def _recorded_node(t: torch.Tensor) -> bool:
+    """Whether ``t``'s node was recorded under a patch (a leaf, or a tensor made outside
+    the patch, is not: a call handing it back is recorded, so that a graph reached from it
+    holds a node that names the semiring)."""
+    node = t.grad_fn
+    return node is not None and NODE_INFO_KEY in node.metadata
+
+
 def _computed(out: Any) -> Any:
     """The call of an op whose output was computed beforehand (``UnpatchedCall(_computed,
     out)``): ``out``."""
@@ -277,8 +285,8 @@ class _SemiringMode(TorchFunctionMode):
                     with torch.no_grad():
                         out = func(*args, **kwargs)
                     first = bound[op.params[0].name]
-                    if out is first:  # nothing recorded: first's own node takes its messages
-                        return first
+                    if out is first and _recorded_node(first):
+                        return first  # nothing recorded: first's own node takes its messages
                     call = UnpatchedCall(_computed, out)
                 else:
                     call = UnpatchedCall(func, *args, **kwargs)
