@@ -7,7 +7,6 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.workspace import scratch
-from . import tensor_ops
 from .base import Semiring, Value, _message
 from .batching import batched
 from .frozen import kept_operand
@@ -20,6 +19,7 @@ from .tensor_ops import (
     ratio_or_zero,
     safe_weight,
     scatter_extreme,
+    worth_pruning,
 )
 
 
@@ -141,7 +141,7 @@ class Entropy(Semiring):
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
-        if w.dim() == 2 and a[0].numel() * w.shape[-1] < tensor_ops.PRUNE_PRODUCTS:
+        if w.dim() == 2 and not worth_pruning(a, w):
             return self._matmul_lift(a, w)  # no row pruned (on_live_rows): no liveness test
         by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
         shifted = shifted_rows(*a) if by_weight else None

@@ -7,11 +7,10 @@ from torch import Tensor
 
 from ..kernels import log_entries
 from ..kernels.workspace import scratch
-from . import tensor_ops
 from .base import InlineForms, Semiring, _message
 from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, log_loo, shifted_rows
-from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme
+from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme, worth_pruning
 
 
 class Log(Semiring):
@@ -100,7 +99,7 @@ class Log(Semiring):
         """a ⊗ lift(w) summed over k: by a 2-D weight, one GEMM of the shifted rows of
         ``a`` when every row has a term (the pass that shifts them tells), else only the
         rows with a term (``on_live_rows``); a product too small for it to prune, at once."""
-        if w.dim() == 2 and a[0].numel() * w.shape[-1] < tensor_ops.PRUNE_PRODUCTS:
+        if w.dim() == 2 and not worth_pruning(a, w):
             return self._matmul_lift(a, w)  # no row pruned (on_live_rows): no liveness test
         by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
         shifted = shifted_rows(a[0], None) if by_weight else None

@@ -147,6 +147,13 @@ def live_columns(picked: Value, terms: Terms) -> Tensor | None:
     return None if bool(columns.all()) else columns.nonzero().squeeze(1)
 
 
+def worth_pruning(parts: tuple[Tensor, ...], w: Tensor) -> bool:
+    """Whether the product of ``parts`` (…, m, k) by a 2-D ``w`` has
+    :data:`PRUNE_PRODUCTS` terms or more (rows × k × n), enough for finding its live rows to
+    pay (read at the call: tests lower the bound)."""
+    return parts[0].numel() * w.shape[-1] >= PRUNE_PRODUCTS
+
+
 def on_live_rows(
     parts: tuple[Tensor, ...],
     terms: Terms,
@@ -168,9 +175,7 @@ def on_live_rows(
     row is live, k is 0, ``w`` is batched, or ``w`` is not finite where zero ⊗ lift(w) is
     NaN (see ``live_rows``; the caller then computes all rows), or the product has fewer
     than :data:`PRUNE_PRODUCTS` terms (rows × k × n)."""
-    if w.dim() != 2 or parts[0].shape[-1] == 0:
-        return None
-    if parts[0].numel() * w.shape[-1] < PRUNE_PRODUCTS:
+    if w.dim() != 2 or parts[0].shape[-1] == 0 or not worth_pruning(parts, w):
         return None
     found = live_rows(parts, terms, w)
     if found is None:
