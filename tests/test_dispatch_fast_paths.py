@@ -193,3 +193,20 @@ def test_a_call_handing_back_a_leaf_is_recorded(semiring):
     assert out is not x and _recorded_ops(out)[0] == "to"
     expected = torch.ones(5) if isinstance(semiring, sa.MaxProduct) else torch.zeros(5)
     torch.testing.assert_close(sa.grad(out, x), expected)
+
+
+def test_a_call_handing_back_another_semirings_tensor_is_recorded():
+    """A value recorded under one semiring, cast to its own dtype under another's patch, is
+    recorded there: the backward then names both semirings and refuses to mix them, as it
+    does for any other op."""
+    first, second = torch.nn.Identity(), torch.nn.Identity()
+    first.forward = lambda x: x * 2.0
+    second.forward = lambda y: y.float()
+    x = torch.rand(4, requires_grad=True)
+    with sa.patch(first, sa.MaxProduct()):
+        y = first(x)
+    with sa.patch(second, sa.Log()):
+        out = second(y)
+    assert out is not y and _recorded_ops(out)[0] == "float"
+    with pytest.raises(sa.SemiringMismatchError, match="must use one semiring"):
+        sa.grad(out, x)

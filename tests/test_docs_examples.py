@@ -135,9 +135,18 @@ def test_the_documents_have_python_blocks():
     assert any("sa.patch(" in code and "sa.grad(" in code for code in readme)
     assert any("load_causal_lm()" in code for code in readme)
     api = "\n".join(code for name, _, code in BLOCKS if name == "docs/api.md")
-    for call in ("sa.compiled_step(", "sa.trace(", "sa.top_path(", "sa.top_paths(",
-                 "sa.attribute(", "sa.module_flow(", "sa.consumer_flow(", "sa.node_info(",
-                 "sa.check_semiring(", "sa.captum."):
+    for call in (
+        "sa.compiled_step(",
+        "sa.trace(",
+        "sa.top_path(",
+        "sa.top_paths(",
+        "sa.attribute(",
+        "sa.module_flow(",
+        "sa.consumer_flow(",
+        "sa.node_info(",
+        "sa.check_semiring(",
+        "sa.captum.",
+    ):
         assert call in api, f"docs/api.md has no example calling {call}"
 
 

@@ -222,12 +222,15 @@ class UnpatchedCall(functools.partial):
         )
 
 
-def _recorded_node(t: torch.Tensor) -> bool:
-    """Whether ``t``'s node was recorded under a patch (a leaf, or a tensor made outside
-    the patch, is not: a call handing it back is recorded, so that a graph reached from it
-    holds a node that names the semiring)."""
+def _recorded_node(t: torch.Tensor, semiring: Semiring) -> bool:
+    """Whether ``t``'s node was recorded under a patch of ``semiring`` (a leaf, a tensor
+    made outside the patch or under another semiring's is not: a call handing it back is
+    recorded, so that a graph reached from it holds a node that names the semiring)."""
     node = t.grad_fn
-    return node is not None and NODE_INFO_KEY in node.metadata
+    if node is None:
+        return False
+    info = node.metadata.get(NODE_INFO_KEY)
+    return info is not None and info.semiring == semiring
 
 
 def _computed(out: Any) -> Any:
@@ -285,7 +288,7 @@ class _SemiringMode(TorchFunctionMode):
                     with torch.no_grad():
                         out = func(*args, **kwargs)
                     first = bound[op.params[0].name]
-                    if out is first and _recorded_node(first):
+                    if out is first and _recorded_node(first, handle.semiring):
                         return first  # nothing recorded: first's own node takes its messages
                     call = UnpatchedCall(_computed, out)
                 else:

@@ -10,9 +10,10 @@
 // log and logaddexp take several times the time of these loops on AVX-512 (log_abs16 and
 // exp16_nonpositive of extreme_matmul.h, 16 floats at a time); the softmax Jacobian's
 // semiring formula takes about a dozen passes over the rows. Operands: contiguous, of one
-// shape and one dtype (float32 or float64); the Python wrappers (log_entries.py) check
-// that and take the torch formulas otherwise, and log_gemm_finish_ takes torch's log and
-// additions where log_plus_shifts_ declines its operands.
+// shape and one dtype (float32 or float64), but log_space_columns' (strided along k and
+// batch, unit stride along m); the Python wrappers (log_entries.py) check that and take the
+// torch formulas otherwise, and log_gemm_finish_ takes torch's log and additions where
+// log_plus_shifts_ declines its operands.
 //
 // Part of semiring_autograd; included by operators.cpp after extreme_matmul.h, whose
 // log_positive, exp_nonpositive, log_abs16, exp16_nonpositive, log_add16 and loo_row these

@@ -7,8 +7,9 @@ shifted message of a log-space GEMM read from a transposed message where it lies
 
 Each takes contiguous CPU float32/float64 operands of one shape and dtype (the elementwise
 two with at least ``MIN_ENTRIES`` entries: below that an operator call costs what it saves;
-of two operands where one broadcasts to the other's shape, they take the full-size one, as
-below; ``log_space_columns`` takes its own layout) and returns None otherwise, or where the
+``plus_log_abs`` of an ``a`` that broadcasts to ``w``'s shape and ``log_add`` of an operand
+that broadcasts to the other's take the full-size operand, as below; ``log_space_columns``
+takes its own layout) and returns None otherwise, or where the
 kernels are off, unbuilt or failed their check (``kernels``'s modes); the callers then take
 the torch formula. Their log and exp are the kernels' own series (on AVX-512 float, within
 1 ulp of the true values), within 3 ulp of torch's.
@@ -33,8 +34,8 @@ def _takes(x: Tensor, y: Tensor) -> bool:
 
 
 def _spreads(small: Tensor, full: Tensor) -> bool:
-    """Whether ``small`` broadcasts to ``full``'s shape (of ``full``'s dtype)."""
-    if small.dim() > full.dim() or small.dtype != full.dtype:
+    """Whether ``small`` broadcasts to ``full``'s shape (of ``full``'s dtype and device)."""
+    if small.dim() > full.dim() or small.dtype != full.dtype or small.device != full.device:
         return False
     for s, f in zip(reversed(small.shape), reversed(full.shape)):
         if s != 1 and s != f:
@@ -95,8 +96,7 @@ def log_space_columns(a: Tensor, r: Tensor | None, out: Tensor) -> tuple[Tensor,
     count, k, m = a.shape
     if out.shape != (count, k if r is None else 2 * k, m) or not out.is_contiguous():
         return None
-    ready = _nonempty_ready("log_space_columns", a, out)
-    if not ready or (r is not None and not _nonempty_ready("log_space_columns", r)):
+    if not _nonempty_ready("log_space_columns", a, out, *(() if r is None else (r,))):
         return None
     return op("log_space_columns")(a, r, out)
 
