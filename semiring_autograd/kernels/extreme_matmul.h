@@ -1072,22 +1072,22 @@ void entropy_weights(const T* w, T* out, int64_t count, int64_t i0, int64_t i1, 
     }
 }
 
-// The Entropy value (la, r) times lift(w), elementwise: log|w| (-inf at w = 0, +inf at
-// |w| = inf, NaN at NaN) is added to la and subtracted from r, and r is 0 where the new la
-// is -inf (no path). A NaN in r stays.
-// log|w| as entropy_mul_lift takes it: -inf at 0, +inf at |w| = inf, NaN at NaN.
+// log|w|: -inf at ±0, +inf at ±inf, NaN at NaN (entropy_mul_lift's and log_entries.h's).
 template <typename T>
-inline T log_w_entry(T w) {
+inline T log_abs_entry(T w) {
     const T x = std::fabs(w);
     const bool finite = (x > T(0)) & (x <= std::numeric_limits<T>::max());
     const T l = log_positive(finite ? x : T(1));
     return finite ? l : (x == T(0) ? -T(__builtin_inf()) : x);
 }
 
+// The Entropy value (la, r) times lift(w), elementwise: log|w| (-inf at w = 0, +inf at
+// |w| = inf, NaN at NaN) is added to la and subtracted from r, and r is 0 where the new la
+// is -inf (no path). A NaN in r stays.
 template <typename T>
 inline void entropy_mul_lift_entry(T la, T r, T w, T* la_out, T* r_out) {
     const T inf = __builtin_inf();
-    const T log_w = log_w_entry(w);
+    const T log_w = log_abs_entry(w);
     const T sum = la + log_w, rest = r - log_w;
     *la_out = sum;
     *r_out = sum == -inf ? T(0) : rest;
@@ -1122,7 +1122,7 @@ void entropy_mul_lift(const T* la, const T* r, const T* w, T* la_out, T* r_out, 
         entropy_mul_lift_entry(la[i], r[i], w[i], la_out + i, r_out + i);
 }
 
-// entropy_mul_lift with w broadcast over the value: lw holds log|w| (log_w_entry) per entry
+// entropy_mul_lift with w broadcast over the value: lw holds log|w| (log_abs_entry) per entry
 // of w; row `row` of n entries reads lw[w_at[row] + j * w_step] (rows [0, rows)).
 template <typename T>
 void entropy_mul_lift_spread(const T* la, const T* r, const T* lw, const int64_t* w_at,

@@ -16,8 +16,8 @@
 // log_plus_shifts_ declines its operands.
 //
 // Part of semiring_autograd; included by operators.cpp after extreme_matmul.h, whose
-// log_positive, exp_nonpositive, log_abs16, exp16_nonpositive, log_add16 and loo_row these
-// use.
+// log_positive, log_abs_entry, exp_nonpositive, log_abs16, exp16_nonpositive, log_add16 and
+// loo_row these use.
 
 #pragma once
 
@@ -34,15 +34,6 @@ constexpr int64_t PARALLEL_ENTRIES = int64_t(1) << 15;
 
 inline int threads_for(int64_t count) {
     return count < PARALLEL_ENTRIES ? 1 : std::max(1, at::get_num_threads());
-}
-
-// log|w|: -inf at ±0, +inf at ±inf, NaN at NaN.
-template <typename T>
-inline T log_abs_entry(T w) {
-    const T x = std::fabs(w);
-    const bool finite = (x > T(0)) & (x <= std::numeric_limits<T>::max());
-    const T l = log_positive(finite ? x : T(1));
-    return finite ? l : (x == T(0) ? -T(__builtin_inf()) : x);
 }
 
 // log(e^a + e^b) = big + log(1 + t), t = e^(small - big), with the rounding of 1 + t

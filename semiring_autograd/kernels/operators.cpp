@@ -317,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_spread_op(const at::Tensor& 
     FLOATING(la.scalar_type(), [&] {
         std::vector<T> lw(w.numel());
         const T* ws = w.const_data_ptr<T>();
-        for (size_t i = 0; i < lw.size(); ++i) lw[i] = log_w_entry(ws[i]);
+        for (size_t i = 0; i < lw.size(); ++i) lw[i] = log_abs_entry(ws[i]);
         entropy_mul_lift_spread<T>(la.const_data_ptr<T>(), r.const_data_ptr<T>(), lw.data(),
                                    w_at.data(), d ? steps[d - 1] : 0, out_l.data_ptr<T>(),
                                    out_r.data_ptr<T>(), n, rows, entry_threads(la.numel()));
