@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import semiring_autograd as sa
-from semiring_autograd.semirings import tensor_ops
+from semiring_autograd.semirings import log_space, tensor_ops
 
 PRUNING = ("MaxProduct", "SignedMaxProduct", "Log", "Entropy", "Boolean", "Counting")
 
@@ -70,10 +70,11 @@ def test_pruned_rows_and_columns_match_the_definition(name, monkeypatch):
         taken.append(result is not None)
         return result
 
-    # the module defining the semiring's matmul_lift calls on_live_rows by its own name
-    monkeypatch.setattr(
-        importlib.import_module(type(S).matmul_lift.__module__), "on_live_rows", spy
-    )
+    # the module defining the semiring's matmul_lift, or log_space's matmul_by_weight for
+    # the log-space semirings, calls on_live_rows by its own name
+    for module in (importlib.import_module(type(S).matmul_lift.__module__), log_space):
+        if hasattr(module, "on_live_rows"):
+            monkeypatch.setattr(module, "on_live_rows", spy)
     _assert_value(S.matmul_lift(a, w), _definition(S, a, w))
     assert taken == [True]
 

@@ -74,19 +74,17 @@ def test_entropy_lifted_matmul_takes_the_weight_path(monkeypatch):
     """With every row live, Entropy's matmul by a 2-D weight runs gemm_by_weight (its
     exact fallback included: the underflowing row), and its values are the general
     path's (two GEMMs of the message) to float32 rounding."""
-    import semiring_autograd.semirings.entropy as entropy
-
     calls, exact = [], []
     run, run_exact = log_space.gemm_by_weight, log_space._exact_terms
-    for module in (entropy, log_space):  # called from matmul_lift or from LogSpaceGemm.run
-        monkeypatch.setattr(module, "gemm_by_weight", lambda *a: calls.append(1) or run(*a))
+    # called from matmul_by_weight or from LogSpaceGemm.run, both in log_space
+    monkeypatch.setattr(log_space, "gemm_by_weight", lambda *a: calls.append(1) or run(*a))
     monkeypatch.setattr(log_space, "_exact_terms", lambda *a: exact.append(1) or run_exact(*a))
     la, ra = _messages((2, 6), 24, transposed=False, seed=3)
     la.view(-1, 24)[1] = 0.5  # every row live
     w = _weight(24, 10, seed=4)
     got = sa.Entropy().matmul_lift((la, ra), w)
     assert calls and exact, "the weight path or its exact fallback did not run"
-    monkeypatch.setattr(entropy, "shifted_rows", lambda *a: None)
+    monkeypatch.setattr(log_space, "shifted_rows", lambda *a: None)
     monkeypatch.setattr(log_space, "_by_weight", lambda *a: None)
     general = sa.Entropy().matmul_lift((la, ra), w)
     for g, e in zip(got, general):

@@ -10,16 +10,14 @@ from ..kernels.workspace import scratch
 from .base import Semiring, Value, _message
 from .batching import batched
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, shifted_rows, top_two_shifts
+from .log_space import LOG_TERMS, LogSpaceGemm, matmul_by_weight, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
     POS_INF,
     filled,
-    on_live_rows,
     ratio_or_zero,
     safe_weight,
     scatter_extreme,
-    worth_pruning,
 )
 
 
@@ -141,14 +139,7 @@ class Entropy(Semiring):
         return LogSpaceGemm.run(la, lb, ra, rb)
 
     def matmul_lift(self, a, w):
-        if w.dim() == 2 and not worth_pruning(a, w):
-            return self._matmul_lift(a, w)  # no row pruned (on_live_rows): no liveness test
-        by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
-        shifted = shifted_rows(*a) if by_weight else None
-        if shifted is not None and bool(shifted.live.all()):  # no row to drop
-            return gemm_by_weight(shifted, _entropy_weights(w))
-        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF, 0.0))
-        return result or self._matmul_lift(a, w)
+        return matmul_by_weight(self, a, w, _entropy_weights)
 
     def _matmul_lift(self, a, w):
         la, ra = _same_shape(a)

@@ -9,8 +9,8 @@ from ..kernels import log_entries
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring, _message
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, gemm_by_weight, log_loo, shifted_rows
-from .tensor_ops import NEG_INF, filled, on_live_rows, scatter_extreme, worth_pruning
+from .log_space import LOG_TERMS, LogSpaceGemm, log_loo, matmul_by_weight
+from .tensor_ops import NEG_INF, filled, scatter_extreme
 
 
 class Log(Semiring):
@@ -98,15 +98,9 @@ class Log(Semiring):
     def matmul_lift(self, a, w):
         """a ⊗ lift(w) summed over k: by a 2-D weight, one GEMM of the shifted rows of
         ``a`` when every row has a term (the pass that shifts them tells), else only the
-        rows with a term (``on_live_rows``); a product too small for it to prune, at once."""
-        if w.dim() == 2 and not worth_pruning(a, w):
-            return self._matmul_lift(a, w)  # no row pruned (on_live_rows): no liveness test
-        by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
-        shifted = shifted_rows(a[0], None) if by_weight else None
-        if shifted is not None and bool(shifted.live.all()):  # no row to drop
-            return (gemm_by_weight(shifted, self.linear_lift(w))[0],)
-        result = on_live_rows(a, self.terms, w, self._matmul_lift, (NEG_INF,))
-        return result or self._matmul_lift(a, w)
+        rows with a term (``on_live_rows``); a product too small for it to prune, at once
+        (``log_space.matmul_by_weight``)."""
+        return matmul_by_weight(self, a, w, self.linear_lift)
 
     def _matmul_lift(self, a, w):
         return (LogSpaceGemm.run(a[0], None, None, None, b_linear=self.linear_lift(w))[0],)

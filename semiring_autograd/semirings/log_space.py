@@ -4,7 +4,7 @@ semiring matmul with its exact fallback, and the leave-one-out logsumexp."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import kernels
 from ..kernels import log_entries
 from ..kernels.workspace import scratch
-from .base import Terms, broadcast_shape
+from .base import Semiring, Terms, Value, broadcast_shape
 from .batching import anywhere, batched
 from .tensor_ops import (
     CHUNK_ELEMENTS,
@@ -20,9 +20,11 @@ from .tensor_ops import (
     POS_INF,
     batch_flatten,
     flat_batch,
+    on_live_rows,
     ratio_or_zero,
     safe_weight,
     top_two,
+    worth_pruning,
 )
 
 # The largest shifted message operand of a log-space GEMM kept in scratch storage.
@@ -323,6 +325,28 @@ def gemm_by_weight(shifted: ShiftedRows, b_linear: Tensor) -> tuple[Tensor, Tens
         _exact_terms(rows[None], b3, ra3, rb3, bad[None], out[None], r3)
     shape = (*batch, b_linear.shape[-1])
     return out.view(shape), (None if num is None else num.view(shape))
+
+
+def matmul_by_weight(
+    S: Semiring, a: Value, w: Tensor, operand: Callable[[Tensor], Tensor]
+) -> Value:
+    """``S.matmul_lift(a, w)`` of a log-space semiring (a's components: log values, and r
+    for Entropy), ``operand(w)`` its linear GEMM operand: a product too small for
+    ``on_live_rows`` to prune runs whole at once (``S._matmul_lift``); by a 2-D weight,
+    one GEMM of the shifted rows of ``a`` when every row has a term (the pass that shifts
+    them tells); else only the rows with a term (``on_live_rows``, the zero's components
+    in the rows without)."""
+    if w.dim() == 2 and not worth_pruning(a, w):
+        return S._matmul_lift(a, w)  # no row pruned (on_live_rows): no liveness test
+    by_weight = w.dim() == 2 and w.shape[0] == a[0].shape[-1]
+    r_a = a[1] if len(a) > 1 else None
+    shifted = shifted_rows(a[0], r_a) if by_weight else None
+    if shifted is not None and bool(shifted.live.all()):  # no row to drop
+        out, r = gemm_by_weight(shifted, operand(w))
+        return (out,) if r is None else (out, r)
+    empty = (NEG_INF,) if len(a) == 1 else (NEG_INF, 0.0)
+    result = on_live_rows(a, S.terms, w, S._matmul_lift, empty)
+    return result or S._matmul_lift(a, w)
 
 
 def _by_weight(
