@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import PatchError, SemiringLawError, SemiringMismatchError, UnsupportedOpError
 from . import complex_pairs, custom_functions, inplace
 from .checkpointing import checkpoint_frame, recompute_under
-from .graph import NodeInfo
+from .graph import NodeInfo, node_info
 from ..ops.spec import NODE_INFO_KEY, OpSpec
 from .dispatch import OpTable, default_op_table
 from .recorded_call import RecordedCall
@@ -226,10 +226,7 @@ def _recorded_node(t: torch.Tensor, semiring: Semiring) -> bool:
     """Whether ``t``'s node was recorded under a patch of ``semiring`` (a leaf, a tensor
     made outside the patch or under another semiring's is not: a call handing it back is
     recorded, so that a graph reached from it holds a node that names the semiring)."""
-    node = t.grad_fn
-    if node is None:
-        return False
-    info = node.metadata.get(NODE_INFO_KEY)
+    info = node_info(t.grad_fn)
     return info is not None and info.semiring == semiring
 
 
