@@ -60,6 +60,7 @@ _SOURCES = (
     _HERE / "log_entries.h",
     _HERE / "extreme_entries.h",
     _HERE / "counting_entries.h",
+    _HERE / "standardize.h",
 )
 ENV = "SEMIRING_AUTOGRAD_KERNELS"
 MODES = ("off", "check", "trust")

@@ -600,6 +600,138 @@ def softmax_backward_max_formula(g: Tensor, p: Tensor) -> Tensor:
     return torch.maximum(g * (p * (1 - p)).abs(), others * (-p).abs())
 
 
+def standardize_max_formula(a: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    """MaxProduct's message at x from ``a`` at layer norm's n = c·s along the last dim
+    (``Semiring.standardize`` in torch, in the operands' dtype): the kernel's bits."""
+    n = c.shape[-1]
+    g_s = (a * c.abs()).amax(-1, keepdim=True)
+    g_v = g_s * (-0.5 * s.pow(3)).abs()
+    g_c = torch.maximum(a * s.abs(), g_v * (2.0 * c / n).abs())
+    one_over_n = torch.tensor(1.0 / n, dtype=a.dtype)
+    return torch.maximum(g_c, g_c.amax(-1, keepdim=True) * one_over_n)
+
+
+def _log_mul_lift(la: Tensor, r: Tensor | None, w: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Log's or (given r) Entropy's (la, r) ⊗ lift(w), in float64."""
+    log_w = torch.log(w.abs())
+    out = la + log_w
+    return out, None if r is None else torch.where(out == -INF, 0.0, r - log_w)
+
+
+def _log_sum(la: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """⊕ over the last dim (kept), in float64."""
+    total = torch.logsumexp(la, -1, keepdim=True)
+    if r is None:
+        return total, None
+    weight = torch.where(total == -INF, 0.0, torch.exp(la - total))
+    return total, (weight * r).sum(-1, keepdim=True)
+
+
+def _log_add(a, ra, b, rb) -> tuple[Tensor, Tensor | None]:
+    """a ⊕ b, in float64."""
+    total = torch.logaddexp(a, b)
+    if ra is None:
+        return total, None
+    wa = torch.where(total == -INF, 0.0, torch.exp(a - total))
+    wb = torch.where(total == -INF, 0.0, torch.exp(b - total))
+    return total, wa * ra + wb * rb
+
+
+def standardize_log_oracle(
+    a: Tensor, r: Tensor | None, c: Tensor, s: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """Log's (r None) or Entropy's message at x from (a, r) at layer norm's n = c·s along the
+    last dim, the composition in float64 (the local derivatives in the operands' dtype)."""
+    n = c.shape[-1]
+    weights = {
+        "c": c,
+        "v": -0.5 * s.pow(3),
+        "s": s,
+        "two_c": 2.0 * c / n,
+        "inverse": torch.tensor(1.0 / n, dtype=c.dtype),
+    }
+    w = {k: v.double() for k, v in weights.items()}
+    a, r = a.double(), None if r is None else r.double()
+    g_s = _log_sum(*_log_mul_lift(a, r, w["c"]))
+    g_v = _log_mul_lift(*g_s, w["v"])
+    g_c = _log_add(*_log_mul_lift(a, r, w["s"]), *_log_mul_lift(*g_v, w["two_c"]))
+    g_mu = _log_sum(*g_c)
+    return _log_add(*g_c, *_log_mul_lift(*g_mu, w["inverse"]))
+
+
+def _standardize_rows(c: _Case, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(a, centred, rstd) of layer norm over rows of n: a ≥ 0 with zeros, centred a row of
+    x minus its mean (an exact zero in one row), rstd its (mean(c²) + 1e-5)^(−1/2)."""
+    x = c.randn(2, 5, n) * 3
+    centred = x - x.mean(-1, keepdim=True)
+    if n > 2:
+        centred[1, 3, 1] = 0.0
+    rstd = torch.rsqrt((centred * centred).mean(-1, keepdim=True) + 1e-5)
+    a = c.rand(2, 5, n).masked_fill(c.where(0.2, (2, 5, n)), 0.0)
+    return a, centred, rstd
+
+
+def _check_standardize_max(c: _Case) -> str | None:
+    problems = []
+    for n in (1, 9, 37):
+        a, centred, rstd = _standardize_rows(c, n)
+        a[0, 2] = 0.5  # ties
+        a[1, 0] = 0.0  # no path
+        a[0, 3, n - 1] = NAN
+        a[1, 4, 0] = INF  # ∞·|c|, ∞·0 where c = 0 in a row of one
+        out, _ = c.run(a, centred, rstd)
+        problems.append(_differs("standardize_max", out, standardize_max_formula(a, centred, rstd)))
+    return _first(*problems)
+
+
+def _log_rows_of(c: _Case, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(a, r, centred, rstd): log-space a with -inf entries and a row of -inf, r 0 there."""
+    _, centred, rstd = _standardize_rows(c, n)
+    a = c.randn(2, 5, n) * 20
+    a.view(-1)[2::7] = -INF
+    a[1, 0] = -INF
+    r = c.rand(2, 5, n).masked_fill(a == -INF, 0.0)
+    return a, r, centred, rstd
+
+
+def _check_standardize_log(c: _Case) -> str | None:
+    problems = []
+    for n in (1, 9, 37):
+        a, _, centred, rstd = _log_rows_of(c, n)
+        (out, declined), _ = c.run(a, centred, rstd)
+        if bool(declined):
+            return "standardize_log declined rows without NaN or +inf"
+        want, _ = standardize_log_oracle(a, None, centred, rstd)
+        problems.append(_differs("standardize_log", out, want, _ulps(c, 16, 1 + want.abs())))
+    a, _, centred, rstd = _log_rows_of(c, 9)
+    a[1, 1, 2] = NAN
+    (_, declined), _ = c.run(a, centred, rstd)
+    if not bool(declined):
+        problems.append("standardize_log did not decline a row holding NaN")
+    return _first(*problems)
+
+
+def _check_entropy_standardize(c: _Case) -> str | None:
+    problems = []
+    for n in (1, 9, 37):
+        a, r, centred, rstd = _log_rows_of(c, n)
+        (out_l, out_r, declined), _ = c.run(a, r, centred, rstd)
+        if bool(declined):
+            return "entropy_standardize declined rows without NaN or +inf"
+        want_l, want_r = standardize_log_oracle(a, r, centred, rstd)
+        problems.append(
+            _differs("entropy_standardize log Z", out_l, want_l, _ulps(c, 16, 1 + want_l.abs()))
+        )
+        spread = 1 + want_r.abs() + want_l.abs().nan_to_num(posinf=0.0, neginf=0.0)
+        problems.append(_differs("entropy_standardize r", out_r, want_r, _ulps(c, 64, spread)))
+    a, r, centred, rstd = _log_rows_of(c, 9)
+    r[0, 2, 3] = NAN
+    (_, _, declined), _ = c.run(a, r, centred, rstd)
+    if not bool(declined):
+        problems.append("entropy_standardize did not decline a row whose r holds NaN")
+    return _first(*problems)
+
+
 def softmax_backward_or_formula(g: Tensor, p: Tensor) -> Tensor:
     """Boolean's message at softmax's input (last dim) from the bool ``g``: (g_i ∧ p_i(1 −
     p_i) ≠ 0) ∨ ((∨_{j≠i} g_j ∧ p_j ≠ 0) ∧ −p_i ≠ 0), the leave-one-out ∨ by counts."""
@@ -906,6 +1038,9 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "softmax_backward_or": _check_softmax_backward_or,
     "softmax_backward_signed": _check_softmax_backward_signed,
     "entropy_softmax_backward": _check_entropy_softmax_backward,
+    "standardize_max": _check_standardize_max,
+    "standardize_log": _check_standardize_log,
+    "entropy_standardize": _check_entropy_standardize,
     "where_zero": _check_where_zero,
     "any_nan_or_inf": _check_any_nan_or_inf,
     "all_rows_live": _check_all_rows_live,

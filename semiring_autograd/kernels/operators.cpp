@@ -21,6 +21,7 @@
 #include "log_entries.h"
 #include "extreme_entries.h"
 #include "counting_entries.h"
+#include "standardize.h"
 
 namespace {
 
@@ -578,6 +579,9 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("softmax_backward_or", &extreme_entries::softmax_backward_or_op);
     m.impl("softmax_backward_signed", &extreme_entries::softmax_backward_signed_op);
     m.impl("entropy_softmax_backward", &entropy_softmax_backward_op);
+    m.impl("standardize_max", &standardize::standardize_max_op);
+    m.impl("standardize_log", &standardize::standardize_log_op);
+    m.impl("entropy_standardize", &standardize::entropy_standardize_op);
     m.impl("where_zero", &counting_entries::where_zero_op);
 }
 

@@ -44,6 +44,12 @@ one dtype.
 ``entropy_softmax_backward`` (l, r, flag): Entropy's message at softmax's input from
                          (gl, gr) at its output p along the last dim, all of one shape;
                          the flag: a row held NaN or +inf (then left uncomputed); CPU only
+``standardize_max``      MaxProduct's message at x from a at layer norm's n = c·s along the
+                         last dim (c = x − μ, s one entry per row), a and c of one shape;
+                         CPU only
+``standardize_log``      (out, flag): Log's; the flag: a row held NaN or +inf (then left
+                         uncomputed); CPU only
+``entropy_standardize``  (l, r, flag): Entropy's, a the pair (la, r); CPU only
 ``where_zero``           where(w == 0, fill, y), fill of no dimension (Counting's y times
                          lift(w) with fill -inf); CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
@@ -93,6 +99,9 @@ SCHEMAS = {
     "softmax_backward_max": "(Tensor g, Tensor p) -> Tensor",
     "softmax_backward_or": "(Tensor g, Tensor p) -> Tensor",
     "softmax_backward_signed": "(Tensor g_hi, Tensor g_lo, Tensor p) -> (Tensor, Tensor, Tensor)",
+    "standardize_max": "(Tensor a, Tensor c, Tensor s) -> Tensor",
+    "standardize_log": "(Tensor a, Tensor c, Tensor s) -> (Tensor, Tensor)",
+    "entropy_standardize": "(Tensor la, Tensor r, Tensor c, Tensor s) -> (Tensor, Tensor, Tensor)",
     "where_zero": "(Tensor w, Tensor fill, Tensor y) -> Tensor",
     "entropy_softmax_backward": "(Tensor gl, Tensor gr, Tensor p) -> (Tensor, Tensor, Tensor)",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
@@ -186,6 +195,21 @@ def _like_first(a, b):
 
 for _name in ("log_add", "softmax_backward_max", "softmax_backward_or"):
     _fake(_name)(_like_first)
+
+
+@_fake("standardize_max")
+def _(a, c, s):
+    return a.new_empty(a.shape)
+
+
+@_fake("standardize_log")
+def _(a, c, s):
+    return a.new_empty(a.shape), _declined(a)
+
+
+@_fake("entropy_standardize")
+def _(la, r, c, s):
+    return la.new_empty(la.shape), la.new_empty(la.shape), _declined(la)
 
 
 @_fake("softmax_backward_log")

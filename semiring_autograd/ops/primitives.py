@@ -202,22 +202,11 @@ def softmax_backward(S: Semiring, a: Value, probs: Tensor, dim: int) -> Value:
 
 
 def standardize(S: Semiring, a: Value, centred: Tensor, rstd: Tensor, dims: Any) -> Value:
-    """The message at x from the message ``a`` at n = c·s, through the composition
-    μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2) over ``dims`` (kept), whose
-    nodes are nodes of the gradient graph: c → n weighs s, s → n weighs c, v → s
-    −s³/2, c → v 2c/count (c² one edge), x → c 1, μ → c −1, x → μ 1/count.
+    """The message at x from the message ``a`` at layer norm's n = c·s, through the
+    composition whose nodes are nodes of the gradient graph (``Semiring.standardize``:
+    μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2) over ``dims``).
     ``centred`` is c, ``rstd`` s."""
-    count = max(centred.numel() // max(rstd.numel(), 1), 1)
-    ref = (centred.dtype, centred.device)
-    g_s = S.sum(S.mul_lift(a, as_message(centred, ref)), dims, True)
-    g_v = S.mul_lift(g_s, as_message(-0.5 * rstd.pow(3), ref))
-    g_c = S.add(
-        S.mul_lift(a, as_message(rstd, ref)),
-        S.mul_lift(g_v, as_message(2.0 * centred / count, ref)),
-    )
-    # the edges c → μ all weigh −1: ⊗ by it after the ⊕ (distributivity; exact, |−1| = 1)
-    g_mu = S.mul_lift(S.sum(g_c, dims, True), as_message(-1.0, ref))
-    return S.add(g_c, S.mul_lift(g_mu, as_message(1.0 / count, ref)))
+    return S.standardize(a, centred, rstd, dims)
 
 
 def index_add(S: Semiring, a: Value, index: Tensor, size: int) -> Value:

@@ -13,7 +13,7 @@ import functools
 import math
 import types
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -224,6 +224,18 @@ def _checked_attribute(name: str, attribute: object) -> object:
     return attribute
 
 
+#: the methods that define a semiring's values: a subclass that overrides one of them is
+#: another algebra, to which its base's fused formulas do not apply
+_ALGEBRA = ("zero", "one", "lift", "add", "mul", "mul_lift", "_reduce")
+
+
+@functools.cache
+def keeps_algebra(sub: type, cls: type) -> bool:
+    """Whether ``sub`` (a subclass of ``cls``) has ``cls``'s ⊕, ⊗, lift and reductions, so
+    that ``cls``'s fused formulas compute its values."""
+    return all(getattr(sub, name) is getattr(cls, name) for name in _ALGEBRA)
+
+
 class Semiring:
     """Base class: (K, ⊕, ⊗, zero, one) plus ``lift`` from real local derivatives into K.
 
@@ -417,6 +429,27 @@ class Semiring:
         own = self.mul_lift(a, _message(probs * (1 - probs)))
         others = self.loo(self.mul_lift(a, _message(probs)), dim)
         return self.add(own, self.mul_lift(others, _message(-probs)))
+
+    def standardize(self, a: Value, centred: Tensor, rstd: Tensor, dims: Any) -> Value:
+        """The message at x from the message ``a`` at n = c·s, through layer norm's
+        composition μ = mean(x); c = x − μ; v = mean(c²); s = (v + eps)^(−1/2) over ``dims``
+        (kept), whose nodes are nodes of the gradient graph: c → n weighs s, s → n weighs c,
+        v → s −s³/2, c → v 2c/count (c² one edge), x → c 1, μ → c −1, x → μ 1/count.
+        ``centred`` is c, ``rstd`` s. Override to compute it in fewer passes."""
+        count = max(centred.numel() // max(rstd.numel(), 1), 1)
+        c, dtype = _message(centred), message_dtype(centred.dtype)
+
+        def constant(x: float) -> Tensor:
+            return torch.tensor(x, dtype=dtype, device=centred.device)
+
+        g_s = self.sum(self.mul_lift(a, c), dims, True)
+        g_v = self.mul_lift(g_s, _message(-0.5 * rstd.pow(3)))
+        g_c = self.add(
+            self.mul_lift(a, _message(rstd)), self.mul_lift(g_v, _message(2.0 * centred / count))
+        )
+        # the edges c → μ all weigh −1: ⊗ by it after the ⊕ (distributivity; exact, |−1| = 1)
+        g_mu = self.mul_lift(self.sum(g_c, dims, True), constant(-1.0))
+        return self.add(g_c, self.mul_lift(g_mu, constant(1.0 / count)))
 
     # ----- helpers shared by formulas ---------------------------------------------------
     def sum_to(self, a: Value, shape: Sequence[int]) -> Value:

@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import standardize as kernels_standardize
 from ..kernels.workspace import scratch
-from .base import Semiring, Value, _message
+from .base import Semiring, Value, _message, keeps_algebra
 from .batching import batched
 from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, matmul_by_weight, top_two_shifts
@@ -158,6 +159,17 @@ class Entropy(Semiring):
         its leave-one-out ⊕ L give t ⊗ lift(1 − p) ⊕ L ⊗ lift(p) (|−p| = p)."""
         fused = kernels.entropy_softmax_backward(*_same_shape(a), _message(probs), dim)
         return super().softmax_backward(a, probs, dim) if fused is None else fused
+
+    def standardize(self, a, centred, rstd, dims):
+        """Layer norm's composition in one kernel call per tensor on the CPU (where no
+        row's terms hold NaN or +inf and its r is finite)."""
+        if keeps_algebra(
+            type(self), Entropy
+        ):  # a subclass with its own ⊕ or ⊗ takes the composition
+            fused = kernels_standardize.entropy_standardize(*_same_shape(a), centred, rstd, dims)
+            if fused is not None:
+                return fused
+        return super().standardize(a, centred, rstd, dims)
 
     def loo(self, a, dim):
         return _entropy_loo(*_same_shape(a), dim)

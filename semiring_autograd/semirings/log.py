@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from ..kernels import log_entries
+from ..kernels import standardize as kernels_standardize
 from ..kernels.workspace import scratch
-from .base import InlineForms, Semiring, _message
+from .base import InlineForms, Semiring, _message, keeps_algebra
 from .frozen import kept_operand
 from .log_space import LOG_TERMS, LogSpaceGemm, log_loo, matmul_by_weight
 from .tensor_ops import NEG_INF, filled, scatter_extreme
@@ -74,6 +75,15 @@ class Log(Semiring):
         log_p = self.log_abs(p)
         t = g + log_p
         return (self.log_add(self.plus_log_abs(t, 1 - p), log_loo(t, dim) + log_p),)
+
+    def standardize(self, a, centred, rstd, dims):
+        """Layer norm's composition in one kernel call per tensor on the CPU (where no
+        row's terms hold NaN or +inf)."""
+        if keeps_algebra(type(self), Log):  # a subclass with its own ⊕ or ⊗ takes the composition
+            fused = kernels_standardize.standardize_log(a[0], centred, rstd, dims)
+            if fused is not None:
+                return (fused,)
+        return super().standardize(a, centred, rstd, dims)
 
     def readout(self, a):
         return a[0]

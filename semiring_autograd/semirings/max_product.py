@@ -7,8 +7,9 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels import extreme_entries
+from ..kernels import standardize as kernels_standardize
 from .tensor_level import TensorMaxProduct, tensor_level_instance
-from .base import InlineForms, Semiring, Terms, Value
+from .base import InlineForms, Semiring, Terms, Value, keeps_algebra
 from .tensor_ops import (
     CHUNK_ELEMENTS,
     all_finite,
@@ -80,6 +81,17 @@ class MaxProduct(Semiring):
         for the sign of a zero where +0 and −0 tie for a row's largest term)."""
         fused = extreme_entries.softmax_backward_max(a[0], probs, dim)
         return (fused,) if fused is not None else super().softmax_backward(a, probs, dim)
+
+    def standardize(self, a, centred, rstd, dims):
+        """Layer norm's composition in one kernel call per tensor on the CPU (the
+        composition's values to the bit)."""
+        if keeps_algebra(
+            type(self), MaxProduct
+        ):  # a subclass with its own ⊕ or ⊗ takes the composition
+            fused = kernels_standardize.standardize_max(a[0], centred, rstd, dims)
+            if fused is not None:
+                return (fused,)
+        return super().standardize(a, centred, rstd, dims)
 
 
 def max_times(a: Tensor, b: Tensor, abs_b: bool = False) -> Tensor:
