@@ -81,6 +81,9 @@ def _samples(dtype):
             (la, r, torch.softmax(rand(3, 40), -1)),
             (rand(2, 1, 7), rand(2, 1, 7), rand(2, 1, 7)),
         ],
+        "standardize_max": [(r, la - la.mean(-1, keepdim=True), rand(3, 1).abs())],
+        "standardize_log": [(la, la - la.mean(-1, keepdim=True), rand(3, 1).abs())],
+        "entropy_standardize": [(la, r, la - la.mean(-1, keepdim=True), rand(3).abs())],
         "where_zero": [
             (la.masked_fill(la > 0.5, 0.0), torch.tensor(-INF, dtype=dtype), r),
             (rand(40).masked_fill(r[0] > 0.5, 0.0), torch.tensor(0.5, dtype=dtype), r),
