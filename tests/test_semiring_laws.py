@@ -295,6 +295,19 @@ class LogSoftmaxOwnTermOnly(Log):
         return self.mul_lift(a, probs * (1 - probs))
 
 
+class MaxStandardizeWithoutMean(MaxProduct):
+    """standardize that drops the paths through μ (the ⊕ over the row after x → c)."""
+
+    def standardize(self, a, centred, rstd, dims):
+        return self.add(
+            self.mul_lift(a, rstd),
+            self.mul_lift(
+                self.mul_lift(self.sum(self.mul_lift(a, centred), dims, True), rstd.pow(3) / 2),
+                2 * centred / centred.shape[-1],
+            ),
+        )
+
+
 class MaxRealMatmul(MaxProduct):
     """Ordinary matmul for max-product (the shortcut "inside a matmul take a real matmul")."""
 
@@ -334,6 +347,7 @@ class WrongSumKeepdim(Real):
         (LogClampedLift, ["lift(0) == zero"]),
         (LogWrongLoo, ["loo == ⊕ of the others"]),
         (LogSoftmaxOwnTermOnly, ["softmax_backward == its Jacobian's fold"]),
+        (MaxStandardizeWithoutMean, ["standardize == its composition's fold"]),
         (MaxRealMatmul, ["matmul == ⊕ of ⊗ products"]),
         (RealIndexCopy, ["index_add == ⊕-scatter"]),
         (EntropyNaN, ["NaN"]),

@@ -29,6 +29,7 @@ from .primitives import (
     check_matmul,
     check_scan_and_loo,
     check_softmax_backward,
+    check_standardize,
     check_sum,
     check_sum_to,
 )
@@ -52,6 +53,7 @@ def _run(ck: Checker) -> None:
     ck.run_law("sum == fold of ⊕", lambda: check_sum(ck))
     check_scan_and_loo(ck)
     ck.run_law("softmax_backward == its Jacobian's fold", lambda: check_softmax_backward(ck))
+    ck.run_law("standardize == its composition's fold", lambda: check_standardize(ck))
     ck.run_law("matmul == ⊕ of ⊗ products", lambda: check_matmul(ck))
     ck.run_law("index_add == ⊕-scatter", lambda: check_index_add(ck))
     ck.run_law("sum_to == ⊕ over broadcast dims", lambda: check_sum_to(ck))
@@ -73,8 +75,8 @@ def check_semiring(
     (a ⊕ b) ⊕ c = a ⊕ (b ⊕ c), a ⊕ b = b ⊕ a, a ⊕ 0 = a, (a ⊗ b) ⊗ c = a ⊗ (b ⊗ c),
     a ⊗ 1 = 1 ⊗ a = a, a ⊗ (b ⊕ c) = a⊗b ⊕ a⊗c, (a ⊕ b) ⊗ c = a⊗c ⊕ b⊗c, a ⊗ 0 = 0 ⊗ a = 0,
     lift(0) = 0, lift(1) = 1, lift(xy) = lift(x) ⊗ lift(y); and that ``sum``, ``loo``,
-    ``exclusive_scan``, ``softmax_backward``, ``matmul``, ``index_add`` and ``sum_to`` equal
-    explicit folds of ⊕/⊗. ⊗ need not be commutative. Values agree when every component agrees within
+    ``exclusive_scan``, ``softmax_backward``, ``standardize``, ``matmul``, ``index_add`` and
+    ``sum_to`` equal explicit folds of ⊕/⊗. ⊗ need not be commutative. Values agree when every component agrees within
     ``rtol``/``atol`` (equal infinities agree, bool components exactly); NaN never agrees.
     Comparison is componentwise, so each element needs one canonical representation
     (e.g. a single representation of zero). ``samples`` is at least 8.

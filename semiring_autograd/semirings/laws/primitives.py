@@ -1,6 +1,6 @@
 """The primitives with generic defaults against their definitions, evaluated here with
-explicit folds of ⊕ and ⊗: sum, exclusive_scan and loo, softmax_backward, matmul, index_add,
-sum_to."""
+explicit folds of ⊕ and ⊗: sum, exclusive_scan and loo, softmax_backward, standardize,
+matmul, index_add, sum_to."""
 
 from __future__ import annotations
 
@@ -156,6 +156,40 @@ def check_softmax_backward(ck: Checker) -> None:
             f"softmax_backward(a, probs, dim={dim})",
             S.softmax_backward(a, probs, dim),
             "the Jacobian's terms folded by ⊕ and ⊗",
+            expected,
+            elementwise=False,
+        )
+
+
+def check_standardize(ck: Checker) -> None:
+    """standardize(a, c, s, -1)_j = g_c,j ⊕ (⊕_i g_c,i) ⊗ lift(−1) ⊗ lift(1/n), with
+    g_c,j = a_j ⊗ lift(s) ⊕ (⊕_i a_i ⊗ lift(c_i)) ⊗ lift(−s³/2) ⊗ lift(2c_j/n): layer
+    norm's composition, per row of n, on rows of a normalised input (one of width 1)."""
+    S = ck.S
+    law = "standardize == its composition's fold"
+    for shape in ((3, 5), (2, 3, 4), (3, 1)):
+        a = ck.pick(shape, zero_rows=True)
+        x = torch.randn(shape, generator=ck.gen, dtype=torch.float64) * 2
+        centred = (x - x.mean(-1, keepdim=True)).to(ck.dtype)
+        rstd = torch.rsqrt((centred * centred).mean(-1, keepdim=True) + 1e-5)
+        n, rest = shape[-1], list(shape[:-1])
+        items = [at(a, j) for j in range(n)]
+        c = [centred[..., j] for j in range(n)]
+        s = rstd[..., 0]
+        g_s = ck.fold([S.mul(items[j], S.lift(c[j])) for j in range(n)], rest)
+        g_v = S.mul(g_s, S.lift(-0.5 * s.pow(3)))
+        g_c = [
+            S.add(S.mul(items[j], S.lift(s)), S.mul(g_v, S.lift(2.0 * c[j] / n))) for j in range(n)
+        ]
+        g_mu = S.mul(ck.fold(g_c, rest), S.lift(torch.full_like(s, -1.0)))
+        back = S.mul(g_mu, S.lift(torch.full_like(s, 1.0 / n)))
+        expected = stack([expand(S.add(g, back), rest) for g in g_c], -1)
+        ck.compare(
+            law,
+            {"a": a, "centred": centred, "rstd": rstd},
+            "standardize(a, centred, rstd, -1)",
+            S.standardize(a, centred, rstd, (-1,)),
+            "the composition's terms folded by ⊕ and ⊗",
             expected,
             elementwise=False,
         )
