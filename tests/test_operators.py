@@ -178,6 +178,38 @@ def test_all_rows_live_equals_the_live_formulas(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_all_rows_live_reads_long_rows_to_their_end(dtype):
+    """Rows longer than the kernel's chunk whose deciding entry comes late: a term only at
+    the end, a NaN at the end, every entry below the zero (a maximum not equal to it), and a
+    row at the zero but one entry below it (no term); against the maximum's test."""
+    n = 200
+    rows = torch.full((6, n), -1.0, dtype=dtype)
+    rows[0, 150] = 2.0  # a term after the first chunks
+    rows[1, 199] = NAN
+    rows[3, :] = 0.0  # at the zero everywhere: no term
+    rows[4, :] = 0.0
+    rows[4, 190] = -1.0  # the maximum is the zero: no term
+    rows[5, 70] = 0.0  # the zero once, the rest below: the maximum is the zero
+    for row in range(6):
+        x = rows[row : row + 1]
+        expected = bool((x.amax(-1) != 0.0).all()) or bool(x.isnan().any())
+        assert kernels.all_rows_live(x, None, 0.0) == expected, row
+    assert [kernels.all_rows_live(rows[i : i + 1], None, 0.0) for i in range(6)] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    pair_hi = torch.zeros(2, n, dtype=dtype)
+    pair_lo = torch.ones(2, n, dtype=dtype)  # hi < lo: empty entries
+    pair_lo[0, 180] = 0.0  # one entry with hi ≥ lo, late in the row
+    assert kernels.all_rows_live(pair_hi[:1], pair_lo[:1], 0.0) is True
+    assert kernels.all_rows_live(pair_hi, pair_lo, 0.0) is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_log_gemm_finish_equals_its_formula(dtype):
     """log_gemm_finish_ decides exactness as gemm_exact_formula does (underflow, NaN and
     infinities in live and dead rows) and, where exact, writes num / z (0 at 0/0) as torch

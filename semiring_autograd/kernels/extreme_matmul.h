@@ -976,27 +976,34 @@ bool nan_or_inf(const T* x, int64_t count, int sign, int threads) {
 
 // Whether every row (n entries) of x has a term: its maximum is not `empty`, or, given y,
 // the maximum of x - y is not below 0 (a signed pair's hi ≥ lo); a NaN counts as a term,
-// as a NaN maximum does.
+// as a NaN maximum does. A row's maximum is not `empty` when some entry is above it or NaN,
+// or when every entry is below it; the first is what a row with a term usually shows in its
+// first entries, so each row is read in chunks and left at the first such entry.
 template <typename T>
 bool all_rows_live(const T* x, const T* y, int64_t rows, int64_t n, T empty) {
+    constexpr int64_t CHUNK = 64;
     for (int64_t row = 0; row < rows; ++row) {
         const T* xr = x + row * n;
-        int live = 0;
-        if (y) {
-            const T* yr = y + row * n;
-#pragma omp simd reduction(| : live)
-            for (int64_t j = 0; j < n; ++j) live |= !(xr[j] - yr[j] < T(0));
-        } else {
-            int nan = 0;
-            T top = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(| : nan) reduction(max : top)
-            for (int64_t j = 0; j < n; ++j) {
-                nan |= xr[j] != xr[j];
-                top = std::max(top, xr[j]);
+        const T* yr = y ? y + row * n : nullptr;
+        bool live = false, below = true;
+        for (int64_t j0 = 0; j0 < n && !live; j0 += CHUNK) {
+            const int64_t j1 = std::min(n, j0 + CHUNK);
+            int above = 0, reaches = 0;
+            if (yr) {
+#pragma omp simd reduction(| : above)
+                for (int64_t j = j0; j < j1; ++j) above |= !(xr[j] - yr[j] < T(0));
+                reaches = 1;  // a pair's maximum is below 0 only where every entry is
+            } else {
+#pragma omp simd reduction(| : above, reaches)
+                for (int64_t j = j0; j < j1; ++j) {
+                    above |= !(xr[j] <= empty);  // above, or NaN
+                    reaches |= !(xr[j] < empty);
+                }
             }
-            live = nan || top != empty;
+            live = above;
+            below = below && !reaches;
         }
-        if (!live) return false;
+        if (!live && !(below && !yr)) return false;
     }
     return true;
 }
