@@ -535,6 +535,71 @@ void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, 
     });
 }
 
+// max_times for a few rows (m ≤ FEW_ROWS, e.g. a prompt's tokens, or the one row a
+// read-out reaches): b is read where it lies, with no packed strips and no pruning, whose
+// cost (a pass over b per strip) a few rows do not repay. Per batch and column block of W,
+// the M rows' accumulators stay in registers while q runs over k. The same products and
+// comparisons in the same order as max_block: the same results to the bit. Given
+// `nonfinite`, a's and b's entries (b's first n_real columns) are tested as they are read.
+constexpr int64_t FEW_ROWS = 8;
+
+template <typename T, int M>
+void few_rows_block(const T* a, const T* b, T* out, int64_t k, int64_t n, int64_t j, T init,
+                    bool abs_b, int64_t valid, int* nonfinite) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const V zero = V{} + T(0);
+    const T largest = std::numeric_limits<T>::max();
+    V acc[M][C];
+    for (int r = 0; r < M; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = V{} + init;
+    int bad = 0;
+    for (int64_t q = 0; q < k; ++q) {
+        const T* bq = b + q * n + j;
+        V bv[C];
+        for (int c = 0; c < C; ++c) {
+            const V v = load<V>(bq + c * L);
+            bv[c] = abs_b ? (v < zero ? -v : v) : v;
+        }
+        if (nonfinite) {
+#pragma omp simd reduction(| : bad)
+            for (int64_t i = 0; i < valid; ++i) bad |= !(std::fabs(bq[i]) <= largest);
+        }
+        for (int r = 0; r < M; ++r) {
+            const T s = a[r * k + q];
+            for (int c = 0; c < C; ++c) acc[r][c] = vmax(bv[c] * s, acc[r][c]);
+        }
+    }
+    if (bad) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+    for (int r = 0; r < M; ++r)
+        for (int c = 0; c < C; ++c) store(out + r * n + j + c * L, acc[r][c]);
+}
+
+template <typename T, int M = 1>
+void few_rows(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t batch,
+              T init, bool abs_b, int threads, int* nonfinite, int64_t n_real) {
+    if constexpr (M < FEW_ROWS) {
+        if (m > M) {
+            few_rows<T, M + 1>(a, b, out, m, k, n, batch, init, abs_b, threads, nonfinite,
+                               n_real);
+            return;
+        }
+    }
+    constexpr int W = C * Vec<T>::lanes;
+    for_blocks(0, batch, 0, n / W, threads, [&](int64_t bt, int64_t cb, Scratch&) {
+        if (nonfinite && __atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
+        const T* ab = a + bt * M * k;
+        if (nonfinite && cb == 0 && !finite_entries(ab, M * k)) {
+            __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        const int64_t j = cb * W;
+        const int64_t valid = nonfinite ? std::max<int64_t>(0, std::min<int64_t>(W, n_real - j)) : 0;
+        few_rows_block<T, M>(ab, b + bt * k * n, out + bt * M * n, k, n, j, init, abs_b, valid,
+                             nonfinite);
+    });
+}
+
 template <typename T, bool POINT>
 void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi, T* lo,
                   int64_t m, int64_t k, int64_t n, int64_t b0, int64_t b1, int64_t c0,
