@@ -11,7 +11,7 @@ from ..kernels.workspace import scratch
 from .base import Semiring, Value, _message, keeps_algebra
 from .batching import batched
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, matmul_by_weight, top_two_shifts
+from .log_space import LOG_TERMS, LogSpaceGemm, folded_middle, matmul_by_weight, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
     POS_INF,
@@ -130,6 +130,9 @@ class Entropy(Semiring):
             fused = kernels.entropy_reduce_rows(la, r)
             if fused is not None:
                 return fused if keepdim else tuple(c.squeeze(-1) for c in fused)
+        folded = folded_middle(self, a, dims, keepdim)
+        if folded is not None:
+            return folded
         total = torch.logsumexp(la, dim=dims, keepdim=True)
         rs = (safe_weight(la, total) * r).sum(dim=dims, keepdim=keepdim)
         return (total if keepdim else total.squeeze(dims), rs)

@@ -10,7 +10,7 @@ from ..kernels import standardize as kernels_standardize
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring, _message, keeps_algebra
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, log_loo, matmul_by_weight
+from .log_space import LOG_TERMS, LogSpaceGemm, folded_middle, log_loo, matmul_by_weight
 from .tensor_ops import NEG_INF, filled, scatter_extreme
 
 
@@ -89,6 +89,9 @@ class Log(Semiring):
         return a[0]
 
     def _reduce(self, a, dims, keepdim):
+        folded = folded_middle(self, a, dims, keepdim)
+        if folded is not None:
+            return folded
         return (torch.logsumexp(a[0], dim=dims, keepdim=keepdim),)
 
     def loo(self, a, dim):
