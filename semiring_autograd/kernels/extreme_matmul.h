@@ -575,15 +575,16 @@ void few_rows_block(const T* a, const T* b, T* out, int64_t k, int64_t n, int64_
         for (int c = 0; c < C; ++c) store(out + r * n + j + c * L, acc[r][c]);
 }
 
+// Returns false, with nothing computed, where m is not in [1, FEW_ROWS] (the packed path's).
 template <typename T, int M = 1>
-void few_rows(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t batch,
+bool few_rows(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t batch,
               T init, bool abs_b, int threads, int* nonfinite, int64_t n_real) {
-    if constexpr (M < FEW_ROWS) {
-        if (m > M) {
-            few_rows<T, M + 1>(a, b, out, m, k, n, batch, init, abs_b, threads, nonfinite,
-                               n_real);
-            return;
-        }
+    if (m < 1) return false;
+    if (m > M) {
+        if constexpr (M < FEW_ROWS)
+            return few_rows<T, M + 1>(a, b, out, m, k, n, batch, init, abs_b, threads,
+                                      nonfinite, n_real);
+        return false;
     }
     constexpr int W = C * Vec<T>::lanes;
     for_blocks(0, batch, 0, n / W, threads, [&](int64_t bt, int64_t cb, Scratch&) {
@@ -598,6 +599,7 @@ void few_rows(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, i
         few_rows_block<T, M>(ab, b + bt * k * n, out + bt * M * n, k, n, j, init, abs_b, valid,
                              nonfinite);
     });
+    return true;
 }
 
 template <typename T, bool POINT>

@@ -47,9 +47,10 @@ one dtype.
 ``standardize_max``      MaxProduct's message at x from a at layer norm's n = c·s along the
                          last dim (c = x − μ, s one entry per row), a and c of one shape;
                          CPU only
-``standardize_log``      (out, flag): Log's; the flag: a row held NaN or +inf (then left
-                         uncomputed); CPU only
-``entropy_standardize``  (l, r, flag): Entropy's, a the pair (la, r); CPU only
+``standardize_log``      (out, flag): Log's; the flag: a row held NaN or +inf, or its s
+                         was not finite and positive (then left uncomputed); CPU only
+``entropy_standardize``  (l, r, flag): Entropy's, a the pair (la, r) (the flag also where
+                         a row's r was not finite); CPU only
 ``where_zero``           where(w == 0, fill, y), fill of no dimension (Counting's y times
                          lift(w) with fill -inf); CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it

@@ -15,8 +15,9 @@
 // composition's to the bit (products and maxima only; torch.maximum's and amax's NaN
 // propagate); Log's and Entropy's logs and exponentials are the series of extreme_matmul.h
 // (within a few ulp of torch's). Log and Entropy decline (bad[row] = 1, the row left
-// uncomputed) a row whose terms hold NaN or +inf, or whose s is not finite and positive;
-// -inf (no path) is an ordinary value there. Operands: a (and r) and c contiguous, of one
+// uncomputed) a row whose terms hold NaN or +inf, whose s is not finite and positive, or
+// (Entropy) whose r holds an entry that is not finite; -inf (no path) is an ordinary value
+// there. Operands: a (and r) and c contiguous, of one
 // shape; s contiguous with one entry per row; one dtype, float32 or float64. The Python
 // wrappers check that and take the composition otherwise, and for every row where a row
 // was declined.
@@ -128,7 +129,7 @@ inline bool within(const T* x, int64_t n, T low, T high) {
 }
 
 // Log (r null) or Entropy (r the rows' second components, out_r its results) along one
-// row; scratch holds 3n entries. Returns false, the row left uncomputed, where a term is NaN
+// row; scratch holds 2n entries. Returns false, the row left uncomputed, where a term is NaN
 // or +inf, an r entry is not finite, or s is not finite and positive.
 template <typename T>
 bool log_row(const T* a, const T* r, const T* c, T s, T* out, T* out_r, T* scratch,
@@ -137,13 +138,11 @@ bool log_row(const T* a, const T* r, const T* c, T s, T* out, T* out_r, T* scrat
     if (!(s > T(0) && s <= largest)) return false;
     if (r && !within(r, n, -largest, largest)) return false;
     const RowWeights<T> w = row_weights(s, n);
-    T* log_c = scratch;
-    T* t = scratch + n;
-    T* t_r = scratch + 2 * n;
+    T* t = scratch;
+    T* t_r = scratch + n;
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {  // a ⊗ lift(c)
         const T l = log_abs_entry(c[j]);
-        log_c[j] = l;
         t[j] = a[j] + l;
         if (r) t_r[j] = t[j] == -inf ? T(0) : r[j] - l;
     }
@@ -329,7 +328,7 @@ void log_rows(const T* a, const T* r, const T* c, const T* s, T* out, T* out_r, 
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        std::vector<T> scratch(3 * n);
+        std::vector<T> scratch(2 * n);
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; ++row) {
             const int64_t at = row * n;

@@ -6,7 +6,8 @@ Each takes the message (Entropy: its two components), c = x − μ of the messag
 s = (mean(c²) + eps)^(−1/2) with the normalised dims kept at size 1, all CPU float32/float64
 of one dtype, normalised over the trailing ``dims``; it returns None otherwise, where the
 kernels are off, unbuilt or failed their check (``kernels``'s modes), or (Log, Entropy)
-where a row's terms hold NaN or +inf: the callers then run the composition. MaxProduct's
+where a row's terms hold NaN or +inf, its s is not finite and positive, or (Entropy) its r
+is not finite: the callers then run the composition. MaxProduct's
 results are the composition's to the bit; Log's and Entropy's logs and exponentials are the
 kernels' series (within a few ulp of torch's).
 """
@@ -28,9 +29,11 @@ def _rows(a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> int | None:
     if isinstance(dims, int):
         dims = (dims,)
     rank = a.dim()
-    count = len(dims)
-    if not count or rank < count or centred.shape != a.shape:
+    if dims is None or not len(dims) or rank < len(dims) or centred.shape != a.shape:
         return None
+    if any(not -rank <= d < rank for d in dims):
+        return None
+    count = len(dims)
     if sorted(d % rank for d in dims) != list(range(rank - count, rank)):
         return None
     if rstd.shape != (*a.shape[: rank - count], *(1,) * count):
@@ -41,7 +44,7 @@ def _rows(a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> int | None:
 
 def standardize_max(a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> Tensor | None:
     """MaxProduct's message at x from ``a`` at n = c·s: g_s = max_j a_j·|c_j|, g_c,j =
-    max(a_j·s, g_s·|−s³/2|·|2c_j/n|), out_j = max(g_c,j, (max_j g_c,j)/n), by the fused CPU
+    max(a_j·s, g_s·|−s³/2|·|2c_j/n|), out_j = max(g_c,j, (max_j g_c,j)·(1/n)), by the fused CPU
     kernel; None where it does not apply."""
     n = _rows(a, centred, rstd, dims)
     if n is None or not _nonempty_ready("standardize_max", a, centred, rstd):
@@ -55,7 +58,7 @@ def standardize_max(a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> Tens
 def standardize_log(a: Tensor, centred: Tensor, rstd: Tensor, dims: Any) -> Tensor | None:
     """Log's message at x from ``a`` at n = c·s (the composition with ⊕ = logaddexp and ⊗
     lift(w) = + log|w|), by the fused CPU kernel; None where it does not apply or a row's
-    terms hold NaN or +inf."""
+    terms hold NaN or +inf (or its s is not finite and positive)."""
     n = _rows(a, centred, rstd, dims)
     if n is None or not _nonempty_ready("standardize_log", a, centred, rstd):
         return None

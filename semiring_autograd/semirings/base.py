@@ -224,16 +224,28 @@ def _checked_attribute(name: str, attribute: object) -> object:
     return attribute
 
 
-#: the methods that define a semiring's values: a subclass that overrides one of them is
-#: another algebra, to which its base's fused formulas do not apply
-_ALGEBRA = ("zero", "one", "lift", "add", "mul", "mul_lift", "_reduce")
+#: the methods that define a semiring's values (and Log's helpers its ⊕ and ⊗ call): a
+#: subclass that overrides one of them is another algebra, to which its base's fused
+#: formulas do not apply
+_ALGEBRA = (
+    "zero",
+    "one",
+    "lift",
+    "add",
+    "mul",
+    "mul_lift",
+    "sum",
+    "_reduce",
+    "log_abs",
+    "log_add",
+    "plus_log_abs",
+)
 
 
-@functools.cache
 def keeps_algebra(sub: type, cls: type) -> bool:
     """Whether ``sub`` (a subclass of ``cls``) has ``cls``'s ⊕, ⊗, lift and reductions, so
     that ``cls``'s fused formulas compute its values."""
-    return all(getattr(sub, name) is getattr(cls, name) for name in _ALGEBRA)
+    return all(getattr(sub, name, None) is getattr(cls, name, None) for name in _ALGEBRA)
 
 
 class Semiring:
