@@ -31,7 +31,7 @@ SHAPES = [
     (3, 4, 16, 32),
     (1, 130, 64, 100),  # above the threading threshold, column split
     (8, 64, 48, 20),  # above the threading threshold, batch split
-    (1, 8, 512, 100),  # a few rows (b read in place) above the threading threshold
+    (1, 8, 512, 100),  # a few rows above the threading threshold, column tail
     (6, 3, 256, 70),  # a few rows, batch and column split
 ]
 DTYPES = [torch.float32, torch.float64]

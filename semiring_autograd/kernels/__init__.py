@@ -136,8 +136,7 @@ def max_times(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = False) -> T
     (B, k, n) on the fused path, with |b| in place of b when ``abs_b`` (read while packing
     b); None when the fused path is unavailable (the caller falls back). NaN entries never
     win. On the CPU, terms whose bound |a|·max|b| cannot pass the row's accumulators are
-    skipped (branch and bound; the result is the same to the bit), but for products of at
-    most 8 rows, which read b where it lies and compute every term."""
+    skipped (branch and bound; the result is the same to the bit)."""
     if a.is_cuda and enabled():
         return _cuda_call("max_times", a, b, init, abs_b)
     if not _nonempty_ready("max_times", a, b):

@@ -100,11 +100,9 @@ static at::Tensor run_max_times(const char* name, const at::Tensor& a_, const at
     auto out = at::empty({batch, m, padded}, a.options());
     FLOATING(a.scalar_type(), [&] {
         const int64_t blocks = padded / width<T>();
-        const int threads = threads_for(batch * m * k * padded);
-        if (!few_rows<T>(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), m, k, padded,
-                         batch, T(init), abs_b, threads, nonfinite, n))
-            max_times<T>(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), m, k, padded, 0,
-                         batch, 0, blocks, T(init), abs_b, threads, nonfinite, n);
+        max_times<T>(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), m, k, padded, 0, batch,
+                     0, blocks, T(init), abs_b, threads_for(batch * m * k * padded), nonfinite,
+                     n);
     });
     if (nonfinite && *nonfinite) out.fill_(NAN);
     return trim(out, n);
