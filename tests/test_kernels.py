@@ -150,16 +150,19 @@ def _pruning_case(scenario: str, shape, dtype, gen):
 
 
 PRUNING_SHAPE = (2, 37, 300, 70)
+#: three k blocks, the last one partial
+LONG_K_SHAPE = (2, 37, 600, 70)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scenario", ["decaying", "late_winner", "uneven_rows", "specials"])
-def test_pruned_max_times_is_exact(scenario, dtype):
+@pytest.mark.parametrize("shape", [PRUNING_SHAPE, LONG_K_SHAPE], ids=["k300", "k600"])
+def test_pruned_max_times_is_exact(scenario, dtype, shape):
     """max_times skips the terms that cannot pass its accumulators (branch and bound): the
     result is still exactly max(0, the broadcast max), NaN products (0 · inf) never
     winning, with b or |b|, for a non-negative a (MaxProduct's messages) or any a."""
     gen = torch.Generator().manual_seed(7)
-    signed, b = _pruning_case(scenario, PRUNING_SHAPE, dtype, gen)
+    signed, b = _pruning_case(scenario, shape, dtype, gen)
     for a, abs_b in [(signed.abs(), False), (signed.abs(), True), (signed, False)]:
         got = kernels.max_times(a, b, abs_b=abs_b)
         assert got is not None, "the fused kernel is unavailable on this machine"
