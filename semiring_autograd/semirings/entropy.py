@@ -166,9 +166,8 @@ class Entropy(Semiring):
     def standardize(self, a, centred, rstd, dims):
         """Layer norm's composition in one kernel call per tensor on the CPU (where no
         row's terms hold NaN or +inf and its r is finite)."""
-        if keeps_algebra(
-            type(self), Entropy
-        ):  # a subclass with its own ⊕ or ⊗ takes the composition
+        # a subclass with its own ⊕ or ⊗ takes the composition
+        if keeps_algebra(type(self), Entropy):
             fused = kernels_standardize.entropy_standardize(*_same_shape(a), centred, rstd, dims)
             if fused is not None:
                 return fused

@@ -79,7 +79,8 @@ class Log(Semiring):
     def standardize(self, a, centred, rstd, dims):
         """Layer norm's composition in one kernel call per tensor on the CPU (where no
         row's terms hold NaN or +inf)."""
-        if keeps_algebra(type(self), Log):  # a subclass with its own ⊕ or ⊗ takes the composition
+        # a subclass with its own ⊕ or ⊗ takes the composition
+        if keeps_algebra(type(self), Log):
             fused = kernels_standardize.standardize_log(a[0], centred, rstd, dims)
             if fused is not None:
                 return (fused,)

@@ -374,7 +374,7 @@ def folded_middle(S, a: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple | 
     if dim == a[0].dim() - 1:
         return None
     n = a[0].shape[dim]
-    if n > FOLD_ENTRIES:
+    if n == 0 or n > FOLD_ENTRIES:
         return None
     slices = [c.unbind(dim) for c in a]
     out = tuple(parts[0] for parts in slices)

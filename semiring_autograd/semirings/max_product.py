@@ -85,9 +85,8 @@ class MaxProduct(Semiring):
     def standardize(self, a, centred, rstd, dims):
         """Layer norm's composition in one kernel call per tensor on the CPU (the
         composition's values to the bit)."""
-        if keeps_algebra(
-            type(self), MaxProduct
-        ):  # a subclass with its own ⊕ or ⊗ takes the composition
+        # a subclass with its own ⊕ or ⊗ takes the composition
+        if keeps_algebra(type(self), MaxProduct):
             fused = kernels_standardize.standardize_max(a[0], centred, rstd, dims)
             if fused is not None:
                 return (fused,)
