@@ -22,9 +22,9 @@
 // wrappers check that and take the composition otherwise, and for every row where a row
 // was declined.
 //
-// Part of semiring_autograd; included by operators.cpp after extreme_matmul.h and
-// log_entries.h, whose log_positive, log_abs_entry, exp_nonpositive, log_add_entry,
-// entropy_add_entry, threads_for and check_entries these use.
+// Part of semiring_autograd; included by operators.cpp after extreme_matmul.h,
+// log_entries.h and extreme_entries.h, whose log_positive, log_abs_entry, exp_nonpositive,
+// log_add_entry, entropy_add_entry, threads_for, check_entries and max_nan these use.
 
 #pragma once
 
@@ -53,12 +53,6 @@ inline RowWeights<T> row_weights(T s, int64_t n) {
     return {s, T(-0.5) * (s * s * s), T(n), T(1.0 / double(n))};
 }
 
-// torch.maximum's value: NaN where either operand is NaN, else the larger.
-template <typename T>
-inline T max_nan(T x, T y) {
-    return (x > y || x != x) ? x : y;
-}
-
 // MaxProduct along one row: ⊕ is max (NaN kept, as torch.maximum's and amax's), ⊗ by
 // lift(w) is ·|w|. The maxima are taken apart from the NaN flags so that the loops
 // vectorise.
@@ -80,7 +74,8 @@ void max_row(const T* a, const T* c, T s, T* out, int64_t n) {
     int mu_nan = 0;
 #pragma omp simd reduction(max : g_mu) reduction(| : mu_nan)
     for (int64_t j = 0; j < n; ++j) {
-        const T g_c = max_nan(a[j] * own, g_v * std::fabs((T(2) * c[j]) / w.n));
+        const T through = g_v * std::fabs((T(2) * c[j]) / w.n);
+        const T g_c = extreme_entries::max_nan(a[j] * own, through);
         out[j] = g_c;
         mu_nan |= g_c != g_c;
         g_mu = std::max(g_mu, g_c);
@@ -88,7 +83,7 @@ void max_row(const T* a, const T* c, T s, T* out, int64_t n) {
     if (mu_nan) g_mu = nan;
     const T back = (g_mu * std::fabs(T(-1))) * std::fabs(w.inverse);
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) out[j] = max_nan(out[j], back);
+    for (int64_t j = 0; j < n; ++j) out[j] = extreme_entries::max_nan(out[j], back);
 }
 
 // log Σ_j e^{x_j} over a row whose entries are finite or -inf (the largest taken out
