@@ -46,6 +46,9 @@ CASES = [
     (1, 1, 1, 1, 2, 3, 5, 7),  # k above the number of terms: zeros at the end
     (4, 2, 3, 3, 1, 6, 1, 1),
     (5, 5, 1, 1, 6, 64, 48, 32),
+    # more rows than the in-place path takes (K_BEST_IN_PLACE_ROWS): b's strips
+    (3, 1, 2, 2, 20, 23, 35, 5),
+    (2, 1, 1, 1, 17, 30, 16, 3),
 ]
 
 
@@ -82,8 +85,13 @@ def test_k_best_times_rows_and_indices_without_paths():
     assert torch.equal(got[:, :, 2], torch.zeros(4, 1, 21))
 
 
-def test_k_best_times_ignores_dead_indices_only_when_asked():
-    a = lists(2, 1, 3, 10, seed=8)
+#: rows per batch entry on each side of the in-place path's limit
+ROWS = [3, 20]
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_k_best_times_ignores_dead_indices_only_when_asked(m: int):
+    a = lists(2, 1, m, 10, seed=8)
     a[:, :, :, 4] = 0  # index 4: no row has a path
     b = lists(1, 1, 10, 17, seed=9)
     b[0, 0, 4, 3] = float("nan")
@@ -93,10 +101,11 @@ def test_k_best_times_ignores_dead_indices_only_when_asked():
     assert kernels.k_best_times(a, b, 3, abs_b=True, dead_count=True) is None
 
 
+@pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("where", ["a", "b"])
-def test_k_best_times_declines_non_finite_operands(bad: float, where: str):
-    a = lists(2, 1, 3, 8, seed=10)
+def test_k_best_times_declines_non_finite_operands(bad: float, where: str, m: int):
+    a = lists(2, 1, m, 8, seed=10)
     b = lists(1, 1, 8, 20, seed=11)
     (a if where == "a" else b)[0, 0, 1, 1] = bad
     assert kernels.k_best_times(a, b, 3, abs_b=True, dead_count=True) is None

@@ -17,6 +17,11 @@
 // largest bm per column) passes no k-th best: every later term is below it. An index q where the row has no weight above 0 has only zero products, which
 // never enter a list: it is skipped, and so is a strip row q where no row of a has one.
 //
+// Strips or in place: a strip gathers b's column block for every q, read down b's columns.
+// With kb = 1 and at most K_BEST_IN_PLACE_ROWS rows per batch entry (a prompt's few tokens)
+// the rows read b where they visit it instead (few q each, by the bounds), and bm comes from
+// one pass along b's rows (column_bounds); the terms and comparisons are the same.
+//
 // Non-finite operands (NaN, ±inf) are not computed: the torch formula gives NaN for
 // NaN and ∞·0 terms, which a list of comparisons would not. Where an entry of a, or of b
 // at a live index q (at any q when `dead_count`), is not finite, *nonfinite is set and
@@ -107,34 +112,38 @@ bool k_best_bounds(const T* a, int64_t a_comp, int64_t ka, int64_t batch, int64_
     return true;
 }
 
-// Per row of am (rows × l, finite): its indices q with am > 0 by am descending, ties by q,
-// into order[row * l, ...), and how many into count[row]. Float rows sort as 64-bit keys
-// (bits of am, then ~q): the bits of a positive float order as the float does.
+// Per row of am (rows × l, finite; rows across threads): its indices q with am > 0 by am
+// descending, ties by q, into order[row * l, ...), and how many into count[row]. Float rows
+// sort as 64-bit keys (bits of am, then ~q): the bits of a positive float order as the
+// float does.
 template <typename T>
-void row_order(const T* am, int64_t rows, int64_t l, int32_t* order, int64_t* count) {
-    std::vector<uint64_t> keys(std::is_same_v<T, float> ? l : 0);
-    for (int64_t row = 0; row < rows; ++row) {
-        const T* ar = am + row * l;
-        int32_t* qs = order + row * l;
-        int64_t c = 0;
-        if constexpr (std::is_same_v<T, float>) {
-            for (int64_t q = 0; q < l; ++q) {
-                if (!(ar[q] > T(0))) continue;
-                uint32_t bits;
-                std::memcpy(&bits, ar + q, sizeof bits);
-                keys[c++] = uint64_t(bits) << 32 | ~uint32_t(q);
+void row_order(const T* am, int64_t rows, int64_t l, int32_t* order, int64_t* count,
+               int threads) {
+    at::parallel_for(0, rows, threads > 1 ? 1 : INT64_MAX, [&](int64_t row0, int64_t row1) {
+        std::vector<uint64_t> keys(std::is_same_v<T, float> ? l : 0);
+        for (int64_t row = row0; row < row1; ++row) {
+            const T* ar = am + row * l;
+            int32_t* qs = order + row * l;
+            int64_t c = 0;
+            if constexpr (std::is_same_v<T, float>) {
+                for (int64_t q = 0; q < l; ++q) {
+                    if (!(ar[q] > T(0))) continue;
+                    uint32_t bits;
+                    std::memcpy(&bits, ar + q, sizeof bits);
+                    keys[c++] = uint64_t(bits) << 32 | ~uint32_t(q);
+                }
+                std::sort(keys.begin(), keys.begin() + c, std::greater<uint64_t>());
+                for (int64_t u = 0; u < c; ++u) qs[u] = static_cast<int32_t>(~uint32_t(keys[u]));
+            } else {
+                for (int64_t q = 0; q < l; ++q)
+                    if (ar[q] > T(0)) qs[c++] = static_cast<int32_t>(q);
+                std::sort(qs, qs + c, [ar](int32_t x, int32_t y) {
+                    return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
+                });
             }
-            std::sort(keys.begin(), keys.begin() + c, std::greater<uint64_t>());
-            for (int64_t u = 0; u < c; ++u) qs[u] = static_cast<int32_t>(~uint32_t(keys[u]));
-        } else {
-            for (int64_t q = 0; q < l; ++q)
-                if (ar[q] > T(0)) qs[c++] = static_cast<int32_t>(q);
-            std::sort(qs, qs + c, [ar](int32_t x, int32_t y) {
-                return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
-            });
+            count[row] = c;
         }
-        count[row] = c;
-    }
+    });
 }
 
 // One row i of a against one column strip (see k_best_times): its indices q (qs, by am
@@ -151,6 +160,10 @@ struct Row {
     const T* strip;
     int64_t rs, first;
     V colmax;
+    // kb = 1 read in place: strip points at b's column j, rs = n, |b| taken per load, the
+    // first `valid` lanes read
+    bool direct, abs_b;
+    int64_t valid;
 };
 
 // The k best terms of row r per lane of the strip, best first, into top[0..k). K > 0: k is
@@ -171,7 +184,13 @@ void best_of_row(const Row<T>& r, int64_t k, V* top) {
         const T* row = r.strip + q * r.rs;
         const T* x = r.x + q;
         if (r.kb == 1) {
-            const V y = load<V>(row);
+            V y;
+            if (r.direct) {
+                y = load_part<T>(row, r.valid);
+                if (r.abs_b) y = y < T(0) ? -y : y;
+            } else {
+                y = load<V>(row);
+            }
             for (int64_t c = 0; c < r.ka; ++c) {
                 const V p = y * x[c * r.a_comp];
                 if (greater_lanes<T>(p, kth))
@@ -203,6 +222,50 @@ void best_of_row_k(int64_t k, const Row<T>& r, V* top) {
         best_of_row_k<T, K - 1>(k, r, top);
 }
 
+// Up to this many rows per batch entry, kb = 1 runs in place: the rows visit few indices q
+// (their am descending, cut by the bounds), so reading b where they visit costs less than
+// a strip of all l indices read down b's columns.
+constexpr int64_t K_BEST_IN_PLACE_ROWS = 16;
+
+// For kb = 1 in place: bm (batch, n) = the largest |b| (b when !abs_b) per column over the
+// indices q live in that batch entry, from passes along b's rows; false where an entry of b
+// that counts (live q, any q when dead_count) is not finite.
+template <typename T>
+bool column_bounds(const T* b, int64_t b_batch, int64_t batch, int64_t l, int64_t n,
+                   const uint8_t* live, bool abs_b, bool dead_count, T* bm, int threads) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes, C = 8;  // C vectors of columns per task
+    const int64_t chunks = (n + C * L - 1) / (C * L);
+    int bad = 0;
+    at::parallel_for(0, batch * chunks, threads > 1 ? 1 : INT64_MAX,
+                     [&](int64_t first, int64_t last) {
+        for (int64_t task = first; task < last; ++task) {
+            const int64_t bt = task / chunks, j0 = (task % chunks) * C * L;
+            const T* bb = b + bt * b_batch;
+            const uint8_t* lv = live + bt * l;
+            V big[C], check = V{} + T(0);
+            for (int c = 0; c < C; ++c) big[c] = V{} + T(0);
+            for (int64_t q = 0; q < l; ++q) {
+                if (!lv[q] && !dead_count) continue;
+                for (int c = 0; c < C; ++c) {
+                    const int64_t j = j0 + c * L;
+                    if (j >= n) break;
+                    V v = load_part<T>(bb + q * n + j, n - j);
+                    check += v * T(0);
+                    if (abs_b) v = v < T(0) ? -v : v;
+                    if (lv[q]) big[c] = vmax(v, big[c]);
+                }
+            }
+            if (!finite_lanes<T>(check)) __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
+            for (int c = 0; c < C && j0 + c * L < n; ++c) {
+                const int64_t j = j0 + c * L, valid = std::min<int64_t>(L, n - j);
+                std::memcpy(bm + bt * n + j, &big[c], valid * sizeof(T));
+            }
+        }
+    });
+    return !bad;
+}
+
 template <typename T>
 void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batch, T* out,
                   int64_t k, int64_t batch, int64_t m, int64_t l, int64_t n, bool abs_b,
@@ -220,14 +283,37 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
     }
     std::vector<int32_t> order(batch * m * l);
     std::vector<int64_t> count(batch * m);
-    row_order(am.data(), batch * m, l, order.data(), count.data());
+    row_order(am.data(), batch * m, l, order.data(), count.data(), threads);
     const int64_t blocks = (n + L - 1) / L;
+    const bool direct = kb == 1 && m <= K_BEST_IN_PLACE_ROWS;
+    std::vector<T> bounds(direct ? batch * n : 0);
+    if (direct && !column_bounds(b, b_batch, batch, l, n, live.data(), abs_b, dead_count,
+                                 bounds.data(), threads)) {
+        *nonfinite = 1;
+        return;
+    }
     for_blocks(0, batch, 0, blocks, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
         if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
         const int64_t j = cb * L, valid = std::min<int64_t>(L, n - j);
         const T* bb = b + bt * b_batch;
         const uint8_t* lv = live.data() + bt * l;
+        Buffer<T>& lists = buffers[1];
+        lists.resize(k * L);
+        V* top = reinterpret_cast<V*>(lists.data());
+        if (direct) {
+            const V colmax = load_part<T>(bounds.data() + bt * n + j, valid);
+            for (int64_t i = 0; i < m; ++i) {
+                const int64_t row = bt * m + i;
+                const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
+                               a + row * l, a_comp, ka, kb, sorted, bb + j, n, 0, colmax,
+                               true, abs_b, valid};
+                best_of_row_k<T>(k, r, top);
+                for (int64_t t = 0; t < k; ++t)
+                    std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));
+            }
+            return;
+        }
         // The strip of b's columns [j, j + L): per q, the bounds bm, then (for kb > 1) the
         // kb components (|b| when abs_b), so the terms read it from cache; and the
         // finiteness of the b entries that count.
@@ -252,15 +338,13 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
             __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
             return;
         }
-        Buffer<T>& lists = buffers[1];
-        lists.resize(k * L);
-        V* top = reinterpret_cast<V*>(lists.data());
         for (int64_t i = 0; i < m; ++i) {
             const int64_t row = bt * m + i;
             const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
                            a + row * l,          a_comp,               ka,
                            kb,                   sorted,               strip.data(),
-                           rs,                   first,                colmax};
+                           rs,                   first,                colmax,
+                           false,                false,                L};
             best_of_row_k<T>(k, r, top);
             for (int64_t t = 0; t < k; ++t)
                 std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));

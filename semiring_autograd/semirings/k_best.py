@@ -124,6 +124,25 @@ class KBest(Semiring):
         w = w.abs()
         return tuple(c * w for c in a)  # |w| ≥ 0 keeps the order
 
+    def loo(self, a, dim):
+        """out_i = the k best entries of the lists a_j, j ≠ i, along ``dim``: they are among
+        the 2k best entries of all the lists, of which at most k are a_i's own. One top-2k
+        over all entries, a_i's own masked per i, one top-k: a selection of entries, so
+        the values are the prefix and suffix scans' to the bit, in a fixed number of ops."""
+        a = broadcast_value(a)
+        dim, k = dim % a[0].dim(), self.k
+        lists = torch.stack(a, -1).movedim(dim, -2)  # (..., n, k)
+        n = lists.shape[-2]
+        entries = lists.flatten(-2)  # entry e comes from list e // k
+        if n < 2:  # zeros (no path) as entries of no list make 2k
+            pad = entries.new_zeros((*entries.shape[:-1], (2 - n) * k))
+            entries = torch.cat([entries, pad], -1)
+        best = entries.topk(2 * k, dim=-1)
+        own = best.indices[..., None, :] // k == torch.arange(n, device=lists.device)[:, None]
+        others = best.values[..., None, :].masked_fill(own, -math.inf)  # (..., n, 2k)
+        out = others.topk(k, dim=-1).values.movedim(-2, dim)
+        return tuple(out.unbind(-1))
+
     def readout(self, a):
         return torch.stack(broadcast_value(a), 0)
 
