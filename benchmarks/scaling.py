@@ -12,7 +12,9 @@ input embeddings):
   backward with paths) and of the ``sa.KBest(k)`` backward, sequence ``--length``.
 
 seq and hidden time forward + backward (native: ``torch.autograd.grad``; a semiring:
-patched forward + ``sa.grad``), the median of ``--reps`` rounds in which every mode runs
+patched forward + ``sa.grad``; a semiring named with ``+paths``, e.g. ``MaxProduct+paths``:
+the forward under ``paths=True`` and the backward that records every node's messages for
+path search, ``PathFinder``), the median of ``--reps`` rounds in which every mode runs
 once (a shared machine's drift hits each alike), and peak memory (the process's peak
 resident set over one call above the resident set before it). The k sweep times the
 backward or the search alone. Each series' growth is fitted as time ∝ size^p by least
@@ -98,8 +100,12 @@ class Case:
         if mode == "native":
             torch.autograd.grad(*reversed(self.forward()))
             return
-        x, y = self.forward(semiring_named(mode))
-        sa.grad(y, x)
+        paths = mode.endswith("+paths")
+        x, y = self.forward(semiring_named(mode.removesuffix("+paths")), paths=paths)
+        if paths:
+            PathFinder(y, x)  # the backward with every node's messages kept for the search
+        else:
+            sa.grad(y, x)
 
 
 def seconds(fn: Callable[[], object]) -> float:
