@@ -47,8 +47,8 @@ CASES = [
     (4, 2, 3, 3, 1, 6, 1, 1),
     (5, 5, 1, 1, 6, 64, 48, 32),
     # more rows than the in-place path takes (K_BEST_IN_PLACE_ROWS): b's strips
-    (3, 1, 2, 2, 20, 23, 35, 5),
-    (2, 1, 1, 1, 17, 30, 16, 3),
+    (3, 1, 2, 2, 70, 23, 35, 5),
+    (2, 1, 1, 1, 65, 30, 16, 3),
 ]
 
 
@@ -86,7 +86,7 @@ def test_k_best_times_rows_and_indices_without_paths():
 
 
 #: rows per batch entry on each side of the in-place path's limit
-ROWS = [3, 20]
+ROWS = [3, 70]
 
 
 @pytest.mark.parametrize("m", ROWS)

@@ -18,7 +18,7 @@
 // never enter a list: it is skipped, and so is a strip row q where no row of a has one.
 //
 // Strips or in place: a strip gathers b's column block for every q, read down b's columns.
-// With kb = 1 and at most K_BEST_IN_PLACE_ROWS rows per batch entry (a prompt's few tokens)
+// With kb = 1 and at most K_BEST_IN_PLACE_ROWS rows per batch entry (a prompt's tokens)
 // the rows read b where they visit it instead (few q each, by the bounds), and bm comes from
 // one pass along b's rows (column_bounds); the terms and comparisons are the same.
 //
@@ -225,7 +225,7 @@ void best_of_row_k(int64_t k, const Row<T>& r, V* top) {
 // Up to this many rows per batch entry, kb = 1 runs in place: the rows visit few indices q
 // (their am descending, cut by the bounds), so reading b where they visit costs less than
 // a strip of all l indices read down b's columns.
-constexpr int64_t K_BEST_IN_PLACE_ROWS = 16;
+constexpr int64_t K_BEST_IN_PLACE_ROWS = 64;
 
 // For kb = 1 in place: bm (batch, n) = the largest |b| (b when !abs_b) per column over the
 // indices q live in that batch entry, from passes along b's rows; false where an entry of b
