@@ -151,3 +151,58 @@ def test_k_best_matmul_lift_does_not_copy_the_weight_for_the_kernel():
     assert seen == [True]
     want = brute_force(torch.stack(a)[:, None], w[None, None], 3, True)
     assert torch.equal(torch.stack(got), want[:, 0])
+
+
+def brute_loo(lists: torch.Tensor) -> torch.Tensor:
+    """(k, rows, n) → per row and position j the k largest of the other positions'
+    entries, by a full sort, zeros appended."""
+    k, rows, n = lists.shape
+    out = torch.zeros_like(lists)
+    for row in range(rows):
+        for j in range(n):
+            pool = torch.cat([lists[:, row, :j].flatten(), lists[:, row, j + 1 :].flatten()])
+            pool = torch.cat([pool, torch.zeros(k, dtype=lists.dtype)])
+            out[:, row, j] = pool.sort(descending=True).values[:k]
+    return out
+
+
+def lists_of(k: int, rows: int, n: int, dtype=torch.float32) -> torch.Tensor:
+    """Descending lists with ties inside and across positions, and a row's first two
+    positions without paths."""
+    x = lists(k, rows, n, dtype=dtype, seed=14)
+    x[:, 0, : min(2, n)] = 0.0
+    if n > 3:
+        x[:, :, 3] = x[:, :, 1]
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k, rows, n", [(1, 4, 6), (3, 2, 1), (5, 3, 9), (4, 2, 33)])
+def test_k_best_loo_is_the_brute_force_to_the_bit(k, rows, n, dtype):
+    x = lists_of(k, rows, n, dtype)
+    got = kernels.k_best_loo(tuple(x))
+    assert got is not None
+    assert torch.equal(got, brute_loo(x))
+
+
+@pytest.mark.parametrize("bad", ["nan", "order"])
+def test_k_best_loo_declines_nan_and_unsorted_lists(bad: str):
+    x = lists_of(3, 2, 7)
+    x[2, 1, 5] = float("nan") if bad == "nan" else x[0, 1, 5] + 1.0
+    assert kernels.k_best_loo(tuple(x)) is None
+    # KBest.loo then takes its torch formula: the scans' values (NaN first, as topk)
+    got = sa.KBest(3).loo(tuple(x), -1)
+    scans = sa.Semiring.loo(sa.KBest(3), tuple(x), -1)
+    torch.testing.assert_close(torch.stack(got), torch.stack(scans), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kernels_mode", ["check", "off"])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_k_best_loo_along_any_dim_equals_the_scans(dim: int, kernels_mode: str, monkeypatch):
+    """KBest.loo (the operator on the lists moved to the last dim; the top-2k formula with
+    the kernels off) equals Semiring.loo's prefix and suffix scans of ⊕ to the bit."""
+    monkeypatch.setenv("SEMIRING_AUTOGRAD_KERNELS", kernels_mode)
+    S = sa.KBest(4)
+    a = tuple(lists(4, 5, 6, 7, seed=15).unbind(0))
+    got, scans = S.loo(a, dim), sa.Semiring.loo(S, a, dim)
+    assert torch.equal(torch.stack(got), torch.stack(scans))

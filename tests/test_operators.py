@@ -51,6 +51,10 @@ def _samples(dtype):
                 list(rand(5, 40).abs().sort(0, descending=True).values),
             ),
         ],
+        "k_best_loo": [
+            (list(rand(4, 3, 9).abs().sort(0, descending=True).values),),
+            (list(rand(2, 5).abs().sort(0, descending=True).values),),
+        ],
         "signed_times": [(hi, lo, b, None), (hi, lo, b, b - 1)],
         "lift_times": [(hi, lo, b, True), (hi, lo, rand(1, 7, 3).transpose(1, 2).mT, False)],
         "signed_mul_lift": [(hi, lo, rand(7))],

@@ -189,6 +189,23 @@ def k_best_add(a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> Tensor | None:
     return None if bool(declined) else out
 
 
+def k_best_loo(a: tuple[Tensor, ...]) -> Tensor | None:
+    """KBest's leave-one-out ⊕ along the last dim on the CPU: (k, *shape), out[t][..., j] =
+    the t-th largest entry of the lists at the positions j' ≠ j of the last dim, 0 where
+    they hold fewer, for descending lists ``a`` of k components (one shape); the values of
+    ``torch.topk`` over those entries to the bit. None off the CPU, for components of several
+    shapes, for an empty or 0-d shape, without the kernels, or where a list is not descending
+    or holds a NaN (the caller then takes its torch formula)."""
+    shape = a[0].shape
+    for c in a:  # a loop, not a generator: this runs on every attention block
+        if c.shape != shape:
+            return None
+    if not len(shape) or not _nonempty_ready("k_best_loo", *a):
+        return None
+    out, declined = op("k_best_loo")(a)
+    return None if bool(declined) else out
+
+
 def signed_times(
     a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None
 ) -> tuple[Tensor, Tensor] | None:
@@ -439,6 +456,7 @@ __all__ = [
     "max_times_finite",
     "k_best_times",
     "k_best_add",
+    "k_best_loo",
     "signed_times",
     "pair_lift_matmul",
     "signed_mul_lift",

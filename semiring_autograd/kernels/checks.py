@@ -294,6 +294,41 @@ def _check_k_best_add(c: _Case) -> str | None:
     return _first(*problems) or _missed_nan(c, cases)
 
 
+def k_best_loo_formula(lists: Tensor) -> Tensor:
+    """(k, rows, n) descending lists → (k, rows, n): per row and position j the k largest
+    entries of the lists at the other positions, zeros appended (``torch.topk`` over each
+    j's pool, its own entries set to 0, no path)."""
+    k, rows, n = lists.shape
+    others = lists.permute(1, 2, 0)[:, None].expand(rows, n, n, k)  # (row, j, j', t)
+    own = torch.eye(n, dtype=torch.bool, device=lists.device)[None, :, :, None]
+    pool = others.masked_fill(own, 0.0).reshape(rows, n, n * k)
+    pool = torch.cat([pool, pool.new_zeros(rows, n, k)], -1)
+    return pool.topk(k, dim=-1).values.permute(2, 0, 1)
+
+
+def _check_k_best_loo(c: _Case) -> str | None:
+    problems = []
+    for k, rows, n in ((1, 3, 5), (3, 4, 1), (5, 2, 17), (4, 3, 40)):
+        lists = _k_best_lists(c, k, rows, n)
+        lists[:, 0, :2] = 0.0  # no path
+        if n > 3:
+            lists[:, :, 3] = lists[:, :, 1]  # equal lists at two positions
+        (got, flagged), _ = c.run(list(lists))
+        if bool(flagged):
+            return "k_best_loo flagged descending lists"
+        problems.append(_differs(f"k_best_loo(k={k}, n={n})", got, k_best_loo_formula(lists)))
+    if _first(*problems):
+        return _first(*problems)
+    lists = _k_best_lists(c, 3, 2, 6)
+    for bad in ("nan", "order"):
+        wrong = lists.clone()
+        wrong[2, 1, 4] = NAN if bad == "nan" else wrong[0, 1, 4] + 1.0
+        (_, flagged), _ = c.run(list(wrong))
+        if not bool(flagged):
+            return f"k_best_loo missed {'a NaN' if bad == 'nan' else 'a list out of order'}"
+    return None
+
+
 def _missed_nan(c: _Case, cases: list) -> str | None:
     """Where k_best_add misses a NaN put first into a list a or last into a list b."""
     for k, a, b in cases:
@@ -1020,6 +1055,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "max_times_finite": _check_max_times_finite,
     "k_best_times": _check_k_best_times,
     "k_best_add": _check_k_best_add,
+    "k_best_loo": _check_k_best_loo,
     "signed_times": _check_signed_times,
     "lift_times": _check_lift_times,
     "signed_mul_lift": _check_signed_mul_lift,

@@ -398,4 +398,55 @@ void k_best_add(const std::vector<const T*>& a, const std::vector<const T*>& b, 
     });
 }
 
+// KBest's leave-one-out ⊕ along the last dim (semirings/k_best.py's loo): for lists a[t]
+// (t < k, each rows × n, best first), out[t][row, j] = the t-th largest of the entries of the
+// row's lists j' ≠ j, 0 where they hold fewer. The k best of the others are among the 2k
+// best of all, of which at most k are list j's own: per row one pass keeps the 2k best
+// entries with their lists (a list is read for insertion until an entry cannot enter: the
+// rest of it is no larger), then each j takes the first k kept entries not its own. Values
+// are selected by comparisons: the prefix and suffix scans' of ⊕ to the bit. Where a list is
+// not descending or holds a NaN, *declined is set and out is unspecified.
+template <typename T>
+void k_best_loo(const std::vector<const T*>& a, T* out, int64_t rows, int64_t n, int threads,
+                int* declined) {
+    const int64_t k = int64_t(a.size()), keep = 2 * k, plane = rows * n;
+    at::parallel_for(0, rows, threads > 1 ? 1 : INT64_MAX, [&](int64_t first, int64_t last) {
+        std::vector<T> value(keep);
+        std::vector<int64_t> list(keep);
+        for (int64_t row = first; row < last; ++row) {
+            const int64_t base = row * n;
+            int64_t size = 0;
+            bool bad = false;
+            for (int64_t j = 0; j < n; ++j) {
+                bool open = true;  // list j's entries may still enter the kept ones
+                for (int64_t t = 0; t < k; ++t) {
+                    const T v = a[t][base + j];
+                    bad |= !(v == v) || (t > 0 && v > a[t - 1][base + j]);
+                    if (!open || (size == keep && !(v > value[keep - 1]))) {
+                        open = false;
+                        continue;
+                    }
+                    int64_t p = size < keep ? size++ : keep - 1;
+                    for (; p > 0 && value[p - 1] < v; --p) {
+                        value[p] = value[p - 1];
+                        list[p] = list[p - 1];
+                    }
+                    value[p] = v;
+                    list[p] = j;
+                }
+            }
+            if (bad) {
+                __atomic_store_n(declined, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                int64_t t = 0;
+                for (int64_t p = 0; p < size && t < k; ++p)
+                    if (list[p] != j) out[t++ * plane + base + j] = value[p];
+                for (; t < k; ++t) out[t * plane + base + j] = T(0);
+            }
+        }
+    });
+}
+
 }  // namespace

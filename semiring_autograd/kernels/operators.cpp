@@ -160,6 +160,38 @@ std::tuple<at::Tensor, at::Tensor> k_best_add_op(at::TensorList a, at::TensorLis
     return {out, flag(declined != 0)};
 }
 
+// (out, declined): KBest's leave-one-out ⊕ of k_best.h along the last dim of lists a of k
+// components (one shape and dtype; copied contiguous where they are not); out (k, *shape);
+// declined (0-d bool) true, and out all NaN, where a list is not descending or holds a NaN.
+std::tuple<at::Tensor, at::Tensor> k_best_loo_op(at::TensorList a) {
+    TORCH_CHECK(!a.empty(), "k_best_loo: lists a of k >= 1 components");
+    const auto like = a[0];
+    for (const auto& c : a)
+        TORCH_CHECK(c.sizes() == like.sizes() && c.scalar_type() == like.scalar_type() &&
+                        c.dim() >= 1 &&
+                        (c.scalar_type() == at::kFloat || c.scalar_type() == at::kDouble),
+                    "k_best_loo: components of one shape (at least 1-D) and dtype (float32 or "
+                    "float64), got ", c.sizes(), " ", c.scalar_type(), " beside ",
+                    like.sizes(), " ", like.scalar_type());
+    std::vector<int64_t> shape{int64_t(a.size())};
+    for (auto s : like.sizes()) shape.push_back(s);
+    auto out = at::empty(shape, like.options());
+    const int64_t n = like.size(-1), rows = n ? like.numel() / n : 0;
+    int declined = 0;
+    FLOATING(like.scalar_type(), [&] {
+        std::vector<at::Tensor> copies;  // the contiguous components, alive for the call
+        std::vector<const T*> pa;
+        for (const auto& c : a) {
+            copies.push_back(c.contiguous());
+            pa.push_back(copies.back().const_data_ptr<T>());
+        }
+        k_best_loo<T>(pa, out.data_ptr<T>(), rows, n,
+                      threads_for(like.numel() * int64_t(a.size())), &declined);
+    });
+    if (declined) out.fill_(NAN);
+    return {out, flag(declined != 0)};
+}
+
 // (out, nonfinite): the k-best matmul of k_best.h for a (ka, batch, m, l) and b (kb, batch
 // or 1, l, n); out (k, batch, m, n); nonfinite (0-d bool) true, and out all NaN, where an
 // entry that counts is NaN or infinite.
@@ -561,6 +593,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("max_times_finite", &max_times_finite_op);
     m.impl("k_best_times", &k_best_times_op);
     m.impl("k_best_add", &k_best_add_op);
+    m.impl("k_best_loo", &k_best_loo_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);
     m.impl("signed_mul_lift", &signed_mul_lift_op);

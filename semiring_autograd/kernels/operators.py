@@ -19,6 +19,10 @@ one dtype.
                          a, b of k components each, one shape, any strides (KBest's ⊕);
                          the flag: a list not descending or with a NaN (then out is all
                          NaN); CPU only
+``k_best_loo``           (out, flag): out (k, *shape), out[t][..., j] the t-th largest entry
+                         of the descending lists a (k components) at the other positions of
+                         the last dim (KBest's leave-one-out ⊕); the flag: a list not
+                         descending or with a NaN (then out is all NaN); CPU only
 ``signed_times``         (max_k, min_k) of the corner products of signed pairs; NaN = empty
 ``lift_times``           the signed pair a times lift(w): (max_k, min_k) of a_hi·w or a_lo·w
                          by the sign of w
@@ -83,6 +87,7 @@ SCHEMAS = {
     "max_times_finite": "(Tensor a, Tensor b, float init, bool abs_b) -> (Tensor, Tensor)",
     "k_best_times": "(Tensor a, Tensor b, int k, bool abs_b, bool dead_count) -> (Tensor, Tensor)",
     "k_best_add": "(Tensor[] a, Tensor[] b) -> (Tensor, Tensor)",
+    "k_best_loo": "(Tensor[] a) -> (Tensor, Tensor)",
     "signed_times": "(Tensor a_hi, Tensor a_lo, Tensor b_hi, Tensor? b_lo) -> (Tensor, Tensor)",
     "lift_times": "(Tensor a_hi, Tensor a_lo, Tensor w, bool zero_empty) -> (Tensor, Tensor)",
     "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
@@ -161,6 +166,11 @@ def _(a, b, k, abs_b, dead_count):
 
 @_fake("k_best_add")
 def _(a, b):
+    return a[0].new_empty((len(a), *a[0].shape)), _declined(a[0])
+
+
+@_fake("k_best_loo")
+def _(a):
     return a[0].new_empty((len(a), *a[0].shape)), _declined(a[0])
 
 

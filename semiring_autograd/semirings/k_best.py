@@ -128,9 +128,14 @@ class KBest(Semiring):
         """out_i = the k best entries of the lists a_j, j ≠ i, along ``dim``: they are among
         the 2k best entries of all the lists, of which at most k are a_i's own. One top-2k
         over all entries, a_i's own masked per i, one top-k: a selection of entries, so
-        the values are the prefix and suffix scans' to the bit, in a fixed number of ops."""
+        the values are the prefix and suffix scans' to the bit, in a fixed number of ops.
+        On the CPU one operator does it per row of lists (``kernels.k_best_loo``)."""
         a = broadcast_value(a)
         dim, k = dim % a[0].dim(), self.k
+        if len(a) == k:
+            fused = kernels.k_best_loo(tuple(c.movedim(dim, -1) for c in a))
+            if fused is not None:
+                return tuple(c.movedim(-1, dim) for c in fused.unbind(0))
         lists = torch.stack(a, -1).movedim(dim, -2)  # (..., n, k)
         n = lists.shape[-2]
         entries = lists.flatten(-2)  # entry e comes from list e // k
