@@ -131,24 +131,26 @@ def test_k_best_add_is_the_k_largest_of_both_lists(shapes, k: int):
         assert torch.equal(g, w)
 
 
-def test_k_best_matmul_lift_does_not_copy_the_weight_for_the_kernel():
-    """matmul_lift hands the kernel a view of the weight (one component: no stack)."""
+def test_k_best_matmul_lift_does_not_copy_the_weight_or_the_lists_for_the_kernel():
+    """matmul_lift hands the kernel a view of the weight and the lists' own components
+    (no stack)."""
     S = sa.KBest(3)
     w = torch.randn(12, 9)
     seen = []
     original = kernels.k_best_times
 
-    def spy(a, b, k, abs_b=False, dead_count=True):
-        seen.append(b.data_ptr() == w.data_ptr())
-        return original(a, b, k, abs_b, dead_count)
+    def spy(a_, b, k, abs_b=False, dead_count=True):
+        seen.append(b[0].data_ptr() == w.data_ptr())
+        seen.extend(mine.data_ptr() == given.data_ptr() for mine, given in zip(a_, a))
+        return original(a_, b, k, abs_b, dead_count)
 
-    a = tuple(lists(3, 4, 12, seed=14).unbind(0))
+    a = tuple(c.clone() for c in lists(3, 4, 12, seed=14).unbind(0))
     kernels.k_best_times = spy
     try:
         got = S.matmul_lift(a, w)
     finally:
         kernels.k_best_times = original
-    assert seen == [True]
+    assert seen == [True] * 4
     want = brute_force(torch.stack(a)[:, None], w[None, None], 3, True)
     assert torch.equal(torch.stack(got), want[:, 0])
 

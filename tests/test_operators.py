@@ -42,8 +42,8 @@ def _samples(dtype):
             (a.abs(), b.abs(), -INF, False),
         ],
         "k_best_times": [
-            (rand(3, 2, 5, 7).abs(), rand(1, 1, 7, 19), 4, True, False),
-            (rand(3, 2, 5, 7).abs(), rand(2, 2, 7, 19).abs(), 2, False, True),
+            (list(rand(3, 2, 5, 7).abs()), list(rand(1, 1, 7, 19)), 4, True, False),
+            (list(rand(3, 2, 5, 7).abs()), list(rand(2, 2, 7, 19).abs()), 2, False, True),
         ],
         "k_best_add": [
             (
@@ -332,8 +332,8 @@ def test_where_zero_with_a_cuda_y_is_torchs_where():
         ("max_times", (torch.rand(2, 3, 4), torch.rand(1, 4, 5), 0.0, False)),
         ("max_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 5), 0.0, False)),
         ("max_times_finite", (torch.rand(2, 3, 4), torch.rand(1, 4, 5), 0.0, False)),
-        ("k_best_times", (torch.rand(2, 2, 3, 4), torch.rand(1, 2, 3, 5), 2, False, True)),
-        ("k_best_times", (torch.rand(2, 2, 3, 4), torch.rand(1, 3, 4, 5), 2, False, True)),
+        ("k_best_times", ([torch.rand(2, 3, 4)] * 2, [torch.rand(2, 3, 5)], 2, False, True)),
+        ("k_best_times", ([torch.rand(2, 3, 4)] * 2, [torch.rand(3, 4, 5)], 2, False, True)),
         ("signed_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 3), torch.rand(2, 4, 5), None)),
         ("signed_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(1, 4, 5), None)),
         ("lift_times", (torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(3, 4, 5), True)),

@@ -156,16 +156,23 @@ def max_times_finite(a: Tensor, b: Tensor, init: float = 0.0, abs_b: bool = Fals
 
 
 def k_best_times(
-    a: Tensor, b: Tensor, k: int, abs_b: bool = False, dead_count: bool = True
+    a: Tensor | Sequence[Tensor],
+    b: Tensor | Sequence[Tensor],
+    k: int,
+    abs_b: bool = False,
+    dead_count: bool = True,
 ) -> Tensor | None:
     """The k-best matmul on the CPU: out[t, bt, i, j] = the t-th largest (best first) of
-    a[r, bt, i, q] · b[s, bt, q, j] over (q, r, s), 0 where fewer than k products are above 0,
-    for lists of non-negative weights a (ka, B, m, l) and b (kb, B or 1, l, n) (|b| when
+    a[r][bt, i, q] · b[s][bt, q, j] over (q, r, s), 0 where fewer than k products are above
+    0, for lists of non-negative weights a (ka components (B, m, l)) and b (kb components
+    (B or 1, l, n)), each given as its components or stacked along a first dim (|b| when
     ``abs_b``); (k, B, m, n). The same products as the torch formula, kept by comparisons:
     its values to the bit. None where an entry is NaN or infinite (of b: at an index q
     where some row of a has a weight, or at any q when ``dead_count``), off the CPU, for
     empty operands or without the kernels."""
-    if not _nonempty_ready("k_best_times", a, b):
+    a = list(a.unbind(0)) if isinstance(a, Tensor) else list(a)
+    b = list(b.unbind(0)) if isinstance(b, Tensor) else list(b)
+    if not _nonempty_ready("k_best_times", *a, *b):
         return None
     out, nonfinite = op("k_best_times")(a, b, k, abs_b, dead_count)
     return None if bool(nonfinite) else out

@@ -230,13 +230,17 @@ def _check_max_times_finite(c: _Case) -> str | None:
     return _first(*problems) or _missed_flag(c, "max_times_finite", operands, (0.0, True))
 
 
-def _missed_flag(c: _Case, name: str, operands: list, rest: tuple) -> str | None:
-    """Where the kernel misses a NaN or an infinity put into one of its operands."""
+def _missed_flag(
+    c: _Case, name: str, operands: list, rest: tuple, components: bool = False
+) -> str | None:
+    """Where the kernel misses a NaN or an infinity put into one of its operands (passed
+    as lists of their components along the first dim with ``components``)."""
     for pair in operands:
         for which, at, value in ((0, -1, NAN), (0, 4, INF), (1, -1, -INF), (1, 3, NAN)):
             bent = [pair[0].clone(), pair[1].clone()]
             bent[which].view(-1)[at] = value
-            (_, flagged), _ = c.run(*bent, *rest)
+            args = [list(t) for t in bent] if components else bent
+            (_, flagged), _ = c.run(*args, *rest)
             if not bool(flagged):
                 return f"{name} missed {value} in {'ab'[which]}"
     return None
@@ -271,12 +275,14 @@ def _check_k_best_times(c: _Case) -> str | None:
         b = b if kb == 1 else b.abs().sort(0, descending=True).values
         for abs_b in (True, False):
             operand = b if abs_b else b.abs()
-            (got, flagged), _ = c.run(a, operand, k, abs_b, True)
+            (got, flagged), _ = c.run(list(a), list(operand), k, abs_b, True)
             if bool(flagged):
                 return "k_best_times flagged finite operands"
             want = k_best_formula(a, operand, k, abs_b)
             problems.append(_differs(f"k_best_times(k={k}, abs_b={abs_b})", got, want))
-    return _first(*problems) or _missed_flag(c, "k_best_times", [(a, b)], (k, True, True))
+    return _first(*problems) or _missed_flag(
+        c, "k_best_times", [(a, b)], (k, True, True), components=True
+    )
 
 
 def _check_k_best_add(c: _Case) -> str | None:

@@ -82,21 +82,21 @@ inline V insert_lanes(V* top, int64_t k, V p) {
     return top[k - 1];
 }
 
-// am (batch, m, l) = max over a's components; live[bt * l + q]: some row of batch bt has
-// am > 0; *sorted: every list of a is in descending order (as the semiring keeps them).
-// False where an entry of a is not finite.
+// am (batch, m, l) = max over a's components a[r] (each batch × m × l); live[bt * l + q]:
+// some row of batch bt has am > 0; *sorted: every list of a is in descending order (as the
+// semiring keeps them). False where an entry of a is not finite.
 template <typename T>
-bool k_best_bounds(const T* a, int64_t a_comp, int64_t ka, int64_t batch, int64_t m, int64_t l,
+bool k_best_bounds(const T* const* a, int64_t ka, int64_t batch, int64_t m, int64_t l,
                    T* am, uint8_t* live, bool* sorted) {
     T check = T(0);
     bool order = true;
     for (int64_t e = 0; e < batch * m * l; ++e) {
-        T best = a[e];
-        check += a[e] * T(0);
+        T best = a[0][e];
+        check += a[0][e] * T(0);
         for (int64_t r = 1; r < ka; ++r) {
-            const T v = a[r * a_comp + e];
+            const T v = a[r][e];
             check += v * T(0);
-            order = order && v <= a[(r - 1) * a_comp + e];
+            order = order && v <= a[r - 1][e];
             best = v > best ? v : best;
         }
         am[e] = best;
@@ -147,15 +147,15 @@ void row_order(const T* am, int64_t rows, int64_t l, int32_t* order, int64_t* co
 }
 
 // One row i of a against one column strip (see k_best_times): its indices q (qs, by am
-// descending), their bounds am, its lists x (component r at x[r * a_comp + q]), and the
+// descending), their bounds am, its lists (component r's entry q at x[r][at + q]), and the
 // strip's rows (the bound bm, then for kb > 1 the kb components, rs entries per q).
 template <typename T, typename V = typename Vec<T>::type>
 struct Row {
     const T* am;
     const int32_t* qs;
     int64_t count;
-    const T* x;
-    int64_t a_comp, ka, kb;
+    const T* const* x;
+    int64_t at, ka, kb;
     bool sorted;
     const T* strip;
     int64_t rs, first;
@@ -182,7 +182,7 @@ void best_of_row(const Row<T>& r, int64_t k, V* top) {
         // every later term is at most s · colmax: none can enter a list
         if (!greater_lanes<T>(r.colmax * s, kth)) break;
         const T* row = r.strip + q * r.rs;
-        const T* x = r.x + q;
+        const int64_t xq = r.at + q;
         if (r.kb == 1) {
             V y;
             if (r.direct) {
@@ -192,7 +192,7 @@ void best_of_row(const Row<T>& r, int64_t k, V* top) {
                 y = load<V>(row);
             }
             for (int64_t c = 0; c < r.ka; ++c) {
-                const V p = y * x[c * r.a_comp];
+                const V p = y * r.x[c][xq];
                 if (greater_lanes<T>(p, kth))
                     kth = insert_lanes<T>(lists, kk, p);
                 else if (r.sorted)  // descending terms: the later ones fail too
@@ -202,7 +202,7 @@ void best_of_row(const Row<T>& r, int64_t k, V* top) {
             if (!greater_lanes<T>(load<V>(row) * s, kth)) continue;
             for (int64_t c = 0; c < r.ka; ++c)
                 for (int64_t d = 0; d < r.kb; ++d) {
-                    const V p = load<V>(row + r.first + d * L) * x[c * r.a_comp];
+                    const V p = load<V>(row + r.first + d * L) * r.x[c][xq];
                     if (greater_lanes<T>(p, kth)) kth = insert_lanes<T>(lists, kk, p);
                 }
         }
@@ -267,17 +267,16 @@ bool column_bounds(const T* b, int64_t b_batch, int64_t batch, int64_t l, int64_
 }
 
 template <typename T>
-void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batch, T* out,
-                  int64_t k, int64_t batch, int64_t m, int64_t l, int64_t n, bool abs_b,
-                  bool dead_count, int threads, int* nonfinite) {
+void k_best_times(const std::vector<const T*>& a, const std::vector<const T*>& b,
+                  int64_t b_batch, T* out, int64_t k, int64_t batch, int64_t m, int64_t l,
+                  int64_t n, bool abs_b, bool dead_count, int threads, int* nonfinite) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
-    const int64_t a_comp = batch * m * l, b_comp = (b_batch ? batch : 1) * l * n;
-    const int64_t out_comp = batch * m * n;
+    const int64_t ka = int64_t(a.size()), kb = int64_t(b.size()), out_comp = batch * m * n;
     std::vector<T> am(batch * m * l);
     std::vector<uint8_t> live(batch * l);
     bool sorted = false;
-    if (!k_best_bounds(a, a_comp, ka, batch, m, l, am.data(), live.data(), &sorted)) {
+    if (!k_best_bounds(a.data(), ka, batch, m, l, am.data(), live.data(), &sorted)) {
         *nonfinite = 1;
         return;
     }
@@ -287,7 +286,7 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
     const int64_t blocks = (n + L - 1) / L;
     const bool direct = kb == 1 && m <= K_BEST_IN_PLACE_ROWS;
     std::vector<T> bounds(direct ? batch * n : 0);
-    if (direct && !column_bounds(b, b_batch, batch, l, n, live.data(), abs_b, dead_count,
+    if (direct && !column_bounds(b[0], b_batch, batch, l, n, live.data(), abs_b, dead_count,
                                  bounds.data(), threads)) {
         *nonfinite = 1;
         return;
@@ -296,7 +295,7 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
         if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
         const int64_t j = cb * L, valid = std::min<int64_t>(L, n - j);
-        const T* bb = b + bt * b_batch;
+        const int64_t b_at = bt * b_batch;  // batch bt's offset in each component of b
         const uint8_t* lv = live.data() + bt * l;
         Buffer<T>& lists = buffers[1];
         lists.resize(k * L);
@@ -306,8 +305,8 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
             for (int64_t i = 0; i < m; ++i) {
                 const int64_t row = bt * m + i;
                 const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
-                               a + row * l, a_comp, ka, kb, sorted, bb + j, n, 0, colmax,
-                               true, abs_b, valid};
+                               a.data(), row * l, ka, kb, sorted, b[0] + b_at + j, n, 0,
+                               colmax, true, abs_b, valid};
                 best_of_row_k<T>(k, r, top);
                 for (int64_t t = 0; t < k; ++t)
                     std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));
@@ -325,7 +324,7 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
             if (!lv[q] && !dead_count) continue;
             V big = V{} + T(0);
             for (int64_t s = 0; s < kb; ++s) {
-                V v = load_part<T>(bb + s * b_comp + q * n + j, valid);
+                V v = load_part<T>(b[s] + b_at + q * n + j, valid);
                 check += v * T(0);
                 if (abs_b) v = v < T(0) ? -v : v;
                 big = vmax(v, big);
@@ -341,7 +340,7 @@ void k_best_times(const T* a, int64_t ka, const T* b, int64_t kb, int64_t b_batc
         for (int64_t i = 0; i < m; ++i) {
             const int64_t row = bt * m + i;
             const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
-                           a + row * l,          a_comp,               ka,
+                           a.data(),             row * l,              ka,
                            kb,                   sorted,               strip.data(),
                            rs,                   first,                colmax,
                            false,                false,                L};

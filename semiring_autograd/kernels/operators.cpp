@@ -192,27 +192,43 @@ std::tuple<at::Tensor, at::Tensor> k_best_loo_op(at::TensorList a) {
     return {out, flag(declined != 0)};
 }
 
-// (out, nonfinite): the k-best matmul of k_best.h for a (ka, batch, m, l) and b (kb, batch
-// or 1, l, n); out (k, batch, m, n); nonfinite (0-d bool) true, and out all NaN, where an
+// (out, nonfinite): the k-best matmul of k_best.h for lists a of ka components, each
+// (batch, m, l), and b of kb components, each (batch or 1, l, n) (copied contiguous where
+// they are not); out (k, batch, m, n); nonfinite (0-d bool) true, and out all NaN, where an
 // entry that counts is NaN or infinite.
-std::tuple<at::Tensor, at::Tensor> k_best_times_op(const at::Tensor& a_, const at::Tensor& b_,
+std::tuple<at::Tensor, at::Tensor> k_best_times_op(at::TensorList a_, at::TensorList b_,
                                                    int64_t k, bool abs_b, bool dead_count) {
-    TORCH_CHECK(a_.dim() == 4 && b_.dim() == 4 && a_.scalar_type() == b_.scalar_type(),
-                "k_best_times: a (ka, batch, m, l) and b (kb, batch or 1, l, n) of one dtype, "
-                "got ", a_.sizes(), " and ", b_.sizes());
-    const auto a = a_.contiguous(), b = b_.contiguous();
-    const int64_t ka = a.size(0), batch = a.size(1), m = a.size(2), l = a.size(3);
-    const int64_t kb = b.size(0), n = b.size(3);
-    TORCH_CHECK(k >= 1 && (b.size(1) == batch || b.size(1) == 1) && b.size(2) == l,
-                "k_best_times: an operand b of shape ", b.sizes(), " does not fit a of shape ",
-                a.sizes(), " (k = ", k, ")");
-    auto out = at::empty({k, batch, m, n}, a.options());
+    TORCH_CHECK(!a_.empty() && !b_.empty() && a_[0].dim() == 3 && b_[0].dim() == 3,
+                "k_best_times: lists a of components (batch, m, l) and b of components "
+                "(batch or 1, l, n)");
+    const int64_t batch = a_[0].size(0), m = a_[0].size(1), l = a_[0].size(2);
+    const int64_t n = b_[0].size(2);
+    const auto dtype = a_[0].scalar_type();
+    for (const auto& list : {a_, b_})
+        for (const auto& c : list)
+            TORCH_CHECK(c.sizes() == list[0].sizes() && c.scalar_type() == dtype,
+                        "k_best_times: components of one shape and dtype per list, got ",
+                        c.sizes(), " ", c.scalar_type(), " beside ", list[0].sizes(), " ",
+                        dtype);
+    TORCH_CHECK(k >= 1 && (b_[0].size(0) == batch || b_[0].size(0) == 1) && b_[0].size(1) == l,
+                "k_best_times: an operand b of components of shape ", b_[0].sizes(),
+                " does not fit a's components of shape ", a_[0].sizes(), " (k = ", k, ")");
+    auto out = at::empty({k, batch, m, n}, a_[0].options());
     int nonfinite = 0;
-    FLOATING(a.scalar_type(), [&] {
-        const int64_t b_batch = b.size(1) == batch && batch > 1 ? l * n : 0;
-        k_best_times<T>(a.data_ptr<T>(), ka, b.data_ptr<T>(), kb, b_batch, out.data_ptr<T>(), k,
-                        batch, m, l, n, abs_b, dead_count,
-                        threads_for(batch * m * l * n), &nonfinite);
+    FLOATING(dtype, [&] {
+        std::vector<at::Tensor> copies;  // the contiguous components, alive for the call
+        auto pointers = [&](at::TensorList list) {
+            std::vector<const T*> out_;
+            for (const auto& c : list) {
+                copies.push_back(c.contiguous());
+                out_.push_back(copies.back().const_data_ptr<T>());
+            }
+            return out_;
+        };
+        const auto pa = pointers(a_), pb = pointers(b_);
+        const int64_t b_batch = b_[0].size(0) == batch && batch > 1 ? l * n : 0;
+        k_best_times<T>(pa, pb, b_batch, out.data_ptr<T>(), k, batch, m, l, n, abs_b,
+                        dead_count, threads_for(batch * m * l * n), &nonfinite);
     });
     if (nonfinite) out.fill_(NAN);
     return {out, flag(nonfinite != 0)};

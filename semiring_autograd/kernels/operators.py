@@ -12,7 +12,8 @@ one dtype.
 ``max_times_finite``     (max_times, whether some entry of a or b is NaN or infinite: then
                          the first is all NaN); CPU only
 ``k_best_times``         (out, flag): out (k, B, m, n) the k largest products a[r]·b[s] over
-                         (l, r, s) of lists a (ka, B, m, l), b (kb, B or 1, l, n); |b| when
+                         (l, r, s) of lists a (ka components (B, m, l)), b (kb components
+                         (B or 1, l, n)); |b| when
                          ``abs_b``; the flag: a NaN or an infinity that counts (then out is
                          all NaN); CPU only
 ``k_best_add``           (out, flag): out (k, *shape) the k largest of two descending lists
@@ -85,7 +86,7 @@ NAMESPACE = "semiring_autograd"
 SCHEMAS = {
     "max_times": "(Tensor a, Tensor b, float init, bool abs_b) -> Tensor",
     "max_times_finite": "(Tensor a, Tensor b, float init, bool abs_b) -> (Tensor, Tensor)",
-    "k_best_times": "(Tensor a, Tensor b, int k, bool abs_b, bool dead_count) -> (Tensor, Tensor)",
+    "k_best_times": "(Tensor[] a, Tensor[] b, int k, bool abs_b, bool dead_count) -> (Tensor, Tensor)",
     "k_best_add": "(Tensor[] a, Tensor[] b) -> (Tensor, Tensor)",
     "k_best_loo": "(Tensor[] a) -> (Tensor, Tensor)",
     "signed_times": "(Tensor a_hi, Tensor a_lo, Tensor b_hi, Tensor? b_lo) -> (Tensor, Tensor)",
@@ -161,7 +162,7 @@ def _(a, b, init, abs_b):
 
 @_fake("k_best_times")
 def _(a, b, k, abs_b, dead_count):
-    return a.new_empty((k, a.shape[1], a.shape[2], b.shape[3])), _declined(a)
+    return a[0].new_empty((k, *a[0].shape[:2], b[0].shape[2])), _declined(a[0])
 
 
 @_fake("k_best_add")

@@ -44,37 +44,28 @@ def _fused_matmul(a: Value, b: Value, k: int, abs_b: bool, dead_count: bool) -> 
     of a has a path are ignored unless ``dead_count``), else None (kernel unavailable, an
     operand not finite: the torch formulas then run)."""
     if a[0].dim() < 2 or b[0].dim() < 2 or a[0].device.type != "cpu":
-        return None  # the kernel is the CPU's: no lists stacked for it elsewhere
-    a_lists, b_lists = _components(a), _components(b)
-    (m, l), n = a_lists.shape[-2:], b_lists.shape[-1]
-    if b_lists.shape[-2] != l:
+        return None  # the kernel is the CPU's
+    a, b = broadcast_value(a), broadcast_value(b)
+    (m, l), n = a[0].shape[-2:], b[0].shape[-1]
+    if b[0].shape[-2] != l:
         return None
-    batch = broadcast_shape(a_lists.shape[1:-2], b_lists.shape[1:-2])
-    a4 = _batched(a_lists, batch)
-    if math.prod(b_lists.shape[1:-2]) > 1:
-        b4 = _batched(b_lists, batch)
-    else:  # one b for every batch entry (a weight)
-        b4 = b_lists.reshape(len(b), 1, l, n)
-    out = kernels.k_best_times(a4, b4, k, abs_b=abs_b, dead_count=dead_count)
+    batch = broadcast_shape(a[0].shape[:-2], b[0].shape[:-2])
+    a3 = [_batched(c, batch) for c in a]
+    if math.prod(b[0].shape[:-2]) > 1:
+        b3 = [_batched(c, batch) for c in b]
+    else:  # one b for every batch entry (a weight, read in place)
+        b3 = [c.reshape(1, l, n) for c in b]
+    out = kernels.k_best_times(a3, b3, k, abs_b=abs_b, dead_count=dead_count)
     if out is None:
         return None
     return tuple(c.reshape(*batch, m, n) for c in out.unbind(0))
 
 
-def _components(a: Value) -> Tensor:
-    """The components of ``a`` stacked along a new first dim (a view for one component:
-    a weight is not copied)."""
-    if len(a) == 1:
-        return a[0].unsqueeze(0)
-    return torch.stack(broadcast_value(a))
-
-
-def _batched(lists: Tensor, batch: tuple[int, ...]) -> Tensor:
-    """Lists (c, *batch dims, rows, cols) broadcast to ``batch`` and flattened to
-    (c, count, rows, cols)."""
-    c, rows, cols = lists.shape[0], lists.shape[-2], lists.shape[-1]
-    lists = lists.reshape(c, *[1] * (len(batch) + 3 - lists.dim()), *lists.shape[1:])
-    return lists.expand(c, *batch, rows, cols).reshape(c, math.prod(batch), rows, cols)
+def _batched(c: Tensor, batch: tuple[int, ...]) -> Tensor:
+    """A component (*batch dims, rows, cols) broadcast to ``batch`` and flattened to
+    (count, rows, cols): a view where no batch dim is broadcast."""
+    rows, cols = c.shape[-2:]
+    return c.expand(*batch, rows, cols).reshape(math.prod(batch), rows, cols)
 
 
 class KBest(Semiring):
