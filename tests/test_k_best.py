@@ -124,6 +124,23 @@ def test_k_best_matmul_by_a_weight_is_the_k_best_of_every_term(k: int, shape):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("groups", [1, 3, 8, 9])
+def test_k_best_sum_over_a_middle_dim_is_the_k_best_of_its_entries(groups: int, keepdim):
+    """sum over a middle dim (the fold of ⊕ up to 8 entries: GQA's query groups; the
+    stack and top-k beyond) against every entry sorted: ties, rows without paths."""
+    k = 4
+    g = torch.Generator().manual_seed(groups)
+    a = (torch.rand(2, groups, 5, k, generator=g, dtype=torch.float64) * 4).round() / 4
+    a[:, :, ::2] = 0
+    a = a.sort(-1, descending=True).values
+    got = torch.stack(sa.KBest(k).sum(tuple(a.unbind(-1)), 1, keepdim), -1)
+    every = a.permute(0, 2, 1, 3).reshape(2, 5, groups * k)
+    every = torch.cat([every, every.new_zeros(2, 5, k)], -1)
+    want = every.sort(-1, descending=True).values[..., :k]
+    torch.testing.assert_close(got, want.unsqueeze(1) if keepdim else want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("k", [0, -1, 2.0, True])
 def test_k_best_needs_a_positive_int(k):
     with pytest.raises(ValueError, match="positive int"):

@@ -11,11 +11,12 @@ from ..kernels.workspace import scratch
 from .base import Semiring, Value, _message, keeps_algebra
 from .batching import batched
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, folded_middle, matmul_by_weight, top_two_shifts
+from .log_space import LOG_TERMS, LogSpaceGemm, matmul_by_weight, top_two_shifts
 from .tensor_ops import (
     NEG_INF,
     POS_INF,
     filled,
+    folded_middle,
     ratio_or_zero,
     safe_weight,
     scatter_extreme,

@@ -16,7 +16,7 @@ from torch import Tensor
 from .. import kernels
 from .base import Semiring, Value, broadcast_shape, broadcast_value
 from .batching import across_rows
-from .tensor_ops import CHUNK_ELEMENTS, filled
+from .tensor_ops import CHUNK_ELEMENTS, filled, folded_middle
 
 
 def _stacked(a: Value) -> Tensor:
@@ -143,6 +143,9 @@ class KBest(Semiring):
         return torch.stack(broadcast_value(a), 0)
 
     def _reduce(self, a, dims, keepdim):
+        folded = folded_middle(self, a, dims, keepdim)  # a few slices: k_best_add each
+        if folded is not None:
+            return folded
         lists = _stacked(a)
         rest = [d for d in range(lists.dim() - 1) if d not in dims]
         moved = lists.permute(*rest, *dims, lists.dim() - 1)

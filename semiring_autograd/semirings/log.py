@@ -10,8 +10,8 @@ from ..kernels import standardize as kernels_standardize
 from ..kernels.workspace import scratch
 from .base import InlineForms, Semiring, _message, keeps_algebra
 from .frozen import kept_operand
-from .log_space import LOG_TERMS, LogSpaceGemm, folded_middle, log_loo, matmul_by_weight
-from .tensor_ops import NEG_INF, filled, scatter_extreme
+from .log_space import LOG_TERMS, LogSpaceGemm, log_loo, matmul_by_weight
+from .tensor_ops import NEG_INF, filled, folded_middle, scatter_extreme
 
 
 class Log(Semiring):

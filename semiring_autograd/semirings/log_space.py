@@ -359,30 +359,6 @@ def _by_weight(
     return None if shifted is None else gemm_by_weight(shifted, b_linear)
 
 
-#: the most entries of a middle dim that a log-space ⊕-reduction folds pairwise
-FOLD_ENTRIES = 8
-
-
-def folded_middle(S, a: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple | None:
-    """S's ⊕ over one dim that is not the last and holds at most :data:`FOLD_ENTRIES`
-    entries (attention's key and value heads summed over their query groups), as the fold
-    a_0 ⊕ a_1 ⊕ … of its slices: one elementwise ⊕ per entry, where a log-sum-exp across
-    that dim's strides takes several times their time; None for other reductions."""
-    if len(dims) != 1 or any(c.shape != a[0].shape for c in a):
-        return None
-    dim = dims[0] % a[0].dim()
-    if dim == a[0].dim() - 1:
-        return None
-    n = a[0].shape[dim]
-    if n == 0 or n > FOLD_ENTRIES:
-        return None
-    slices = [c.unbind(dim) for c in a]
-    out = tuple(parts[0] for parts in slices)
-    for i in range(1, n):
-        out = S.add(out, tuple(parts[i] for parts in slices))
-    return tuple(c.unsqueeze(dim) for c in out) if keepdim else out
-
-
 def top_two_shifts(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
     """Along ``dim`` (n ≥ 2): the argmax position and the largest and second largest
     entries as shifts (0 where not finite), each with ``dim`` kept as size 1."""

@@ -201,3 +201,28 @@ def on_live_rows(
         for out, result in zip(outs, results or ()):
             out.index_copy_(0, rows, result[0])
     return tuple(out.reshape(*live.shape, n) for out in outs)
+
+
+#: the most entries of a middle dim that an ⊕-reduction folds pairwise
+FOLD_ENTRIES = 8
+
+
+def folded_middle(S, a: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple | None:
+    """S's ⊕ over one dim that is not the last and holds at most :data:`FOLD_ENTRIES`
+    entries (attention's key and value heads summed over their query groups), as the fold
+    a_0 ⊕ a_1 ⊕ … of its slices: one elementwise ⊕ per entry, where a reduction across
+    that dim's strides (a log-sum-exp, KBest's stack and top-k) takes several times their
+    time; None for other reductions."""
+    if len(dims) != 1 or any(c.shape != a[0].shape for c in a):
+        return None
+    dim = dims[0] % a[0].dim()
+    if dim == a[0].dim() - 1:
+        return None
+    n = a[0].shape[dim]
+    if n == 0 or n > FOLD_ENTRIES:
+        return None
+    slices = [c.unbind(dim) for c in a]
+    out = tuple(parts[0] for parts in slices)
+    for i in range(1, n):
+        out = S.add(out, tuple(parts[i] for parts in slices))
+    return tuple(c.unsqueeze(dim) for c in out) if keepdim else out
