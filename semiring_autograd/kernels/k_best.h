@@ -14,8 +14,9 @@
 // k entries, insert_lanes: a lane whose term does not beat its k-th is left as it was);
 // with kb = 1 and descending lists, a row's terms stop at the first vector that beats no
 // lane. A row takes its indices q by am descending, and stops where am · (the strip's
-// largest bm per column) passes no k-th best: every later term is below it. An index q where the row has no weight above 0 has only zero products, which
-// never enter a list: it is skipped, and so is a strip row q where no row of a has one.
+// largest bm per column) passes no k-th best: every later term is below it. An index q
+// where the row has no weight above 0 has only zero products, which never enter a list: it
+// is skipped, and so is a strip row q where no row of a has one.
 //
 // Strips or in place: a strip gathers b's column block for every q, read down b's columns.
 // With kb = 1 and at most K_BEST_IN_PLACE_ROWS rows per batch entry (a prompt's tokens)
@@ -300,50 +301,47 @@ void k_best_times(const std::vector<const T*>& a, const std::vector<const T*>& b
         Buffer<T>& lists = buffers[1];
         lists.resize(k * L);
         V* top = reinterpret_cast<V*>(lists.data());
+        // What the rows read: b in place (its column j, rows n apart, the bounds from
+        // column_bounds), or the strip of b's columns [j, j + L): per q, the bounds bm, then
+        // (for kb > 1) the kb components (|b| when abs_b), so the terms read it from cache;
+        // with the finiteness of the b entries that count.
+        const T* strip_at = b[0] + b_at + j;
+        int64_t rs = n, first = 0;
+        V colmax = V{} + T(0);
         if (direct) {
-            const V colmax = load_part<T>(bounds.data() + bt * n + j, valid);
-            for (int64_t i = 0; i < m; ++i) {
-                const int64_t row = bt * m + i;
-                const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
-                               a.data(), row * l, ka, kb, sorted, b[0] + b_at + j, n, 0,
-                               colmax, true, abs_b, valid};
-                best_of_row_k<T>(k, r, top);
-                for (int64_t t = 0; t < k; ++t)
-                    std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));
+            colmax = load_part<T>(bounds.data() + bt * n + j, valid);
+        } else {
+            rs = (kb == 1 ? 1 : kb + 1) * L;
+            first = kb == 1 ? 0 : L;
+            Buffer<T>& strip = buffers[0];
+            strip.resize(l * rs);
+            V check = V{} + T(0);
+            for (int64_t q = 0; q < l; ++q) {
+                if (!lv[q] && !dead_count) continue;
+                V big = V{} + T(0);
+                for (int64_t s = 0; s < kb; ++s) {
+                    V v = load_part<T>(b[s] + b_at + q * n + j, valid);
+                    check += v * T(0);
+                    if (abs_b) v = v < T(0) ? -v : v;
+                    big = vmax(v, big);
+                    if (kb > 1) store(&strip[q * rs + first + s * L], v);
+                }
+                store(&strip[q * rs], big);
+                if (lv[q]) colmax = vmax(big, colmax);
             }
-            return;
-        }
-        // The strip of b's columns [j, j + L): per q, the bounds bm, then (for kb > 1) the
-        // kb components (|b| when abs_b), so the terms read it from cache; and the
-        // finiteness of the b entries that count.
-        const int64_t rs = (kb == 1 ? 1 : kb + 1) * L, first = kb == 1 ? 0 : L;
-        Buffer<T>& strip = buffers[0];
-        strip.resize(l * rs);
-        V check = V{} + T(0), colmax = V{} + T(0);
-        for (int64_t q = 0; q < l; ++q) {
-            if (!lv[q] && !dead_count) continue;
-            V big = V{} + T(0);
-            for (int64_t s = 0; s < kb; ++s) {
-                V v = load_part<T>(b[s] + b_at + q * n + j, valid);
-                check += v * T(0);
-                if (abs_b) v = v < T(0) ? -v : v;
-                big = vmax(v, big);
-                if (kb > 1) store(&strip[q * rs + first + s * L], v);
+            if (!finite_lanes<T>(check)) {
+                __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+                return;
             }
-            store(&strip[q * rs], big);
-            if (lv[q]) colmax = vmax(big, colmax);
-        }
-        if (!finite_lanes<T>(check)) {
-            __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
-            return;
+            strip_at = strip.data();
         }
         for (int64_t i = 0; i < m; ++i) {
             const int64_t row = bt * m + i;
             const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
                            a.data(),             row * l,              ka,
-                           kb,                   sorted,               strip.data(),
+                           kb,                   sorted,               strip_at,
                            rs,                   first,                colmax,
-                           false,                false,                L};
+                           direct,               direct && abs_b,      direct ? valid : L};
             best_of_row_k<T>(k, r, top);
             for (int64_t t = 0; t < k; ++t)
                 std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));

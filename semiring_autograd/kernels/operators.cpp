@@ -76,6 +76,39 @@ void check_operands(const char* name, const at::Tensor& a, const std::vector<at:
 // a 0-d bool tensor
 at::Tensor flag(bool value) { return at::scalar_tensor(value, at::TensorOptions(at::kBool)); }
 
+// The data of each tensor of `list`, contiguous: one that is not is copied, the copy kept
+// in `keep` for the call.
+template <typename T>
+std::vector<const T*> contiguous_data(at::TensorList list, std::vector<at::Tensor>& keep) {
+    std::vector<const T*> data;
+    for (const auto& t : list) {
+        if (t.is_contiguous()) {
+            data.push_back(t.const_data_ptr<T>());
+        } else {
+            keep.push_back(t.contiguous());
+            data.push_back(keep.back().const_data_ptr<T>());
+        }
+    }
+    return data;
+}
+
+// (k, *shape) for KBest lists of k components each, all of one shape and dtype (float32 or
+// float64), checked for operator `name`.
+std::vector<int64_t> k_lists_shape(const char* name,
+                                   std::initializer_list<at::TensorList> lists) {
+    const auto& like = lists.begin()[0][0];
+    for (const auto& list : lists)
+        for (const auto& c : list)
+            TORCH_CHECK(c.sizes() == like.sizes() && c.scalar_type() == like.scalar_type() &&
+                            (c.scalar_type() == at::kFloat || c.scalar_type() == at::kDouble),
+                        name, ": components of one shape and dtype (float32 or float64), got ",
+                        c.sizes(), " ", c.scalar_type(), " beside ", like.sizes(), " ",
+                        like.scalar_type());
+    std::vector<int64_t> shape{int64_t(lists.begin()[0].size())};
+    for (auto s : like.sizes()) shape.push_back(s);
+    return shape;
+}
+
 #define FLOATING(dtype, ...)                                           \
     [&] {                                                              \
         if ((dtype) == at::kDouble) {                                  \
@@ -129,30 +162,13 @@ std::tuple<at::Tensor, at::Tensor> k_best_add_op(at::TensorList a, at::TensorLis
     TORCH_CHECK(!a.empty() && a.size() == b.size(),
                 "k_best_add: lists a and b of one length k >= 1, got ", a.size(), " and ",
                 b.size());
-    const auto like = a[0];
-    for (const auto& list : {a, b})
-        for (const auto& c : list)
-            TORCH_CHECK(c.sizes() == like.sizes() &&
-                            c.scalar_type() == like.scalar_type() &&
-                            (c.scalar_type() == at::kFloat || c.scalar_type() == at::kDouble),
-                        "k_best_add: components of one shape and dtype (float32 or float64), "
-                        "got ", c.sizes(), " ", c.scalar_type(), " beside ",
-                        like.sizes(), " ", like.scalar_type());
-    std::vector<int64_t> shape{int64_t(a.size())};
-    for (auto s : like.sizes()) shape.push_back(s);
-    auto out = at::empty(shape, like.options());
+    const auto& like = a[0];
+    auto out = at::empty(k_lists_shape("k_best_add", {a, b}), like.options());
     const int64_t count = like.numel();
     int declined = 0;
     FLOATING(like.scalar_type(), [&] {
-        std::vector<at::Tensor> copies;  // the contiguous copies, alive for the call
-        auto pointer = [&](const at::Tensor& c) -> const T* {
-            if (c.is_contiguous()) return c.const_data_ptr<T>();
-            copies.push_back(c.contiguous());
-            return copies.back().const_data_ptr<T>();
-        };
-        std::vector<const T*> pa, pb;
-        for (const auto& c : a) pa.push_back(pointer(c));
-        for (const auto& c : b) pb.push_back(pointer(c));
+        std::vector<at::Tensor> copies;
+        const auto pa = contiguous_data<T>(a, copies), pb = contiguous_data<T>(b, copies);
         k_best_add<T>(pa, pb, out.data_ptr<T>(), count,
                       threads_for(count * int64_t(a.size())), &declined);
     });
@@ -164,27 +180,15 @@ std::tuple<at::Tensor, at::Tensor> k_best_add_op(at::TensorList a, at::TensorLis
 // components (one shape and dtype; copied contiguous where they are not); out (k, *shape);
 // declined (0-d bool) true, and out all NaN, where a list is not descending or holds a NaN.
 std::tuple<at::Tensor, at::Tensor> k_best_loo_op(at::TensorList a) {
-    TORCH_CHECK(!a.empty(), "k_best_loo: lists a of k >= 1 components");
-    const auto like = a[0];
-    for (const auto& c : a)
-        TORCH_CHECK(c.sizes() == like.sizes() && c.scalar_type() == like.scalar_type() &&
-                        c.dim() >= 1 &&
-                        (c.scalar_type() == at::kFloat || c.scalar_type() == at::kDouble),
-                    "k_best_loo: components of one shape (at least 1-D) and dtype (float32 or "
-                    "float64), got ", c.sizes(), " ", c.scalar_type(), " beside ",
-                    like.sizes(), " ", like.scalar_type());
-    std::vector<int64_t> shape{int64_t(a.size())};
-    for (auto s : like.sizes()) shape.push_back(s);
-    auto out = at::empty(shape, like.options());
+    TORCH_CHECK(!a.empty() && a[0].dim() >= 1, "k_best_loo: lists a of k >= 1 components, "
+                "each at least 1-D");
+    const auto& like = a[0];
+    auto out = at::empty(k_lists_shape("k_best_loo", {a}), like.options());
     const int64_t n = like.size(-1), rows = n ? like.numel() / n : 0;
     int declined = 0;
     FLOATING(like.scalar_type(), [&] {
-        std::vector<at::Tensor> copies;  // the contiguous components, alive for the call
-        std::vector<const T*> pa;
-        for (const auto& c : a) {
-            copies.push_back(c.contiguous());
-            pa.push_back(copies.back().const_data_ptr<T>());
-        }
+        std::vector<at::Tensor> copies;
+        const auto pa = contiguous_data<T>(a, copies);
         k_best_loo<T>(pa, out.data_ptr<T>(), rows, n,
                       threads_for(like.numel() * int64_t(a.size())), &declined);
     });
@@ -216,16 +220,8 @@ std::tuple<at::Tensor, at::Tensor> k_best_times_op(at::TensorList a_, at::Tensor
     auto out = at::empty({k, batch, m, n}, a_[0].options());
     int nonfinite = 0;
     FLOATING(dtype, [&] {
-        std::vector<at::Tensor> copies;  // the contiguous components, alive for the call
-        auto pointers = [&](at::TensorList list) {
-            std::vector<const T*> out_;
-            for (const auto& c : list) {
-                copies.push_back(c.contiguous());
-                out_.push_back(copies.back().const_data_ptr<T>());
-            }
-            return out_;
-        };
-        const auto pa = pointers(a_), pb = pointers(b_);
+        std::vector<at::Tensor> copies;
+        const auto pa = contiguous_data<T>(a_, copies), pb = contiguous_data<T>(b_, copies);
         const int64_t b_batch = b_[0].size(0) == batch && batch > 1 ? l * n : 0;
         k_best_times<T>(pa, pb, b_batch, out.data_ptr<T>(), k, batch, m, l, n, abs_b,
                         dead_count, threads_for(batch * m * l * n), &nonfinite);

@@ -127,7 +127,7 @@ class KBest(Semiring):
             fused = kernels.k_best_loo(tuple(c.movedim(dim, -1) for c in a))
             if fused is not None:
                 return tuple(c.movedim(-1, dim) for c in fused.unbind(0))
-        lists = torch.stack(a, -1).movedim(dim, -2)  # (..., n, k)
+        lists = _stacked(a).movedim(dim, -2)  # (..., n, k)
         n = lists.shape[-2]
         entries = lists.flatten(-2)  # entry e comes from list e // k
         if n < 2:  # zeros (no path) as entries of no list make 2k
