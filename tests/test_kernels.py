@@ -885,7 +885,8 @@ def _loo_oracle(la: torch.Tensor, r: torch.Tensor):
 def test_loo_log_kernel_equals_enumeration(dtype, shape):
     """The one-pass leave-one-out ⊕ (Log: log Z only; Entropy: log Z and r) against
     enumeration in float64, with -inf entries, a row of -inf, a row with one finite entry,
-    tied maxima and a gap of 1000 nats; within a few ulp of each row's scale. Rows holding
+    tied maxima, gaps of 59.5 and 60.5 nats between the two largest (the others 100 below)
+    and a gap of 1000 nats; within a few ulp of each row's scale. Rows holding
     NaN or +inf are left to the torch formula (None)."""
     gen = torch.Generator().manual_seed(23)
     la = torch.randn(shape, generator=gen, dtype=dtype) * 20
@@ -895,6 +896,10 @@ def test_loo_log_kernel_equals_enumeration(dtype, shape):
     flat[2, :] = 3.0  # all tied
     flat[-1, 0] = 1000.0
     flat.view(-1)[5::7] = -INF
+    if flat.shape[0] > 5:  # the argmax's others summed in its frame (a gap of 59.5), or not
+        for row, gap in ((3, 59.5), (4, 60.5)):
+            flat[row, :] = -100.0 - torch.rand(shape[-1], generator=gen, dtype=dtype)
+            flat[row, 0], flat[row, 1] = 0.0, -gap
     r = torch.rand(shape, generator=gen, dtype=dtype).masked_fill(la == -INF, 0.0)
     log_z, rest = _loo_oracle(la, r)
     eps = torch.finfo(dtype).eps
@@ -1105,6 +1110,7 @@ PORTABLE = [
     # tests/test_log_entries.py
     "test_plus_log_abs_equals_the_formula",
     "test_log_add_equals_torch_logaddexp",
+    "test_log_add_of_strided_operands",
     # tests/test_softmax_backward.py
     "test_log_override_equals_the_jacobian_paths",
     # tests/test_operators.py

@@ -1,6 +1,7 @@
 """The Log semiring's one-pass elementwise kernels (kernels/log_entries.h): a + log|w|,
-log|w| and log(e^a + e^b) against torch's formulas in float64, specials included, the
-fallbacks where a kernel does not apply, and Log's backward with the kernels on and off."""
+log|w| and log(e^a + e^b) (contiguous, in strided rows, into an accumulator) against
+torch's formulas in float64, specials included, the fallbacks where a kernel does not
+apply, and Log's backward with the kernels on and off."""
 
 from __future__ import annotations
 
@@ -135,6 +136,94 @@ def test_log_add_of_a_broadcast_operand(dtype):
         assert got is not None and got.shape == full.shape
         scale = torch.maximum(a.double().abs(), b.double().abs()) + want.abs()
         _assert_within(got, want, _ulps(dtype, 3, scale))
+
+
+def _strided_pairs(dtype: torch.dtype):
+    """Operand pairs of one shape that are not contiguous but lie in rows: narrowed keys of
+    a wider tensor, two query groups unbound from one message (attention's ⊕ over a key
+    head's query groups) and the same with both transposed, and a row read by every row."""
+    gen = torch.Generator().manual_seed(9)
+
+    def randn(*shape):
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * 20).to(dtype)
+
+    wide, other, groups = randn(2, 3, 300, 64), randn(2, 3, 280, 64), randn(2, 3, 2, 280, 64)
+    wide[0, 1, :5] = torch.tensor([-INF, INF, NAN, -INF, 0.0], dtype=dtype)[:, None]
+    other[0, 1, :5] = torch.tensor([-INF, -INF, 1.0, INF, NAN], dtype=dtype)[:, None]
+    flipped = groups.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return [
+        (wide[..., :280, :], other),
+        (groups[:, :, 0], groups[:, :, 1]),
+        (flipped[:, :, 0], flipped[:, :, 1]),
+        (wide[..., :280, :], randn(1, 1, 280, 64).expand(2, 3, 280, 64)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_add_of_strided_operands(dtype):
+    """Operands in rows (``log_add_rows_``): within 3 ulp of float64 torch.logaddexp,
+    infinities and NaN as torch's, into a new tensor of the first operand's layout."""
+    for a, b in _strided_pairs(dtype):
+        assert not a.is_contiguous()
+        want = torch.logaddexp(a.double(), b.double())
+        got = log_entries.log_add(a, b)
+        assert got is not None and got.shape == a.shape and got.dtype == dtype
+        assert [got.stride(d) > got.stride(d + 1) for d in range(2, 3)] == [
+            a.stride(d) > a.stride(d + 1) for d in range(2, 3)
+        ]
+        scale = torch.maximum(a.double().abs(), b.double().abs()) + want.abs()
+        _assert_within(got, want, _ulps(dtype, 3, scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_add_into_an_accumulator(dtype):
+    """``log_add_`` and Log's ``add_into``: acc ⊕= b in place over a narrowed view of an
+    accumulator (its other entries untouched), in rows or transposed, within 3 ulp of
+    float64 torch.logaddexp; where the kernel declines (b laid out otherwise than acc, b
+    sharing acc's storage, acc's rows overlapping) ``log_add_`` writes nothing and
+    ``add_into`` writes torch.logaddexp exactly."""
+    _, groups, flipped, spread = _strided_pairs(dtype)
+    transposed = flipped[0].contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
+    cases = [  # (acc's layout, b, whether the kernel takes them)
+        ("rows", groups[1], True),
+        ("rows", spread[1], True),
+        ("transposed", transposed, True),
+        ("rows", flipped[1], False),
+        ("transposed", flipped[1], False),  # two strides between b's rows: not one call
+    ]
+    for layout, b, takes in cases:
+        full = torch.randn(2, 3, 300, 64, dtype=torch.float64).to(dtype)
+        if layout == "transposed":
+            full = full.transpose(-1, -2).contiguous().transpose(-1, -2)
+        before = full.clone()
+        acc = full[..., :280, :]
+        assert log_entries.log_add_(acc, b) is takes, (layout, b.stride())
+        if takes:
+            want = torch.logaddexp(before[..., :280, :].double(), b.double())
+            scale = torch.maximum(before[..., :280, :].double().abs(), b.double().abs())
+            _assert_within(acc, want, _ulps(dtype, 3, scale + want.abs()))
+        else:
+            assert torch.equal(full, before)
+            sa.Log().add_into((acc,), (b,))
+            expected = torch.logaddexp(before[..., :280, :], b)
+            torch.testing.assert_close(acc, expected, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(full[..., 280:, :], before[..., 280:, :])
+    x = torch.randn(4, 64, 64, dtype=dtype)
+    assert not log_entries.log_add_(x[:, :32], x[:, 32:])  # one storage
+    assert not log_entries.log_add_(x[:1].expand(4, 64, 64), x.clone())  # rows overlap
+
+
+def test_add_into_of_a_subclass_with_its_own_add():
+    """A Log subclass with its own ⊕ accumulates by that ⊕ (the base's add_into)."""
+
+    class Halved(sa.Log):
+        def add(self, a, b):
+            return (torch.logaddexp(a[0], b[0]) - 1.0,)
+
+    acc, b = torch.randn(64, 300), torch.randn(64, 300)
+    expected = torch.logaddexp(acc, b) - 1.0
+    Halved().add_into((acc,), (b,))
+    torch.testing.assert_close(acc, expected, rtol=0, atol=0)
 
 
 def _log_grad(model, x):

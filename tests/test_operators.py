@@ -71,6 +71,14 @@ def _samples(dtype):
         "entropy_weights": [(rand(2, 3, 5), torch.empty(2, 6, 5, dtype=dtype))],
         "plus_log_abs": [(la, rand(3, 40)), (None, rand(2, 37))],
         "log_add": [(la, rand(3, 40))],
+        "log_add_rows_": [
+            (torch.empty(3, 40, dtype=dtype), la, rand(3, 40)),
+            (
+                torch.empty(3, 47, dtype=dtype)[:, :40],
+                rand(3, 45)[:, 5:],
+                rand(1, 40).expand(3, 40),
+            ),
+        ],
         "softmax_backward_log": [
             (la, torch.softmax(rand(3, 40), -1)),
             (rand(2, 1, 7), rand(2, 1, 7)),

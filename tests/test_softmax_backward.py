@@ -31,8 +31,9 @@ def _jacobian_paths(g: torch.Tensor, p: torch.Tensor, keep=None) -> torch.Tensor
 
 def _operands(dtype: torch.dtype, n: int, rows: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, p) of (2, rows, n): p a softmax with excluded keys (p = 0), a row with a single
-    key (p = 1), a row within an ulp of 1, a row spread over 60 nats; g with -inf (no
-    path), a row of -inf and messages up to ±200."""
+    key (p = 1), a row within an ulp of 1, rows spread over 40 and 60 nats (the kernel's
+    linear frame takes p down to 2^-64, not 2^-87); g with -inf (no path), a row of -inf
+    and messages up to ±200."""
     gen = torch.Generator().manual_seed(n)
     scores = torch.randn(2, rows, n, generator=gen, dtype=torch.float64) * 4
     excluded = (torch.arange(scores.numel()) % 4 == 1).reshape(scores.shape)
@@ -41,6 +42,7 @@ def _operands(dtype: torch.dtype, n: int, rows: int = 6) -> tuple[torch.Tensor, 
     scores[0, 0, 1:] = -INF
     scores[0, 1, 0] = 60.0
     scores[1, 1] = torch.linspace(-60, 0, n, dtype=torch.float64)
+    scores[0, 4] = torch.linspace(-40, 0, n, dtype=torch.float64)  # p down to e^-40
     p = torch.softmax(scores, -1).to(dtype)
     g = torch.randn(2, rows, n, generator=gen, dtype=torch.float64) * 50
     g.view(-1)[::5] = -INF

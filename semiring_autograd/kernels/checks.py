@@ -471,6 +471,33 @@ def _check_log_add(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def _check_log_add_rows(c: _Case) -> str | None:
+    rows, n, past = 3, 2 * 16 + 5, 7  # vectors and a tail per row; a row stride past n
+    a, b = c.randn(rows, n) * 30, c.randn(rows, n) * 30
+    b[0, :9] = a[0, :9] + c.randn(9) * 1e-3  # close: log1p near log 2
+    a[1, :4], b[1, 2:6] = -INF, -INF  # one or both without a path
+    a[1, 6], b[1, 7], a[1, 8], b[1, 8] = INF, INF, INF, -INF
+    a[2, 0], b[2, 1], b[2, 2] = NAN, NAN, a[2, 2] - 80.0
+    problems = []
+    for spread in (False, True):  # b's first row read by every row (row stride 0)
+        b_rows = b[:1].expand(rows, n) if spread else b
+        want = torch.logaddexp(a.double(), b_rows.double())
+        scale = torch.maximum(a.double().abs(), b_rows.double().abs()) + want.abs()
+        wide = [_to(torch.full((rows, n + past), 5.0, dtype=c.dtype), c.device) for _ in "ao"]
+        wide[0][:, :n] = _to(a, c.device)
+        moved_b = _to(b, c.device)
+        b_view = moved_b[:1].expand(rows, n) if spread else moved_b
+        c.call(wide[1][:, :n], wide[0][:, :n], b_view)  # into another tensor's rows
+        problems.append(_differs("log_add_rows_", wide[1][:, :n].cpu(), want, _ulps(c, 8, scale)))
+        untouched = torch.full((rows, past), 5.0, dtype=c.dtype)
+        problems.append(_differs("log_add_rows_ past its rows", wide[1][:, n:].cpu(), untouched))
+        c.call(wide[0][:, :n], wide[0][:, :n], b_view)  # in place
+        problems.append(
+            _differs("log_add_rows_ in place", wide[0][:, :n].cpu(), want, _ulps(c, 8, scale))
+        )
+    return _first(*problems)
+
+
 def _check_entropy_add(c: _Case) -> str | None:
     problems = []
     for a_shape, b_shape in (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1))):
@@ -1075,6 +1102,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "entropy_weights": _check_entropy_weights,
     "plus_log_abs": _check_plus_log_abs,
     "log_add": _check_log_add,
+    "log_add_rows_": _check_log_add_rows,
     "softmax_backward_log": _check_softmax_backward_log,
     "softmax_backward_max": _check_softmax_backward_max,
     "softmax_backward_or": _check_softmax_backward_or,

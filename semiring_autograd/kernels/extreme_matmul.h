@@ -1176,13 +1176,21 @@ inline T row_top(const T* xs, int64_t n, bool* nan) {
     return top;
 }
 
+// The widest gap between a row's two largest entries over which loo_row sums the argmax's
+// others in the frame of the largest: a term it flushes to 0 there (below e^-87 in float,
+// e^-708 in double) is then under e^-27 (e^-208) of that sum, the second largest's term.
+template <typename T>
+constexpr T LOO_SHARED_GAP = std::is_same_v<T, float> ? T(60) : T(500);
+
 // The leave-one-out ⊕ in log space along one row of n contiguous entries xs: ls[i] =
 // log Σ_{j≠i} e^{x_j} and, with r (Entropy), qs[i] = Σ_{j≠i} e^{x_j}·r_j / Σ_{j≠i} e^{x_j},
 // 0 where that sum is 0. Shifted by the row's maximum, every entry but the (first) argmax
 // keeps the maximum's term 1 in its sum, so the total minus its own term loses no
-// precision; the argmax sums the others afresh, shifted by the second largest, so a gap
-// between the two never underflows. The argmax's own term enters that sum as 0·r, so a
-// NaN or inf r there still shows. A row holding NaN or +inf is not computed: false.
+// precision; the argmax sums the others apart: in the same pass and frame where the
+// second largest entry is within LOO_SHARED_GAP of the largest, else afresh, shifted by
+// the second largest, so a gap between the two never underflows. The argmax's own term
+// enters that sum as 0·r, so a NaN or inf r there still shows. A row holding NaN or +inf
+// is not computed: false.
 template <typename T, bool with_r>
 bool loo_row(const T* xs, const T* rs, T* ls, T* qs, int64_t n) {
     const T inf = __builtin_inf();
@@ -1197,15 +1205,15 @@ bool loo_row(const T* xs, const T* rs, T* ls, T* qs, int64_t n) {
         const T v = j == at ? -inf : xs[j];
         second = v > second ? v : second;
     }
-    const T s1 = top == -inf ? T(0) : top, s2 = second == -inf ? T(0) : second;
+    const T s1 = top == -inf ? T(0) : top;
+    const bool shared = top - second <= LOO_SHARED_GAP<T>;  // false for second = -inf
     double total = 0, total_r = 0, total2 = 0, total2_r = 0;
     for (int64_t c = 0; c < n; c += SUM_CHUNK) {  // chunk sums added in double: long rows
         const int64_t end = std::min(n, c + SUM_CHUNK);
         T part = 0, part_r = 0, part2 = 0, part2_r = 0;
 #pragma omp simd reduction(+ : part, part_r, part2, part2_r)
         for (int64_t j = c; j < end; ++j) {
-            const T v = xs[j];
-            const T e = exp_nonpositive(v - s1), e2 = exp_nonpositive(j == at ? -inf : v - s2);
+            const T e = exp_nonpositive(xs[j] - s1), e2 = j == at ? T(0) : e;
             ls[j] = e;
             part += e;
             part2 += e2;
@@ -1217,6 +1225,22 @@ bool loo_row(const T* xs, const T* rs, T* ls, T* qs, int64_t n) {
             }
         }
         total += part, total_r += part_r, total2 += part2, total2_r += part2_r;
+    }
+    T s2 = s1;
+    if (!shared) {  // the argmax's others afresh, in the second largest's frame
+        s2 = second == -inf ? T(0) : second;
+        total2 = 0, total2_r = 0;
+        for (int64_t c = 0; c < n; c += SUM_CHUNK) {
+            const int64_t end = std::min(n, c + SUM_CHUNK);
+            T part2 = 0, part2_r = 0;
+#pragma omp simd reduction(+ : part2, part2_r)
+            for (int64_t j = c; j < end; ++j) {
+                const T e2 = exp_nonpositive(j == at ? -inf : xs[j] - s2);
+                part2 += e2;
+                if constexpr (with_r) part2_r += e2 * rs[j];
+            }
+            total2 += part2, total2_r += part2_r;
+        }
     }
     const T sum = T(total), sum_r = T(total_r), sum2 = T(total2), sum2_r = T(total2_r);
 #pragma omp simd

@@ -2,6 +2,7 @@
 //
 //   plus_log_abs(a, w)          a + log|w| (a ⊗ lift(w)), or log|w| alone (lift(w)) without a
 //   log_add(a, b)               log(e^a + e^b) (a ⊕ b), torch.logaddexp's specials
+//   log_add_rows_(out, a, b)    the same over rows with strides between them, out may be a
 //   softmax_backward_log(g, p)  the message at softmax's input from g at its output p, per row
 //   log_plus_shifts_            z = log z + shift (+ shift_b) in place, for log_gemm_finish_
 //   log_space_columns(a, r)     log_space_rows along the columns of a transposed message
@@ -11,7 +12,7 @@
 // exp16_nonpositive of extreme_matmul.h, 16 floats at a time); the softmax Jacobian's
 // semiring formula takes about a dozen passes over the rows. Operands: contiguous, of one
 // shape and one dtype (float32 or float64), but log_space_columns' (strided along k and
-// batch, unit stride along m); the Python wrappers (log_entries.py) check that and take the
+// batch, unit stride along m) and log_add_rows_' (unit stride along rows); the Python wrappers (log_entries.py) check that and take the
 // torch formulas otherwise, and log_gemm_finish_ takes torch's log and additions where
 // log_plus_shifts_ declines its operands.
 //
@@ -124,26 +125,39 @@ void plus_log_abs(const T* a, const T* w, T* out, int64_t count, int threads) {
     }
 }
 
-// out = log(e^a + e^b), entries [0, count).
+// out = log(e^a + e^b), entries [0, count), in the calling thread; out may be a or b.
 template <typename T>
-void log_add(const T* a, const T* b, T* out, int64_t count, int threads) {
-    (void)threads;
+inline void log_add_span(const T* a, const T* b, T* out, int64_t count) {
+    int64_t i = 0;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {  // log_add_entry, 16 entries at a time
-        const int64_t vectors = count / 16;
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-        for (int64_t v = 0; v < vectors; ++v) {
-            const int64_t i = 16 * v;
+        for (; i + 16 <= count; i += 16) {
             const __m512 x = _mm512_loadu_ps(a + i), y = _mm512_loadu_ps(b + i);
             _mm512_storeu_ps(out + i, log_add16(x, y).sum);
         }
-        for (int64_t i = 16 * vectors; i < count; ++i) out[i] = log_add_entry(a[i], b[i]);
-        return;
     }
 #endif
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#pragma omp for simd schedule(static)
-    for (int64_t i = 0; i < count; ++i) out[i] = log_add_entry(a[i], b[i]);
+#pragma omp simd
+    for (int64_t j = i; j < count; ++j) out[j] = log_add_entry(a[j], b[j]);
+}
+
+// out = log(e^a + e^b) along rows of n entries: a, b and out (rows, n) with unit stride
+// along n and row strides sa, sb and so (sa or sb 0: one row read by every row); out may
+// be a or b, entry for entry (in place). The work goes to the threads in pieces of
+// LOG_ADD_PIECE entries, so that a few long rows still spread over them.
+constexpr int64_t LOG_ADD_PIECE = int64_t(1) << 12;
+
+template <typename T>
+void log_add_rows(const T* a, int64_t sa, const T* b, int64_t sb, T* out, int64_t so,
+                  int64_t rows, int64_t n, int threads) {
+    (void)threads;
+    const int64_t pieces = (n + LOG_ADD_PIECE - 1) / LOG_ADD_PIECE;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t task = 0; task < rows * pieces; ++task) {
+        const int64_t row = task / pieces, start = (task % pieces) * LOG_ADD_PIECE;
+        log_add_span(a + row * sa + start, b + row * sb + start, out + row * so + start,
+                     std::min(LOG_ADD_PIECE, n - start));
+    }
 }
 
 // log|1 - p| with the rounding of u = 1 - p corrected: log|u| - ((u - 1) + p) / u (the
@@ -199,11 +213,121 @@ inline void softmax_combine_row(const T* t, const T* p, const T* lp, T* out, int
         out[i] = log_add_entry(t[i] + log_one_minus_entry(p[i]), out[i] + lp[i]);
 }
 
+// The smallest nonzero probability softmax_linear_row takes: its products p·(Σ terms)
+// stay normal, and a term e^(t - top) it flushes to 0 is below e^-(87 - 44) (float) or
+// e^-(708 - 347) (double) of the term p·(Σ_{j≠i} …) beside it.
+template <typename T>
+constexpr T LINEAR_MIN_P = std::is_same_v<T, float> ? T(0x1p-64) : T(0x1p-500);
+
+// Log's softmax message along one row in the frame of the row's largest term, for rows
+// where that loses nothing (else false, out untouched): with t_j = g_j + log p_j, top =
+// max t, e_j = e^(t_j - top) and D_i = Σ_{j≠i} e_j (loo_row's sums: the total minus e_i,
+// the argmax's apart, within LOO_SHARED_GAP of the second largest),
+// out_i = top + log(e_i·|1 - p_i| + D_i·p_i): one log and one exp an entry besides log p,
+// where the log-space combination takes three logs and two exps. Declines a row with a
+// nonzero p below LINEAR_MIN_P, a gap over LOO_SHARED_GAP between its two largest terms
+// (one term or none: the argmax's D would flush), NaN or +inf. t: n entries of scratch.
+template <typename T>
+bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
+    const T inf = __builtin_inf();
+    int tiny = 0;
+    int64_t j0 = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {  // the loop below, 16 entries at a time
+        const __m512 zero = _mm512_setzero_ps(), least = _mm512_set1_ps(LINEAR_MIN_P<float>);
+        __mmask16 small = 0;
+        for (; j0 + 16 <= n; j0 += 16) {
+            const __m512 pv = _mm512_loadu_ps(p + j0);
+            small |= _mm512_cmp_ps_mask(pv, zero, _CMP_GT_OQ) &
+                     _mm512_cmp_ps_mask(pv, least, _CMP_LT_OQ);
+            _mm512_storeu_ps(t + j0, _mm512_add_ps(_mm512_loadu_ps(g + j0), log_abs16(pv)));
+        }
+        tiny = small != 0;
+    }
+#endif
+#pragma omp simd reduction(| : tiny)
+    for (int64_t j = j0; j < n; ++j) {
+        const T pj = p[j];
+        tiny |= (pj > T(0)) & (pj < LINEAR_MIN_P<T>);
+        t[j] = g[j] + log_abs_entry(pj);
+    }
+    if (tiny) return false;
+    bool nan;
+    const T top = row_top(t, n, &nan);
+    if (nan || top == inf || top == -inf) return false;
+    int64_t at = 0;
+    while (t[at] != top) ++at;
+    T second = -inf;
+#pragma omp simd reduction(max : second)
+    for (int64_t j = 0; j < n; ++j) {
+        const T v = j == at ? -inf : t[j];
+        second = v > second ? v : second;
+    }
+    if (!(top - second <= LOO_SHARED_GAP<T>)) return false;
+    double total = 0, total_at = 0;
+    for (int64_t c = 0; c < n; c += SUM_CHUNK) {  // chunk sums added in double: long rows
+        const int64_t end = std::min(n, c + SUM_CHUNK);
+        T part = 0, part_at = 0;
+        int64_t j1 = c;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float>) {
+            const __m512 shift = _mm512_set1_ps(top);
+            __m512 sum = _mm512_setzero_ps(), sum_at = _mm512_setzero_ps();
+            for (; j1 + 16 <= end; j1 += 16) {
+                const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(t + j1), shift));
+                _mm512_storeu_ps(t + j1, e);
+                sum = _mm512_add_ps(sum, e);
+                const int64_t lane = at - j1;
+                const __mmask16 others =
+                    lane >= 0 && lane < 16 ? __mmask16(~(1u << lane)) : __mmask16(0xFFFF);
+                sum_at = _mm512_mask_add_ps(sum_at, others, sum_at, e);
+            }
+            part = _mm512_reduce_add_ps(sum), part_at = _mm512_reduce_add_ps(sum_at);
+        }
+#endif
+#pragma omp simd reduction(+ : part, part_at)
+        for (int64_t j = j1; j < end; ++j) {
+            const T e = exp_nonpositive(t[j] - top);
+            t[j] = e;
+            part += e;
+            part_at += j == at ? T(0) : e;
+        }
+        total += part, total_at += part_at;
+    }
+    const T sum = T(total), sum_at = T(total_at);
+    int64_t j2 = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {  // the loop below, 16 entries at a time
+        const __m512 one = _mm512_set1_ps(1.0f), total_v = _mm512_set1_ps(sum);
+        const __m512 zero = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+        for (; j2 + 16 <= n; j2 += 16) {
+            const __m512 e = _mm512_loadu_ps(t + j2), pv = _mm512_loadu_ps(p + j2);
+            __m512 den = _mm512_max_ps(_mm512_sub_ps(total_v, e), zero);
+            const int64_t lane = at - j2;
+            if (lane >= 0 && lane < 16)
+                den = _mm512_mask_mov_ps(den, __mmask16(1u << lane), _mm512_set1_ps(sum_at));
+            const __m512 own = _mm512_abs_ps(_mm512_sub_ps(one, pv));
+            const __m512 x = _mm512_fmadd_ps(e, own, _mm512_mul_ps(den, pv));
+            _mm512_storeu_ps(out + j2, _mm512_add_ps(log_abs16(x), shift));
+        }
+    }
+#endif
+#pragma omp simd
+    for (int64_t j = j2; j < n; ++j) {
+        const T e = t[j], pj = p[j], d = sum - e, den = j == at ? sum_at : (d > T(0) ? d : T(0));
+        const T u = T(1) - pj, own = u < T(0) ? -u : u;
+        out[j] = log_nonnegative(e * own + den * pj) + top;
+    }
+    return true;
+}
+
 // The Log semiring's message at softmax's input from g at its output p = softmax(s), along
 // rows of n contiguous entries: with t_j = g_j + log p_j and L_i = log Σ_{j≠i} e^(t_j) (the
 // leave-one-out ⊕ of loo_row), out_i = log(e^(t_i + log(1 - p_i)) + e^(L_i + log p_i)), the
-// ⊕ of the paths through ∂p_i/∂s_i = p_i(1 - p_i) and through ∂p_j/∂s_i = -p_j p_i (j ≠ i).
-// bad[row] = 1 where a row's t holds NaN or +inf and the row was left uncomputed, else 0.
+// ⊕ of the paths through ∂p_i/∂s_i = p_i(1 - p_i) and through ∂p_j/∂s_i = -p_j p_i (j ≠ i):
+// in the frame of the row's largest term where that loses nothing (softmax_linear_row),
+// else in log space. bad[row] = 1 where a row's t holds NaN or +inf and the row was left
+// uncomputed, else 0.
 template <typename T>
 void softmax_backward_rows(const T* g, const T* p, T* out, uint8_t* bad, int64_t n,
                            int64_t rows, int threads) {
@@ -216,6 +340,8 @@ void softmax_backward_rows(const T* g, const T* p, T* out, uint8_t* bad, int64_t
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; ++row) {
             const int64_t at = row * n;
+            bad[row] = 0;
+            if (softmax_linear_row(g + at, p + at, out + at, t, n)) continue;
             log_terms_row(g + at, p + at, t, lp, n);
             const bool done = loo_row<T, false>(t, nullptr, out + at, nullptr, n);
             bad[row] = !done;
@@ -403,9 +529,37 @@ inline at::Tensor log_add_op(const at::Tensor& a, const at::Tensor& b) {
     check_entries("log_add", a, b);
     return entries(a, [&](auto tag, at::Tensor& out, int64_t count, int threads) {
         using T = std::remove_pointer_t<decltype(tag)>;
-        log_add<T>(a.const_data_ptr<T>(), b.const_data_ptr<T>(), out.data_ptr<T>(), count,
-                   threads);
+        log_add_rows<T>(a.const_data_ptr<T>(), 0, b.const_data_ptr<T>(), 0, out.data_ptr<T>(),
+                        0, 1, count, threads);
     });
+}
+
+// out = log(e^a + e^b) for a, b and out 2-D of one shape (rows, n) and dtype (float32 or
+// float64), each with unit stride along n and any row stride (out's at least n, or 0 for
+// one row; a's and b's may be 0); out may be a or b itself (in place).
+inline void log_add_rows_op(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+    const auto dtype = out.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+                "log_add_rows_: float32 or float64 operands, got ", dtype);
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &a, &b})
+        TORCH_CHECK(t->dim() == 2 && t->sizes() == out.sizes() && t->scalar_type() == dtype &&
+                        (t->size(1) <= 1 || t->stride(1) == 1),
+                    "log_add_rows_: out, a and b 2-D of one shape and dtype with unit stride "
+                    "along rows, got ", t->sizes(), " ", t->strides(), " ", t->scalar_type(),
+                    " for out ", out.sizes());
+    const int64_t rows = out.size(0), n = out.size(1);
+    TORCH_CHECK(rows <= 1 || out.stride(0) >= n, "log_add_rows_: out's rows overlap (stride ",
+                out.stride(0), " for rows of ", n, ")");
+    if (rows == 0 || n == 0) return;
+    const int threads = threads_for(rows * n);
+    if (dtype == at::kDouble)
+        log_add_rows<double>(a.const_data_ptr<double>(), a.stride(0), b.const_data_ptr<double>(),
+                             b.stride(0), out.data_ptr<double>(), out.stride(0), rows, n,
+                             threads);
+    else
+        log_add_rows<float>(a.const_data_ptr<float>(), a.stride(0), b.const_data_ptr<float>(),
+                            b.stride(0), out.data_ptr<float>(), out.stride(0), rows, n,
+                            threads);
 }
 
 }  // namespace log_entries

@@ -17,6 +17,8 @@ the torch formula. Their log and exp are the kernels' own series (on AVX-512 flo
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 from . import _nonempty_ready
@@ -63,12 +65,101 @@ def plus_log_abs(a: Tensor | None, w: Tensor) -> Tensor | None:
 def log_add(a: Tensor, b: Tensor) -> Tensor | None:
     """log(e^a + e^b) by the fused CPU kernel, or None. An operand that broadcasts to the
     other's shape is expanded to it first (a copy and the kernel take less time than
-    ``torch.logaddexp`` broadcasting)."""
+    ``torch.logaddexp`` broadcasting). Operands of one shape that are not contiguous but
+    lie in rows in ``a``'s layout (:func:`_layout`, :func:`_rows`: narrowed, unbound or
+    transposed slices of dense tensors) go to ``log_add_rows_``, into a new tensor of that
+    layout."""
     if not _nonempty_ready("log_add", a, b):
         return None
     if a.shape != b.shape:
         a, b = _spread_pair(a, b)
-    return op("log_add")(a, b) if _takes(a, b) else None
+    if _takes(a, b):
+        return op("log_add")(a, b)
+    if a.shape != b.shape:
+        return None
+    order = _layout(a)
+    a_rows, b_rows = a.permute(order), b.permute(order)
+    pair = _row_pair(a_rows, b_rows)
+    if pair is None or not _nonempty_ready("log_add_rows_", a, b):
+        return None
+    out = a_rows.new_empty(a_rows.shape)
+    op("log_add_rows_")(out.view(pair[0].shape), *pair)
+    return out.permute(_inverse(order))
+
+
+def log_add_(acc: Tensor, b: Tensor) -> bool:
+    """acc = log(e^acc + e^b) in place by ``log_add_rows_``: True, or False (``acc``
+    untouched) where ``acc`` and ``b`` are not operands of one call (:func:`_row_pair`,
+    in ``acc``'s layout), ``acc``'s entries overlap or it shares storage with ``b``, off
+    the CPU or without the kernels."""
+    if acc.shape != b.shape or acc.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+        return False
+    order = _layout(acc)
+    pair = _row_pair(acc.permute(order), b.permute(order))
+    if pair is None or (pair[0].shape[0] > 1 and pair[0].stride(0) < pair[0].shape[1]):
+        return False
+    if not _nonempty_ready("log_add_rows_", acc, b):
+        return False
+    op("log_add_rows_")(pair[0], *pair)
+    return True
+
+
+def _layout(x: Tensor) -> list[int]:
+    """The dims of ``x`` from the largest stride to the smallest (ties in order): the
+    permutation under which a dense ``x`` is contiguous (a transposed message's too)."""
+    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return inverse
+
+
+def _row_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``a`` and ``b`` (one shape, dtype and device, at least ``MIN_ENTRIES`` entries) as
+    2-D (rows, n) views of their storage for ``log_add_rows_``: n the entries of the
+    trailing dims that are one contiguous block in both (at least 16, a vector), the rows
+    the rest, one stride apart; None for other operands."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return None
+    if a.numel() < MIN_ENTRIES:
+        return None
+    start = max(_block_start(a), _block_start(b))
+    n = math.prod(a.shape[start:])
+    if n < 16:
+        return None
+    rows = [_rows(x, start, n) for x in (a, b)]
+    return None if rows[0] is None or rows[1] is None else (rows[0], rows[1])
+
+
+def _block_start(x: Tensor) -> int:
+    """The first of the trailing dims of ``x`` that together are one contiguous block (dims
+    of one entry aside)."""
+    expected, start = 1, x.dim()
+    for d in range(x.dim() - 1, -1, -1):
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            break
+        expected *= x.shape[d]
+        start = d
+    return start
+
+
+def _rows(x: Tensor, start: int, n: int) -> Tensor | None:
+    """``x`` as (rows, n): dims from ``start`` on one contiguous block of n entries, the
+    dims before it one stride apart (0: every row the same entries); None otherwise."""
+    stride, span = None, 1
+    for d in range(start - 1, -1, -1):
+        if x.shape[d] == 1:
+            continue
+        if stride is None:
+            stride, span = x.stride(d), x.shape[d]
+        elif x.stride(d) == stride * span:
+            span *= x.shape[d]
+        else:
+            return None
+    return x.as_strided((span, n), (n if stride is None else stride, 1))
 
 
 def _spread_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

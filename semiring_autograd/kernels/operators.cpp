@@ -618,6 +618,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("entropy_weights", &entropy_weights_op);
     m.impl("plus_log_abs", &log_entries::plus_log_abs_op);
     m.impl("log_add", &log_entries::log_add_op);
+    m.impl("log_add_rows_", &log_entries::log_add_rows_op);
     m.impl("softmax_backward_log", &log_entries::softmax_backward_log_op);
     m.impl("log_space_columns", &log_entries::log_space_columns_op);
     m.impl("softmax_backward_max", &extreme_entries::softmax_backward_max_op);

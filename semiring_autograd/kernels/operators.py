@@ -38,6 +38,8 @@ one dtype.
 ``entropy_weights``      the stacked Entropy GEMM operands [|w|; -|w|·log|w|], into ``out``
 ``plus_log_abs``         a + log|w| (log|w| without a), elementwise, one shape; CPU only
 ``log_add``              log(e^a + e^b), elementwise, one shape; CPU only
+``log_add_rows_``        the same into ``out`` for 2-D (rows, n) operands with unit stride
+                         along rows and any row stride; ``out`` may be a or b; CPU only
 ``softmax_backward_log`` (out, flag): Log's message at softmax's input s from g at its
                          output p = softmax(s) along the last dim, g and p of one shape;
                          the flag: a row held NaN or +inf (then left uncomputed); CPU only
@@ -102,6 +104,7 @@ SCHEMAS = {
     "entropy_weights": "(Tensor w, Tensor(a!) out) -> ()",
     "plus_log_abs": "(Tensor? a, Tensor w) -> Tensor",
     "log_add": "(Tensor a, Tensor b) -> Tensor",
+    "log_add_rows_": "(Tensor(a!) out, Tensor a, Tensor b) -> ()",
     "softmax_backward_log": "(Tensor g, Tensor p) -> (Tensor, Tensor)",
     "softmax_backward_max": "(Tensor g, Tensor p) -> Tensor",
     "softmax_backward_or": "(Tensor g, Tensor p) -> Tensor",
@@ -251,6 +254,11 @@ def _(num, den):
 
 @_fake("entropy_weights")
 def _(w, out):
+    return None
+
+
+@_fake("log_add_rows_")
+def _(out, a, b):
     return None
 
 

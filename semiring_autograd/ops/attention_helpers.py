@@ -46,6 +46,8 @@ DEVICE_BLOCK_ELEMENTS = 1 << 26
 MIN_ROWS = 128
 
 _OP = "scaled_dot_product_attention"
+#: the rule's results that are messages over key positions, by index
+_KEYS = {1: "key", 2: "value"}
 
 
 def query_rows(batch_heads: int, queries: int, keys: int, device_type: str = "cpu") -> int:
@@ -86,7 +88,8 @@ def _run_blocks(rule: Callable, call: dict, rows: int, S: Semiring, generic: boo
     block ends (the query's, and a per-row mask's, side by side along queries; the key's,
     the value's and a mask's broadcast over queries ⊕-accumulated in block order). A
     causal block reads the keys and values up to its last query only (see
-    :func:`_causal_block`)."""
+    :func:`_causal_block`). The key's and value's ⊕ are written into one accumulator
+    each (:func:`_add_keys`), not into a new tensor per block."""
     query, mask = call["query"], call["attn_mask"]
     length, keys = query.shape[-2], call["key"].shape[-2]
     per_row = mask is not None and mask.dim() >= 2 and mask.shape[-2] == length
@@ -109,18 +112,18 @@ def _run_blocks(rule: Callable, call: dict, rows: int, S: Semiring, generic: boo
                 continue
             if shapes[i] is not None:
                 joined[i] = (joined[i] or []) + [_expanded(wrap(part), shapes[i], size)]
+            elif i in (1, 2):  # the key's and value's: causal blocks cover fewer keys
+                if joined[i] is None:
+                    joined[i] = _key_accumulator(S, wrap(part), call[_KEYS[i] + "__shape"])
+                else:
+                    _add_keys(S, joined[i], wrap(part))
             elif joined[i] is None:
                 joined[i] = wrap(part)
-            elif i in (1, 2):  # the key's and value's: causal blocks cover fewer keys
-                joined[i] = _add_keys(S, joined[i], wrap(part))
             else:
                 joined[i] = S.add(joined[i], wrap(part))
     for i, shape in enumerate(shapes):
         if shape is not None and joined[i] is not None:
             joined[i] = tuple(torch.cat(components, -2) for components in zip(*joined[i]))
-    for i, name in ((1, "key"), (2, "value")):
-        if joined[i] is not None:
-            joined[i] = _zero_padded(S, joined[i], call[name + "__shape"])
     return tuple(v if v is None or generic else v[0] for v in joined)
 
 
@@ -137,30 +140,32 @@ def _causal_block(block: dict, start: int, size: int, keys: int) -> None:
     block["is_causal"] = False
 
 
-def _add_keys(S: Semiring, a: tuple, b: tuple) -> tuple:
-    """a ⊕ b for messages over key positions where one may cover fewer keys (a causal
-    block's): the shorter one ⊕ the other's leading keys, the longer one's other keys as
-    they are (the shorter one is zero there)."""
-    a, b = broadcast_value(a), broadcast_value(b)
-    na, nb = a[0].shape[-2], b[0].shape[-2]
-    if na == nb:
-        return S.add(a, b)
-    if na < nb:
-        head = S.add(a, tuple(c.narrow(-2, 0, na) for c in b))
-        return tuple(torch.cat([h, c.narrow(-2, na, nb - na)], -2) for h, c in zip(head, b))
-    head = S.add(tuple(c.narrow(-2, 0, nb) for c in a), b)
-    return tuple(torch.cat([h, c.narrow(-2, nb, na - nb)], -2) for h, c in zip(head, a))
-
-
-def _zero_padded(S: Semiring, value: tuple, shape: torch.Size) -> tuple:
-    """A key's or value's message over its leading keys, with the semiring zero appended
-    for the keys no query reaches (more keys than queries, causal)."""
+def _key_accumulator(S: Semiring, value: tuple, shape: torch.Size) -> tuple:
+    """The first block's key or value message as an accumulator over all ``shape[-2]``
+    keys: fresh components laid out as the block's (a transposed product stays
+    transposed, so that later blocks add into it entry for entry), the semiring zero at
+    the keys the block does not reach (more keys than queries, causal)."""
     value = broadcast_value(value)
     have, keys = value[0].shape[-2], shape[-2]
-    if have == keys:
-        return value
     rest = S.zero((*value[0].shape[:-2], keys - have, value[0].shape[-1]), value[0])
-    return tuple(torch.cat([c, z.to(c.dtype)], -2) for c, z in zip(value, rest))
+    acc = []
+    for c, z in zip(value, rest):
+        full = (*c.shape[:-2], keys, c.shape[-1])
+        dense = all(s != 0 or n == 1 for n, s in zip(c.shape, c.stride()))
+        order = sorted(range(c.dim()), key=lambda d: -c.stride(d)) if dense else range(c.dim())
+        component = torch.empty_permuted(full, order, dtype=c.dtype, device=c.device)
+        component.narrow(-2, 0, have).copy_(c)
+        component.narrow(-2, have, keys - have).copy_(z)
+        acc.append(component)
+    return tuple(acc)
+
+
+def _add_keys(S: Semiring, acc: tuple, part: tuple) -> None:
+    """acc ⊕= part in place, for a block's key or value message ``part`` over the leading
+    keys of the accumulator ``acc`` (a causal block's: it is zero at the keys after)."""
+    part = broadcast_value(part)
+    keys = part[0].shape[-2]
+    S.add_into(tuple(c.narrow(-2, 0, keys) for c in acc), part)
 
 
 def _expanded(value: tuple, shape: torch.Size, rows: int) -> tuple:

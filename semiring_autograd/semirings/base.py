@@ -327,6 +327,13 @@ class Semiring:
         return f"{type(self).__name__}()"
 
     # ----- generic primitives -----------------------------------------------------------
+    def add_into(self, acc: Value, b: Value) -> None:
+        """acc ← acc ⊕ b, written into ``acc``'s components: tensors of the result's shape
+        that nothing else reads (an accumulator, or a view of one). The default computes
+        acc ⊕ b and copies it in."""
+        for c, value in zip(acc, self.add(acc, b)):
+            c.copy_(value)
+
     def sum(
         self, a: Value, dims: int | Sequence[int] | None = None, keepdim: bool = False
     ) -> Value:

@@ -63,6 +63,15 @@ class Log(Semiring):
     def mul(self, a, b):
         return (a[0] + b[0],)
 
+    def add_into(self, acc, b):
+        """acc ← log(e^acc + e^b) in place: one kernel pass on the CPU where acc and b lie
+        in rows (``log_entries.log_add_``), else ``torch.logaddexp`` into acc; the default
+        (⊕, then a copy) for a subclass with its own ⊕."""
+        if type(self).add is not Log.add or type(self).log_add is not Log.log_add:
+            return super().add_into(acc, b)
+        if not log_entries.log_add_(acc[0], b[0]):
+            torch.logaddexp(acc[0], b[0], out=acc[0])
+
     def softmax_backward(self, a, probs, dim):
         """The default's paths with log p taken once: for t = a + log p and the leave-one-out
         L_i = log Σ_{j≠i} e^{t_j}, log(e^{t_i + log|1 − p_i|} + e^{L_i + log p_i}); one
@@ -107,6 +116,11 @@ class Log(Semiring):
         kept = kept_operand("abs", w, torch.abs)
         if kept is not None:
             return kept
+        if w.dim() >= 2 and not w.is_contiguous() and w.mT.is_contiguous():
+            # a transposed operand (attention's values): |w| in its own layout, transposed
+            # back as a view (the GEMM reads it so), not a transposing copy
+            held = w.mT
+            return torch.abs(held, out=scratch("linear_lift", held.shape, w.dtype, w.device)).mT
         return torch.abs(w, out=scratch("linear_lift", w.shape, w.dtype, w.device))
 
     def matmul_lift(self, a, w):
