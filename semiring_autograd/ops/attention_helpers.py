@@ -42,7 +42,7 @@ BLOCK_ELEMENTS = 1 << 20
 #: to 1448 tokens) …
 DEVICE_BLOCK_ELEMENTS = 1 << 26
 #: … but at least this many query rows: each block also reads the key and value
-#: (lifts, copies for GQA, the ⊕ into their messages), work that fewer rows do not repay
+#: (lifts, the ⊕ into their messages), work that fewer rows do not repay
 MIN_ROWS = 128
 
 _OP = "scaled_dot_product_attention"

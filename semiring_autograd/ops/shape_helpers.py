@@ -87,14 +87,40 @@ def attention_scale(query_shape: Sequence[int], scale: float | None) -> float:
     return 1.0 / math.sqrt(query_shape[-1]) if query_shape[-1] else math.inf  # torch's 1/√0
 
 
-def head_groups_shape(
-    query_shape: Sequence[int], kv_shape: Sequence[int], last: int
+def grouped_heads(shape: Sequence[int], kv_shape: Sequence[int], enable_gqa: bool) -> bool:
+    """Whether (…, heads, rows, last) tensors of ``shape`` are read by key/value heads of
+    ``kv_shape`` in groups (grouped-query attention: fewer key/value heads)."""
+    return enable_gqa and min(len(shape), len(kv_shape)) >= 3 and shape[-3] != kv_shape[-3]
+
+
+def attention_scores_shape(
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_shape: Sequence[int],
+    mask_shape: Sequence[int] | None,
+    enable_gqa: bool,
 ) -> tuple[int, ...]:
-    """Shape splitting the query heads of a (*batch, query heads, rows, ``last``) tensor into
-    (kv heads, heads per kv head), for ⊕ over the query heads that share a key/value head."""
-    batch = _broadcast(query_shape[:-3], kv_shape[:-3])
-    heads, kv_heads = query_shape[-3], kv_shape[-3]
-    return (*batch, kv_heads, heads // kv_heads, kv_shape[-2], last)
+    """The shape of ``scaled_dot_product_attention``'s scores (…, L, S): query, key and
+    value broadcast over their batch dims (and heads, but with grouped key/value heads:
+    then the query's), and a mask's shape broadcast in."""
+    lead = 3 if grouped_heads(query_shape, key_shape, enable_gqa) else 2
+    batch = _broadcast(_broadcast(query_shape[:-lead], key_shape[:-lead]), value_shape[:-lead])
+    heads = (query_shape[-3],) if lead == 3 else ()
+    scores = (*batch, *heads, query_shape[-2], key_shape[-2])
+    return scores if mask_shape is None else _broadcast(scores, mask_shape)
+
+
+def grouped_rows_shape(
+    shape: Sequence[int], kv_shape: Sequence[int], enable_gqa: bool
+) -> tuple[int, ...]:
+    """A (…, heads, rows, last) shape with the query heads that share a key/value head of
+    ``kv_shape`` taken as one head of their rows side by side, (…, kv heads, group · rows,
+    last): a product with that key/value head then reads each of them once, and a product
+    over rows ⊕-sums the group; ``shape`` itself without grouped heads."""
+    if not grouped_heads(shape, kv_shape, enable_gqa):
+        return tuple(shape)
+    kv_heads = kv_shape[-3]
+    return (*shape[:-3], kv_heads, shape[-3] // kv_heads * shape[-2], shape[-1])
 
 
 def channel_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -168,5 +194,7 @@ HELPERS = (
     "split_sizes",
     "is_basic_index",
     "attention_scale",
-    "head_groups_shape",
+    "grouped_heads",
+    "attention_scores_shape",
+    "grouped_rows_shape",
 )

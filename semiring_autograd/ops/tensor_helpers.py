@@ -17,22 +17,27 @@ import torch
 from torch import Tensor
 
 from ..semirings.base import message_dtype, normalize_dims
-from .shape_helpers import attention_scale, keepdim_shape
+from .shape_helpers import attention_scale, grouped_heads, grouped_rows_shape, keepdim_shape
 
 
-def repeat_heads(x: Tensor, query_heads: int, enable_gqa: bool) -> Tensor:
-    """Key/value heads repeated to the query's head count (grouped-query attention), as
-    ``scaled_dot_product_attention(enable_gqa=True)`` does; ``x`` itself otherwise."""
-    if not enable_gqa or x.shape[-3] == query_heads:
-        return x
-    return x.repeat_interleave(query_heads // x.shape[-3], dim=-3)
+def grouped_rows(x: Tensor, kv_shape: Sequence[int], enable_gqa: bool) -> Tensor:
+    """``x`` (…, query heads, rows, last) with the query heads that share a key/value head
+    side by side along rows (``shape_helpers.grouped_rows_shape``; a view where ``x``'s
+    layout allows); ``x`` itself without grouped heads."""
+    return x.reshape(grouped_rows_shape(x.shape, kv_shape, enable_gqa))
 
 
 def attention_probs(
-    query: Tensor, key: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool = False,
 ) -> Tensor:
     """softmax(q·kᵀ·scale + mask) along keys, as ``scaled_dot_product_attention`` computes it
-    (bool masks and ``is_causal`` exclude positions; float masks are added). A query row whose
+    (bool masks and ``is_causal`` exclude positions; float masks are added; with
+    ``enable_gqa`` each key head serves the query heads of its group). A query row whose
     keys are all excluded has probability 0 everywhere (no edges), not NaN. Each step after
     the product writes into the product's storage: a fresh (…, L, S) tensor per step costs
     its page faults, more than the step."""
@@ -41,7 +46,10 @@ def attention_probs(
     factor = attention_scale(q.shape, scale)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(dtype)
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(factor)
+    scores = torch.matmul(grouped_rows(q, k.shape, enable_gqa), k.transpose(-2, -1))
+    if grouped_heads(q.shape, k.shape, enable_gqa):  # each query head's rows again
+        scores = scores.reshape(*scores.shape[:-3], *q.shape[-3:-1], k.shape[-2])
+    scores = scores.mul_(factor)
     scores = mask_scores(scores, attn_mask, is_causal, inplace=True)
     if scores.numel() == 0:  # no query or no key: no probabilities (amax needs a key)
         return scores.to(query.dtype)
@@ -315,7 +323,7 @@ HELPERS = (
     "mask_positions",
     "selected_positions",
     "window_view_positions",
-    "repeat_heads",
+    "grouped_rows",
     "attention_probs",
     "gather_positions",
     "index_positions",

@@ -116,7 +116,7 @@ class Log(Semiring):
         kept = kept_operand("abs", w, torch.abs)
         if kept is not None:
             return kept
-        if w.dim() >= 2 and not w.is_contiguous() and w.mT.is_contiguous():
+        if w.dim() >= 2 and w.stride(-2) == 1 and w.stride(-1) != 1:
             # a transposed operand (attention's values): |w| in its own layout, transposed
             # back as a view (the GEMM reads it so), not a transposing copy
             held = w.mT

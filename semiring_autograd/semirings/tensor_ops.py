@@ -209,7 +209,7 @@ FOLD_ENTRIES = 8
 
 def folded_middle(S, a: tuple, dims: tuple[int, ...], keepdim: bool) -> tuple | None:
     """S's ⊕ over one dim that is not the last and holds at most :data:`FOLD_ENTRIES`
-    entries (attention's key and value heads summed over their query groups), as the fold
+    entries (a sum over a few heads or groups), as the fold
     a_0 ⊕ a_1 ⊕ … of its slices: one elementwise ⊕ per entry, where a reduction across
     that dim's strides (a log-sum-exp, KBest's stack and top-k) takes several times their
     time; None for other reductions."""
