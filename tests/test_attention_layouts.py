@@ -3,7 +3,7 @@ transposed operand (read as the product's transpose) and its ⊕-reduction of a 
 message, against the products of the contiguous operands (the same bits, NaN and ±inf
 included) and the brute-force max over k; and the probabilities rebuilt in place, against
 torch's softmax of the masked scores in float64, with every mask kind, including masks that
-broadcast the scores to more dims."""
+broadcast the scores to more dims, and the CPU kernel that rebuilds them in one pass."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import semiring_autograd as sa
+from semiring_autograd import kernels
 from semiring_autograd.ops import tensor_helpers
 from semiring_autograd.semirings import max_product
 
@@ -87,3 +88,46 @@ def test_probabilities_in_place_match_softmax(dtype):
                 want = _reference_probs(q, k, mask, causal, scale)
                 assert got.shape == want.shape
                 torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("keys", [9, 37, 300])
+def test_softmax_rows_kernel_equals_softmax(dtype, keys):
+    """``kernels.softmax_rows`` (the probabilities' one pass on the CPU) against torch's
+    softmax of the scaled, masked scores in float64: within 8 ulps of the row's spread
+    (|s| rounds into e^(s − max)), NaN throughout a row with a kept NaN or +inf, 0 throughout
+    a row with no kept key, an excluded NaN without effect; a float mask, a mask of more
+    dims or a non-contiguous scores tensor declined (untouched)."""
+    if not kernels.available():
+        pytest.skip("the CPU kernels are switched off or could not be built here")
+    gen = torch.Generator().manual_seed(keys)
+    scores = (torch.randn(2, 3, 6, keys, generator=gen, dtype=torch.float64) * 6).to(dtype)
+    keep = torch.rand(6, keys, generator=gen) < 0.7
+    keep[:, 0] = True
+    keep[2] = False  # no key kept
+    scores[0, 0, 1, 1] = NAN
+    scores[1, 2, 1, 2] = INF
+    scores[0, 1, 3, 0] = -INF
+    scores[1, 1, 4, ~keep[4]] = NAN  # excluded
+    for mask, factor in ((keep, 0.125), (None, 1.5)):
+        s = scores.double() * factor
+        if mask is not None:
+            s = s.masked_fill(~mask, -INF)
+        want = torch.softmax(s, -1)
+        none_kept = (s == -INF).all(-1, keepdim=True) & ~s.isnan().any(-1, keepdim=True)
+        want = want.masked_fill(none_kept, 0.0)
+        got = scores.clone()
+        assert kernels.softmax_rows(got, mask, factor)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        spread = 1 + s.abs().nan_to_num(posinf=0.0, neginf=0.0).amax(-1, keepdim=True)
+        tol = 8 * torch.finfo(dtype).eps * want * spread
+        close = ((got.double() - want).abs() <= tol) | torch.isnan(want)
+        assert bool(close.all()), (got.double() - want).abs().nan_to_num().max()
+    for scores_, mask in (
+        (scores.clone(), keep.double()),
+        (scores.clone(), keep.expand(2, 3, 6, keys).contiguous()),
+        (scores.clone().transpose(-1, -2).contiguous().transpose(-1, -2), None),
+    ):
+        before = scores_.clone()
+        assert not kernels.softmax_rows(scores_, mask, 0.5)
+        assert torch.equal(scores_.nan_to_num(), before.nan_to_num())

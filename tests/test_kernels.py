@@ -1113,6 +1113,8 @@ PORTABLE = [
     "test_log_add_of_strided_operands",
     # tests/test_softmax_backward.py
     "test_log_override_equals_the_jacobian_paths",
+    # tests/test_attention_layouts.py
+    "test_softmax_rows_kernel_equals_softmax",
     # tests/test_operators.py
     "test_log_gemm_finish_equals_its_formula",
 ]
@@ -1121,7 +1123,12 @@ PORTABLE = [
 #: the other files whose tests PORTABLE names
 PORTABLE_FILES = [
     str(Path(__file__).with_name(name))
-    for name in ("test_log_entries.py", "test_softmax_backward.py", "test_operators.py")
+    for name in (
+        "test_log_entries.py",
+        "test_softmax_backward.py",
+        "test_operators.py",
+        "test_attention_layouts.py",
+    )
 ]
 
 

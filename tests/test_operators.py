@@ -100,6 +100,10 @@ def _samples(dtype):
             (la.masked_fill(la > 0.5, 0.0), torch.tensor(-INF, dtype=dtype), r),
             (rand(40).masked_fill(r[0] > 0.5, 0.0), torch.tensor(0.5, dtype=dtype), r),
         ],
+        "softmax_rows_": [
+            (rand(2, 4, 40), torch.arange(40) <= torch.arange(20, 24)[:, None], 0.125),
+            (rand(3, 40), None, 1.0),
+        ],
         "any_nan_or_inf": [([la, r], [0, 0]), ([la.masked_fill(la > 1, INF), r], [-1, 1])],
         "all_rows_live": [(rows, None, 0.0), (hi, lo, 0.0)],
         "log_gemm_finish_": [

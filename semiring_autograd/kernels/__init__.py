@@ -288,6 +288,29 @@ def ratio_where_positive(num: Tensor, den: Tensor) -> bool:
     return True
 
 
+def softmax_rows(scores: Tensor, keep: Tensor | None, factor: float) -> bool:
+    """scores ← softmax(scores · factor) along the last dim in place, in one pass per row
+    on the CPU, the entries where ``keep`` (bool, (query rows, keys), read by every batch
+    and head) is false excluded: a row with NaN or +inf kept is NaN, a row with none kept
+    0. False (scores untouched) unless ``scores`` is contiguous float32/float64 and
+    ``keep`` a contiguous (rows, keys) bool whose rows divide the scores', off the CPU or
+    without the kernels."""
+    if scores.dim() == 0 or not scores.is_contiguous() or not scores.numel():
+        return False
+    if keep is not None:
+        rows = scores.numel() // scores.shape[-1] if scores.shape[-1] else 0
+        if keep.dtype != torch.bool or keep.dim() != 2 or not keep.is_contiguous():
+            return False
+        if not keep.is_cpu:
+            return False
+        if keep.shape[-1] != scores.shape[-1] or not keep.shape[0] or rows % keep.shape[0]:
+            return False
+    if not _cpu_ready("softmax_rows_", scores):
+        return False
+    op("softmax_rows_")(scores, keep, factor)
+    return True
+
+
 def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     """The leave-one-out ⊕ in log space along the last dim, in one kernel call on the CPU:
     log Σ_{j≠i} e^{x_j} and, given ``r`` (Entropy's, of x's shape), the e^x-weighted mean of
@@ -472,6 +495,7 @@ __all__ = [
     "entropy_add",
     "ratio_where_positive",
     "loo_log",
+    "softmax_rows",
     "entropy_reduce_rows",
     "log_space_rows",
     "entropy_weights",

@@ -61,6 +61,7 @@ _SOURCES = (
     _HERE / "extreme_entries.h",
     _HERE / "counting_entries.h",
     _HERE / "standardize.h",
+    _HERE / "attention_rows.h",
 )
 ENV = "SEMIRING_AUTOGRAD_KERNELS"
 MODES = ("off", "check", "trust")

@@ -834,6 +834,31 @@ def _check_softmax_backward_or(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def _check_softmax_rows(c: _Case) -> str | None:
+    problems = []
+    for n in (9, 37):  # a vector tail; two vectors and a tail
+        scores = c.randn(2, 5, n) * 4
+        keep = c.where(0.7, (5, n))
+        keep[:, 0] = True
+        keep[2] = False  # no key kept: 0 throughout
+        scores[0, 0, 1] = NAN  # kept NaN: NaN throughout
+        scores[1, 0, 1] = INF  # kept +inf: NaN throughout
+        scores[0, 1, 0] = -INF  # a kept -inf: probability 0
+        scores[1, 3, ~keep[3]] = NAN  # excluded: no effect
+        for mask, factor in ((keep, 0.125), (None, 1.5)):
+            s = scores.double() * factor
+            if mask is not None:
+                s = s.masked_fill(~mask, -INF)
+            want = torch.softmax(s, -1)
+            none_kept = (s == -INF).all(-1, keepdim=True) & ~s.isnan().any(-1, keepdim=True)
+            want = want.masked_fill(none_kept, 0.0)
+            _, (got, _, _) = c.run(scores.clone(), mask, factor)
+            # e^(s - top) carries the rounding of s·factor and s - top: ulps of |s| each
+            spread = 1 + s.abs().nan_to_num(posinf=0.0, neginf=0.0).amax(-1, keepdim=True)
+            problems.append(_differs("softmax_rows_", got, want, _ulps(c, 8, want * spread)))
+    return _first(*problems)
+
+
 def _check_where_zero(c: _Case) -> str | None:
     """where(w == 0, fill, y): w with zeros of both signs, NaN and infinities, of y's shape,
     broadcast along rows, columns or whole (the loop's operands), and y transposed (torch's
@@ -1103,6 +1128,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "plus_log_abs": _check_plus_log_abs,
     "log_add": _check_log_add,
     "log_add_rows_": _check_log_add_rows,
+    "softmax_rows_": _check_softmax_rows,
     "softmax_backward_log": _check_softmax_backward_log,
     "softmax_backward_max": _check_softmax_backward_max,
     "softmax_backward_or": _check_softmax_backward_or,

@@ -22,6 +22,7 @@
 #include "extreme_entries.h"
 #include "counting_entries.h"
 #include "standardize.h"
+#include "attention_rows.h"
 
 namespace {
 
@@ -629,6 +630,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("standardize_log", &standardize::standardize_log_op);
     m.impl("entropy_standardize", &standardize::entropy_standardize_op);
     m.impl("where_zero", &counting_entries::where_zero_op);
+    m.impl("softmax_rows_", &attention_rows::softmax_rows_op);
 }
 
 // where_zero on every other device: torch's where(eq(w, 0), fill, y) inside the operator (a

@@ -60,6 +60,9 @@ one dtype.
                          a row's r was not finite); CPU only
 ``where_zero``           where(w == 0, fill, y), fill of no dimension (Counting's y times
                          lift(w) with fill -inf); CPU only
+``softmax_rows_``        scores ← softmax(scores · factor) along the last dim in place, the
+                         entries where keep (query rows × keys, bool) is false excluded; a
+                         row with NaN or +inf kept is NaN, a row with none kept 0; CPU only
 ``any_nan_or_inf``       some tensor holds a NaN, or an infinity of the sign given for it
                          (+1, -1; 0: either) (0-d bool; CPU tensors of any dtype)
 ``all_rows_live``        every row (last dim) of x has a term: its maximum is not ``empty``
@@ -113,6 +116,7 @@ SCHEMAS = {
     "standardize_log": "(Tensor a, Tensor c, Tensor s) -> (Tensor, Tensor)",
     "entropy_standardize": "(Tensor la, Tensor r, Tensor c, Tensor s) -> (Tensor, Tensor, Tensor)",
     "where_zero": "(Tensor w, Tensor fill, Tensor y) -> Tensor",
+    "softmax_rows_": "(Tensor(a!) scores, Tensor? keep, float factor) -> ()",
     "entropy_softmax_backward": "(Tensor gl, Tensor gr, Tensor p) -> (Tensor, Tensor, Tensor)",
     "any_nan_or_inf": "(Tensor[] tensors, int[] signs) -> Tensor",
     "all_rows_live": "(Tensor x, Tensor? y, float empty) -> Tensor",
@@ -259,6 +263,11 @@ def _(w, out):
 
 @_fake("log_add_rows_")
 def _(out, a, b):
+    return None
+
+
+@_fake("softmax_rows_")
+def _(scores, keep, factor):
     return None
 
 

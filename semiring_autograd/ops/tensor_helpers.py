@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..semirings.base import message_dtype, normalize_dims
 from .shape_helpers import attention_scale, grouped_heads, grouped_rows_shape, keepdim_shape
 
@@ -38,9 +39,10 @@ def attention_probs(
     """softmax(q·kᵀ·scale + mask) along keys, as ``scaled_dot_product_attention`` computes it
     (bool masks and ``is_causal`` exclude positions; float masks are added; with
     ``enable_gqa`` each key head serves the query heads of its group). A query row whose
-    keys are all excluded has probability 0 everywhere (no edges), not NaN. Each step after
-    the product writes into the product's storage: a fresh (…, L, S) tensor per step costs
-    its page faults, more than the step."""
+    keys are all excluded has probability 0 everywhere (no edges), not NaN. On the CPU, with
+    no mask, ``is_causal`` or a bool (L, S) mask, one ``softmax_rows`` pass over the
+    product; otherwise each step after the product writes into the product's storage: a
+    fresh (…, L, S) tensor per step costs its page faults, more than the step."""
     dtype = message_dtype(query.dtype)
     q, k = query.to(dtype), key.to(dtype)
     factor = attention_scale(q.shape, scale)
@@ -49,6 +51,9 @@ def attention_probs(
     scores = torch.matmul(grouped_rows(q, k.shape, enable_gqa), k.transpose(-2, -1))
     if grouped_heads(q.shape, k.shape, enable_gqa):  # each query head's rows again
         scores = scores.reshape(*scores.shape[:-3], *q.shape[-3:-1], k.shape[-2])
+    keep = _kept_keys(scores, attn_mask, is_causal)
+    if keep is not _ANY_MASK and kernels.softmax_rows(scores, keep, factor):
+        return scores.to(query.dtype)
     scores = scores.mul_(factor)
     scores = mask_scores(scores, attn_mask, is_causal, inplace=True)
     if scores.numel() == 0:  # no query or no key: no probabilities (amax needs a key)
@@ -60,6 +65,27 @@ def attention_probs(
     # score still makes its row NaN)
     probs = weights.div_(weights.sum(-1, keepdim=True).masked_fill_(excluded, 1.0))
     return probs.to(query.dtype)
+
+
+#: a mask ``softmax_rows`` does not take (a float mask, or a bool mask of more dims)
+_ANY_MASK = object()
+
+
+def _kept_keys(scores: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor | None:
+    """The keys each query row keeps as one (L, S) bool for ``kernels.softmax_rows``: None
+    where every key is kept, ``_ANY_MASK`` for a mask it does not take (a float mask, a
+    bool mask of more than two dims; ``is_causal`` with a mask). A bool mask of at most
+    two dims is taken whatever rows it has (the same path for every block of query rows)."""
+    length, source = scores.shape[-2:]
+    if attn_mask is None:
+        if not is_causal:
+            return None
+        return torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
+    if is_causal or attn_mask.dtype != torch.bool or attn_mask.dim() > 2:
+        return _ANY_MASK
+    if not _broadcasts_to(attn_mask.shape, (length, source)):
+        return _ANY_MASK
+    return attn_mask.expand(length, source).contiguous()
 
 
 def mask_scores(
