@@ -188,3 +188,17 @@ class _CausalAttention(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(
             query, self.key, self.value, is_causal=True
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_override_reads_lift_of_signed_probabilities(dtype):
+    """p not a softmax (entries of either sign, as ``softmax_backward``'s contract allows):
+    the kernel's rows (in the largest term's frame and in log space) read |p| as lift(p)
+    does, within 16 ulp of the Jacobian's path sums."""
+    gen = torch.Generator().manual_seed(11)
+    p = (torch.randn(2, 6, 37, generator=gen, dtype=torch.float64) * 0.3).to(dtype)
+    g = (torch.randn(2, 6, 37, generator=gen, dtype=torch.float64) * 5).to(dtype)
+    g[1, 2, 0] = 300.0  # a gap past the shared frame: the log-space path
+    (got,) = sa.Log().softmax_backward((g,), p, -1)
+    want = _jacobian_paths(g, p)
+    _assert_within(got, want, _tolerance(dtype, g, p, want))

@@ -220,12 +220,12 @@ template <typename T>
 constexpr T LINEAR_MIN_P = std::is_same_v<T, float> ? T(0x1p-64) : T(0x1p-500);
 
 // Log's softmax message along one row in the frame of the row's largest term, for rows
-// where that loses nothing (else false, out untouched): with t_j = g_j + log p_j, top =
+// where that loses nothing (else false, out untouched): with t_j = g_j + log|p_j|, top =
 // max t, e_j = e^(t_j - top) and D_i = Σ_{j≠i} e_j (loo_row's sums: the total minus e_i,
 // the argmax's apart, within LOO_SHARED_GAP of the second largest),
-// out_i = top + log(e_i·|1 - p_i| + D_i·p_i): one log and one exp an entry besides log p,
+// out_i = top + log(e_i·|1 - p_i| + D_i·|p_i|): one log and one exp an entry besides log|p|,
 // where the log-space combination takes three logs and two exps. Declines a row with a
-// nonzero p below LINEAR_MIN_P, a gap over LOO_SHARED_GAP between its two largest terms
+// nonzero |p| below LINEAR_MIN_P, a gap over LOO_SHARED_GAP between its two largest terms
 // (one term or none: the argmax's D would flush), NaN or +inf. t: n entries of scratch.
 template <typename T>
 bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
@@ -237,9 +237,9 @@ bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
         const __m512 zero = _mm512_setzero_ps(), least = _mm512_set1_ps(LINEAR_MIN_P<float>);
         __mmask16 small = 0;
         for (; j0 + 16 <= n; j0 += 16) {
-            const __m512 pv = _mm512_loadu_ps(p + j0);
-            small |= _mm512_cmp_ps_mask(pv, zero, _CMP_GT_OQ) &
-                     _mm512_cmp_ps_mask(pv, least, _CMP_LT_OQ);
+            const __m512 pv = _mm512_loadu_ps(p + j0), size = _mm512_abs_ps(pv);
+            small |= _mm512_cmp_ps_mask(size, zero, _CMP_GT_OQ) &
+                     _mm512_cmp_ps_mask(size, least, _CMP_LT_OQ);
             _mm512_storeu_ps(t + j0, _mm512_add_ps(_mm512_loadu_ps(g + j0), log_abs16(pv)));
         }
         tiny = small != 0;
@@ -247,8 +247,8 @@ bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
 #endif
 #pragma omp simd reduction(| : tiny)
     for (int64_t j = j0; j < n; ++j) {
-        const T pj = p[j];
-        tiny |= (pj > T(0)) & (pj < LINEAR_MIN_P<T>);
+        const T pj = p[j], size = pj < T(0) ? -pj : pj;
+        tiny |= (size > T(0)) & (size < LINEAR_MIN_P<T>);
         t[j] = g[j] + log_abs_entry(pj);
     }
     if (tiny) return false;
@@ -307,7 +307,7 @@ bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
             if (lane >= 0 && lane < 16)
                 den = _mm512_mask_mov_ps(den, __mmask16(1u << lane), _mm512_set1_ps(sum_at));
             const __m512 own = _mm512_abs_ps(_mm512_sub_ps(one, pv));
-            const __m512 x = _mm512_fmadd_ps(e, own, _mm512_mul_ps(den, pv));
+            const __m512 x = _mm512_fmadd_ps(e, own, _mm512_mul_ps(den, _mm512_abs_ps(pv)));
             _mm512_storeu_ps(out + j2, _mm512_add_ps(log_abs16(x), shift));
         }
     }
@@ -316,7 +316,7 @@ bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
     for (int64_t j = j2; j < n; ++j) {
         const T e = t[j], pj = p[j], d = sum - e, den = j == at ? sum_at : (d > T(0) ? d : T(0));
         const T u = T(1) - pj, own = u < T(0) ? -u : u;
-        out[j] = log_nonnegative(e * own + den * pj) + top;
+        out[j] = log_nonnegative(e * own + den * (pj < T(0) ? -pj : pj)) + top;
     }
     return true;
 }
