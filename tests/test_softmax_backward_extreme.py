@@ -241,8 +241,10 @@ def test_other_layouts_take_the_formula_or_a_contiguous_copy(semiring):
 def test_attention_backward_with_and_without_the_kernels(semiring, length, monkeypatch):
     """The backward through grouped-query causal F.scaled_dot_product_attention (one block
     of query rows at 100, three at 300) with the kernels equals the torch formulas' (the
-    kernels off), to the bit."""
+    kernels off), to the bit. The probabilities are rebuilt by torch's chain in both runs:
+    ``softmax_rows`` rounds differently (its values are tested in test_attention_layouts.py)."""
     monkeypatch.setattr(attention_helpers, "BLOCK_ELEMENTS", 1)  # blocks of MIN_ROWS
+    monkeypatch.setattr(kernels, "softmax_rows", lambda scores, keep, factor: False)
     gen = torch.Generator().manual_seed(length)
     q = torch.randn(1, 6, length, 16, generator=gen)
     k, v = (torch.randn(1, 2, length, 16, generator=gen) for _ in range(2))
