@@ -1176,6 +1176,23 @@ inline T row_top(const T* xs, int64_t n, bool* nan) {
     return top;
 }
 
+// The first position of top (the row's largest entry, row_top's, not NaN) in *at, and the
+// largest of the other entries (-inf for none).
+template <typename T>
+inline T row_runner_up(const T* xs, int64_t n, T top, int64_t* at) {
+    const T inf = __builtin_inf();
+    int64_t first = 0;
+    while (xs[first] != top) ++first;
+    T second = -inf;
+#pragma omp simd reduction(max : second)
+    for (int64_t j = 0; j < n; ++j) {
+        const T v = j == first ? -inf : xs[j];
+        second = v > second ? v : second;
+    }
+    *at = first;
+    return second;
+}
+
 // The widest gap between a row's two largest entries over which loo_row sums the argmax's
 // others in the frame of the largest: a term it flushes to 0 there (below e^-87 in float,
 // e^-708 in double) is then under e^-27 (e^-208) of that sum, the second largest's term.
@@ -1197,14 +1214,8 @@ bool loo_row(const T* xs, const T* rs, T* ls, T* qs, int64_t n) {
     bool nan;
     const T top = row_top(xs, n, &nan);
     if (nan || top == inf) return false;
-    int64_t at = 0;
-    while (xs[at] != top) ++at;
-    T second = -inf;
-#pragma omp simd reduction(max : second)
-    for (int64_t j = 0; j < n; ++j) {
-        const T v = j == at ? -inf : xs[j];
-        second = v > second ? v : second;
-    }
+    int64_t at;
+    const T second = row_runner_up(xs, n, top, &at);
     const T s1 = top == -inf ? T(0) : top;
     const bool shared = top - second <= LOO_SHARED_GAP<T>;  // false for second = -inf
     double total = 0, total_r = 0, total2 = 0, total2_r = 0;

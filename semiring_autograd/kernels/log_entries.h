@@ -17,8 +17,8 @@
 // log_plus_shifts_ declines its operands.
 //
 // Part of semiring_autograd; included by operators.cpp after extreme_matmul.h, whose
-// log_positive, log_abs_entry, exp_nonpositive, log_abs16, exp16_nonpositive, log_add16 and
-// loo_row these use.
+// log_positive, log_abs_entry, exp_nonpositive, log_abs16, exp16_nonpositive, log_add16,
+// row_top, row_runner_up and loo_row these use.
 
 #pragma once
 
@@ -255,14 +255,8 @@ bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
     bool nan;
     const T top = row_top(t, n, &nan);
     if (nan || top == inf || top == -inf) return false;
-    int64_t at = 0;
-    while (t[at] != top) ++at;
-    T second = -inf;
-#pragma omp simd reduction(max : second)
-    for (int64_t j = 0; j < n; ++j) {
-        const T v = j == at ? -inf : t[j];
-        second = v > second ? v : second;
-    }
+    int64_t at;
+    const T second = row_runner_up(t, n, top, &at);
     if (!(top - second <= LOO_SHARED_GAP<T>)) return false;
     double total = 0, total_at = 0;
     for (int64_t c = 0; c < n; c += SUM_CHUNK) {  // chunk sums added in double: long rows
