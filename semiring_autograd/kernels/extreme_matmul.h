@@ -1199,6 +1199,13 @@ inline T row_runner_up(const T* xs, int64_t n, T top, int64_t* at) {
 template <typename T>
 constexpr T LOO_SHARED_GAP = std::is_same_v<T, float> ? T(60) : T(500);
 
+// The smallest nonzero probability the softmax messages take in the frame of a row's
+// largest term (softmax_linear_row, entropy_softmax_linear_row): their products p·(Σ terms)
+// stay normal, and a term e^(t - top) they flush to 0 is below e^-(87 - 44) (float) or
+// e^-(708 - 347) (double) of the term p·(Σ_{j≠i} …) beside it.
+template <typename T>
+constexpr T LINEAR_MIN_P = std::is_same_v<T, float> ? T(0x1p-64) : T(0x1p-500);
+
 // The leave-one-out ⊕ in log space along one row of n contiguous entries xs: ls[i] =
 // log Σ_{j≠i} e^{x_j} and, with r (Entropy), qs[i] = Σ_{j≠i} e^{x_j}·r_j / Σ_{j≠i} e^{x_j},
 // 0 where that sum is 0. Shifted by the row's maximum, every entry but the (first) argmax
@@ -1292,13 +1299,157 @@ inline void entropy_times_log(T l, T r, T lw, T* l_out, T* r_out) {
     *r_out = sum == -T(__builtin_inf()) ? T(0) : r - lw;
 }
 
+// Entropy's softmax message along one row in the frame of the row's largest term, for rows
+// where that loses nothing (else false): with t_j = (gl_j + log|p_j|, gr_j - log|p_j|) = (l_j,
+// r_j) (r_j = 0 where l_j = -inf), top = max l, e_j = e^(l_j - top), D_i = Σ_{j≠i} e_j and
+// R_i = Σ_{j≠i} e_j·r_j (the totals less the entry's own term; the argmax's summed apart,
+// within LOO_SHARED_GAP of the second largest), the paths through p_i(1 - p_i) weigh
+// a_i = e_i·|1 - p_i| and those through -p_j·p_i weigh b_i = D_i·|p_i|, so
+// out_l_i = top + log(a_i + b_i) and
+// out_r_i = (a_i·(r_i - log|1 - p_i|) + |p_i|·(R_i - D_i·log|p_i|)) / (a_i + b_i),
+// 0 where a_i + b_i is 0: three logs and one exp an entry, where the log-space combination
+// (loo_row, then ⊗ and ⊕ entry by entry) takes five logs and two exps. Declines a row as
+// softmax_linear_row does (a nonzero |p| below LINEAR_MIN_P, a gap over LOO_SHARED_GAP
+// between its two largest terms, NaN or ±inf at the top). out_l and out_r may be written
+// when it declines; lp: n entries of scratch.
+template <typename T>
+bool entropy_softmax_linear_row(const T* gl, const T* gr, const T* p, T* out_l, T* out_r,
+                                T* lp, int64_t n) {
+    const T inf = __builtin_inf();
+    int tiny = 0;
+    int64_t j0 = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {  // the loop below, 16 entries at a time
+        const __m512 zero = _mm512_setzero_ps(), least = _mm512_set1_ps(LINEAR_MIN_P<float>);
+        const __m512 none = _mm512_set1_ps(-__builtin_inff());
+        __mmask16 small = 0;
+        for (; j0 + 16 <= n; j0 += 16) {
+            const __m512 pv = _mm512_loadu_ps(p + j0), size = _mm512_abs_ps(pv);
+            small |= _mm512_cmp_ps_mask(size, zero, _CMP_GT_OQ) &
+                     _mm512_cmp_ps_mask(size, least, _CMP_LT_OQ);
+            const __m512 l = log_abs16(pv), sum = _mm512_add_ps(_mm512_loadu_ps(gl + j0), l);
+            const __m512 rest = _mm512_sub_ps(_mm512_loadu_ps(gr + j0), l);
+            _mm512_storeu_ps(lp + j0, l);
+            _mm512_storeu_ps(out_l + j0, sum);
+            const __mmask16 path = _mm512_cmp_ps_mask(sum, none, _CMP_NEQ_UQ);
+            _mm512_storeu_ps(out_r + j0, _mm512_maskz_mov_ps(path, rest));
+        }
+        tiny = small != 0;
+    }
+#endif
+#pragma omp simd reduction(| : tiny)
+    for (int64_t j = j0; j < n; ++j) {
+        const T pj = p[j], size = pj < T(0) ? -pj : pj;
+        tiny |= (size > T(0)) & (size < LINEAR_MIN_P<T>);
+        const T l = log_abs_entry(pj), sum = gl[j] + l;
+        lp[j] = l;
+        out_l[j] = sum;
+        out_r[j] = sum == -inf ? T(0) : gr[j] - l;
+    }
+    if (tiny) return false;
+    bool nan;
+    const T top = row_top(out_l, n, &nan);
+    if (nan || top == inf || top == -inf) return false;
+    int64_t at;
+    const T second = row_runner_up(out_l, n, top, &at);
+    if (!(top - second <= LOO_SHARED_GAP<T>)) return false;
+    double total = 0, total_at = 0, total_r = 0, total_r_at = 0;
+    for (int64_t c = 0; c < n; c += SUM_CHUNK) {  // chunk sums added in double: long rows
+        const int64_t end = std::min(n, c + SUM_CHUNK);
+        T part = 0, part_at = 0, part_r = 0, part_r_at = 0;
+        int64_t j1 = c;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float>) {
+            const __m512 shift = _mm512_set1_ps(top);
+            __m512 sum = _mm512_setzero_ps(), sum_at = sum, sum_r = sum, sum_r_at = sum;
+            for (; j1 + 16 <= end; j1 += 16) {
+                const __m512 e =
+                    exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(out_l + j1), shift));
+                const __m512 er = _mm512_mul_ps(e, _mm512_loadu_ps(out_r + j1));
+                _mm512_storeu_ps(out_l + j1, e);
+                sum = _mm512_add_ps(sum, e);
+                sum_r = _mm512_add_ps(sum_r, er);
+                const int64_t lane = at - j1;
+                const __mmask16 others =
+                    lane >= 0 && lane < 16 ? __mmask16(~(1u << lane)) : __mmask16(0xFFFF);
+                sum_at = _mm512_mask_add_ps(sum_at, others, sum_at, e);
+                sum_r_at = _mm512_mask_add_ps(sum_r_at, others, sum_r_at, er);
+            }
+            part = _mm512_reduce_add_ps(sum), part_at = _mm512_reduce_add_ps(sum_at);
+            part_r = _mm512_reduce_add_ps(sum_r), part_r_at = _mm512_reduce_add_ps(sum_r_at);
+        }
+#endif
+#pragma omp simd reduction(+ : part, part_at, part_r, part_r_at)
+        for (int64_t j = j1; j < end; ++j) {
+            const T e = exp_nonpositive(out_l[j] - top), er = e * out_r[j];
+            out_l[j] = e;
+            part += e;
+            part_r += er;
+            part_at += j == at ? T(0) : e;
+            part_r_at += j == at ? T(0) : er;
+        }
+        total += part, total_at += part_at, total_r += part_r, total_r_at += part_r_at;
+    }
+    const T sum = T(total), sum_at = T(total_at), sum_r = T(total_r), sum_r_at = T(total_r_at);
+    int64_t j2 = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {  // the loop below, 16 entries at a time
+        const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+        const __m512 total_v = _mm512_set1_ps(sum), total_r_v = _mm512_set1_ps(sum_r);
+        const __m512 shift = _mm512_set1_ps(top);
+        for (; j2 + 16 <= n; j2 += 16) {
+            const __m512 e = _mm512_loadu_ps(out_l + j2), r = _mm512_loadu_ps(out_r + j2);
+            const __m512 pv = _mm512_loadu_ps(p + j2), size = _mm512_abs_ps(pv);
+            __m512 den = _mm512_max_ps(_mm512_sub_ps(total_v, e), zero);
+            __m512 rest_r = _mm512_fnmadd_ps(e, r, total_r_v);
+            const int64_t lane = at - j2;
+            if (lane >= 0 && lane < 16) {
+                den = _mm512_mask_mov_ps(den, __mmask16(1u << lane), _mm512_set1_ps(sum_at));
+                rest_r = _mm512_mask_mov_ps(rest_r, __mmask16(1u << lane),
+                                            _mm512_set1_ps(sum_r_at));
+            }
+            const __m512 u = _mm512_sub_ps(one, pv);
+            const __mmask16 nonzero = _mm512_cmp_ps_mask(u, zero, _CMP_NEQ_UQ);
+            const __m512 error = _mm512_add_ps(_mm512_sub_ps(u, one), pv);  // (u - 1) + p
+            const __m512 fix = _mm512_maskz_div_ps(nonzero, error, u);
+            const __m512 log_u = _mm512_sub_ps(log_abs16(u), fix);
+            const __m512 own = _mm512_mul_ps(e, _mm512_abs_ps(u));
+            const __m512 weight = _mm512_fmadd_ps(den, size, own);
+            const __mmask16 owned = _mm512_cmp_ps_mask(own, zero, _CMP_GT_OQ);
+            const __mmask16 kept = _mm512_cmp_ps_mask(size, zero, _CMP_GT_OQ);
+            const __m512 a = _mm512_maskz_mul_ps(owned, own, _mm512_sub_ps(r, log_u));
+            const __m512 lpv = _mm512_loadu_ps(lp + j2);
+            const __m512 b = _mm512_maskz_mul_ps(kept, size, _mm512_fnmadd_ps(den, lpv, rest_r));
+            const __mmask16 live = _mm512_cmp_ps_mask(weight, zero, _CMP_GT_OQ);
+            _mm512_storeu_ps(out_l + j2, _mm512_add_ps(log_abs16(weight), shift));
+            _mm512_storeu_ps(out_r + j2, _mm512_maskz_div_ps(live, _mm512_add_ps(a, b), weight));
+        }
+    }
+#endif
+#pragma omp simd
+    for (int64_t j = j2; j < n; ++j) {
+        const T e = out_l[j], r = out_r[j], pj = p[j], size = pj < T(0) ? -pj : pj;
+        const T d = sum - e, den = j == at ? sum_at : (d > T(0) ? d : T(0));
+        const T rest_r = j == at ? sum_r_at : sum_r - e * r;
+        const T u = T(1) - pj, fix = u != T(0) ? ((u - T(1)) + pj) / u : T(0);
+        const T log_u = log_abs_entry(u) - fix;
+        const T own = e * (u < T(0) ? -u : u), weight = own + den * size;
+        const T a = own > T(0) ? own * (r - log_u) : T(0);
+        const T b = size > T(0) ? size * (rest_r - den * lp[j]) : T(0);
+        out_l[j] = log_nonnegative(weight) + top;
+        out_r[j] = weight > T(0) ? (a + b) / weight : T(0);
+    }
+    return true;
+}
+
 // Entropy's message at softmax's input from (gl, gr) at its output p = softmax(s), along
 // rows of n contiguous entries (rows [r0, r1)): with t = g ⊗ lift(p) and its leave-one-out
 // ⊕ L (loo_row), out_i = t_i ⊗ lift(1 - p_i) ⊕ L_i ⊗ lift(p_i), the ⊕ of the paths through
 // ∂p_i/∂s_i = p_i(1 - p_i) and through ∂p_j/∂s_i = -p_j p_i (j ≠ i); log|1 - p| with the
-// rounding of u = 1 - p corrected (log|u| - ((u - 1) + p) / u). t goes to (out_l, out_r),
-// then L to (tl, tr), the row's scratch. bad[row] = 1 where t held NaN or +inf and the row
-// was left uncomputed, else 0.
+// rounding of u = 1 - p corrected (log|u| - ((u - 1) + p) / u): in the frame of the row's
+// largest term where that loses nothing (entropy_softmax_linear_row), else in log space, t
+// into (out_l, out_r), then L into (tl, tr), the row's scratch. bad[row] = 1 where t held
+// NaN or +inf and the row was left uncomputed, else 0.
 template <typename T>
 void entropy_softmax_backward_rows(const T* gl, const T* gr, const T* p, T* out_l, T* out_r,
                                    uint8_t* bad, int64_t n, int64_t r0, int64_t r1,
@@ -1314,6 +1465,8 @@ void entropy_softmax_backward_rows(const T* gl, const T* gr, const T* p, T* out_
             const int64_t at = row * n;
             T* ol = out_l + at;
             T* orr = out_r + at;
+            bad[row] = 0;
+            if (entropy_softmax_linear_row(gl + at, gr + at, p + at, ol, orr, tl, n)) continue;
             for (int64_t j = 0; j < n; ++j)
                 entropy_mul_lift_entry(gl[at + j], gr[at + j], p[at + j], ol + j, orr + j);
             bad[row] = !loo_row<T, true>(ol, orr, tl, tr, n);

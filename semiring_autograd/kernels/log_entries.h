@@ -213,12 +213,6 @@ inline void softmax_combine_row(const T* t, const T* p, const T* lp, T* out, int
         out[i] = log_add_entry(t[i] + log_one_minus_entry(p[i]), out[i] + lp[i]);
 }
 
-// The smallest nonzero probability softmax_linear_row takes: its products p·(Σ terms)
-// stay normal, and a term e^(t - top) it flushes to 0 is below e^-(87 - 44) (float) or
-// e^-(708 - 347) (double) of the term p·(Σ_{j≠i} …) beside it.
-template <typename T>
-constexpr T LINEAR_MIN_P = std::is_same_v<T, float> ? T(0x1p-64) : T(0x1p-500);
-
 // Log's softmax message along one row in the frame of the row's largest term, for rows
 // where that loses nothing (else false, out untouched): with t_j = g_j + log|p_j|, top =
 // max t, e_j = e^(t_j - top) and D_i = Σ_{j≠i} e_j (loo_row's sums: the total minus e_i,
