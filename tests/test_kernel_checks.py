@@ -31,7 +31,13 @@ CPU = torch.device("cpu")
 #: kernels answering yes/no questions (one, or one per entry): made wrong by flipping the answer
 BOOLEAN = {"any_nan_or_inf", "all_rows_live", "log_gemm_finish_", "softmax_backward_or"}
 #: kernels returning nothing: made wrong in the argument they write
-WRITES = {"ratio_where_positive_": 0, "entropy_weights": 1, "log_add_rows_": 0, "softmax_rows_": 0}
+WRITES = {
+    "ratio_where_positive_": 0,
+    "entropy_weights": 1,
+    "log_add_rows_": 0,
+    "entropy_add_rows_": 0,
+    "softmax_rows_": 0,
+}
 
 
 @pytest.fixture(autouse=True)

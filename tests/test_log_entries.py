@@ -226,6 +226,84 @@ def test_add_into_of_a_subclass_with_its_own_add():
     torch.testing.assert_close(acc, expected, rtol=0, atol=0)
 
 
+def _entropy_pair(like: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An Entropy value (log Z, r) laid out as ``like``: r in [0, 1), 0 where log Z is -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    r = torch.rand(like.shape, generator=gen, dtype=torch.float64).to(like.dtype)
+    r = torch.empty_like(like).copy_(r.masked_fill(like == -INF, 0.0))
+    return like, r
+
+
+def _entropy_sum(a, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log Z, r) of a ⊕ b in float64: logaddexp and the Z-weighted mean of r."""
+    la, lb = a[0].double(), b[0].double()
+    r = torch.sigmoid(la - lb) * a[1].double() + torch.sigmoid(lb - la) * b[1].double()
+    return torch.logaddexp(la, lb), r.nan_to_num(nan=0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_entropy_add_into_an_accumulator(dtype):
+    """``entropy_add_`` and Entropy's ``add_into``: acc ⊕= b in place, log Z and r, over a
+    narrowed view of an accumulator (its other entries untouched), in rows or transposed,
+    within 3 ulp (log Z) and 8 ulp (r) of the float64 ⊕; where the kernel declines (b laid
+    out otherwise than acc, b or acc's other component sharing acc's storage, acc's rows
+    overlapping) ``entropy_add_`` writes nothing and ``add_into`` writes Entropy's ⊕
+    exactly."""
+    _, groups, flipped, spread = _strided_pairs(dtype)
+    transposed = flipped[0].contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
+    cases = [  # (acc's layout, b's log Z, whether the kernel takes them)
+        ("rows", groups[1], True),
+        ("rows", spread[1], True),
+        ("transposed", transposed, True),
+        ("rows", flipped[1], False),
+        ("transposed", flipped[1], False),  # two strides between b's rows: not one call
+    ]
+    for layout, b_l, takes in cases:
+        full_l = torch.randn(2, 3, 300, 64, dtype=torch.float64).to(dtype) * 20
+        if layout == "transposed":
+            full_l = full_l.transpose(-1, -2).contiguous().transpose(-1, -2)
+        full = _entropy_pair(full_l, 1)
+        b = _entropy_pair(b_l, 2)
+        before = tuple(c.clone() for c in full)
+        acc = tuple(c[..., :280, :] for c in full)
+        assert log_entries.entropy_add_(acc, b) is takes, (layout, b_l.stride())
+        if takes:
+            want_l, want_r = _entropy_sum(tuple(c[..., :280, :] for c in before), b)
+            scale = torch.maximum(before[0][..., :280, :].double().abs(), b_l.double().abs())
+            _assert_within(acc[0], want_l, _ulps(dtype, 3, scale + want_l.abs()))
+            _assert_within(acc[1], want_r, _ulps(dtype, 8, 1 + want_r))
+        else:
+            assert all(torch.equal(c, d) for c, d in zip(full, before))
+            sa.Entropy().add_into(acc, b)
+            expected = sa.Entropy().add(tuple(c[..., :280, :] for c in before), b)
+            for c, e in zip(acc, expected):
+                torch.testing.assert_close(c, e, rtol=0, atol=0, equal_nan=True)
+        for c, d in zip(full, before):
+            assert torch.equal(c[..., 280:, :], d[..., 280:, :])
+    x = torch.randn(4, 64, 64, dtype=dtype)
+    y = (torch.randn(4, 32, 64, dtype=dtype), torch.rand(4, 32, 64, dtype=dtype))
+    assert not log_entries.entropy_add_((x[:, :32], x[:, 32:]), y)  # acc's two in one storage
+    assert not log_entries.entropy_add_((x[:, :32], y[1].clone()), (x[:, 32:], y[1]))
+    spread_rows = (x[:1].expand(4, 64, 64), x[:1].expand(4, 64, 64).clone())
+    assert not log_entries.entropy_add_(spread_rows, (x.clone(), x.clone()))  # rows overlap
+
+
+def test_entropy_add_into_of_a_subclass_with_its_own_add():
+    """An Entropy subclass with its own ⊕ accumulates by that ⊕ (the base's add_into)."""
+
+    class Shifted(sa.Entropy):
+        def add(self, a, b):
+            la, r = sa.Entropy.add(self, a, b)
+            return (la - 1.0, r)
+
+    acc = (torch.randn(64, 300), torch.rand(64, 300))
+    b = (torch.randn(64, 300), torch.rand(64, 300))
+    expected = Shifted().add(acc, b)
+    Shifted().add_into(acc, b)
+    for c, e in zip(acc, expected):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
 def _log_grad(model, x):
     leaf = x.clone().requires_grad_(True)
     with sa.patch(model, sa.Log()):

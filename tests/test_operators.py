@@ -79,6 +79,16 @@ def _samples(dtype):
                 rand(1, 40).expand(3, 40),
             ),
         ],
+        "entropy_add_rows_": [
+            (*(torch.empty(3, 40, dtype=dtype) for _ in "lr"), la, r, rand(3, 40), r),
+            (
+                *(torch.empty(3, 47, dtype=dtype)[:, :40] for _ in "lr"),
+                rand(3, 45)[:, 5:],
+                rand(3, 45)[:, 5:],
+                rand(1, 40).expand(3, 40),
+                rand(1, 40).expand(3, 40),
+            ),
+        ],
         "softmax_backward_log": [
             (la, torch.softmax(rand(3, 40), -1)),
             (rand(2, 1, 7), rand(2, 1, 7)),

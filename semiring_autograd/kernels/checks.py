@@ -498,6 +498,13 @@ def _check_log_add_rows(c: _Case) -> str | None:
     return _first(*problems)
 
 
+def _entropy_add_oracle(la: Tensor, ra: Tensor, lb: Tensor, rb: Tensor) -> tuple[Tensor, Tensor]:
+    """Entropy's ⊕ in float64: log Z by logaddexp, r the Z-weighted mean (0 with no path)."""
+    l64, m64 = la.double(), lb.double()
+    r = torch.sigmoid(l64 - m64) * ra.double() + torch.sigmoid(m64 - l64) * rb.double()
+    return torch.logaddexp(l64, m64), r.nan_to_num(nan=0.0)
+
+
 def _check_entropy_add(c: _Case) -> str | None:
     problems = []
     for a_shape, b_shape in (((2, 5, 9), (2, 5, 9)), ((2, 5, 9), (5, 1))):
@@ -509,13 +516,43 @@ def _check_entropy_add(c: _Case) -> str | None:
         ra = c.rand(*a_shape).masked_fill(la == -INF, 0.0)
         rb = c.rand(*b_shape).masked_fill(lb == -INF, 0.0)
         got, _ = c.run(la, ra, lb, rb)
-        l64, m64, ra64, rb64 = la.double(), lb.double(), ra.double(), rb.double()
-        log_z = torch.logaddexp(l64, m64)
-        r = torch.sigmoid(l64 - m64) * ra64 + torch.sigmoid(m64 - l64) * rb64
-        r = r.nan_to_num(nan=0.0)  # both empty: r is 0
-        scale = torch.maximum(l64.abs(), m64.abs()) + log_z.abs()
+        log_z, r = _entropy_add_oracle(la, ra, lb, rb)
+        scale = torch.maximum(la.double().abs(), lb.double().abs()) + log_z.abs()
         problems.append(_differs("entropy_add log Z", got[0], log_z, _ulps(c, 8, scale)))
         problems.append(_differs("entropy_add r", got[1], r, _ulps(c, 16, 1 + r)))
+    return _first(*problems)
+
+
+def _check_entropy_add_rows(c: _Case) -> str | None:
+    rows, n, past = 3, 2 * 16 + 5, 7  # vectors and a tail per row; a row stride past n
+    la, lb = c.randn(rows, n) * 30, c.randn(rows, n) * 30
+    la[1, :4], lb[1, 2:6] = -INF, -INF  # one or both without a path
+    lb[2, :3] = la[2, :3]  # ties
+    ra = c.rand(rows, n).masked_fill(la == -INF, 0.0)
+    rb = c.rand(rows, n).masked_fill(lb == -INF, 0.0)
+    problems = []
+    for spread in (False, True):  # b's first row read by every row (row stride 0)
+        pick = (lambda t: t[:1].expand(rows, n)) if spread else (lambda t: t)
+        log_z, r = _entropy_add_oracle(la, ra, pick(lb), pick(rb))
+        scale = torch.maximum(la.double().abs(), pick(lb).double().abs()) + log_z.abs()
+        wide = [_to(torch.full((rows, n + past), 5.0, dtype=c.dtype), c.device) for _ in "lrLR"]
+        wide[0][:, :n], wide[1][:, :n] = _to(la, c.device), _to(ra, c.device)
+        b = [pick(_to(t, c.device)) for t in (lb, rb)]
+        a = [w[:, :n] for w in wide[:2]]
+        out = [w[:, :n] for w in wide[2:]]
+        for where, into in (("", out), (" in place", a)):  # into other tensors' rows; into a
+            c.call(*into, *a, *b)
+            problems.append(
+                _differs(
+                    f"entropy_add_rows_{where} log Z", into[0].cpu(), log_z, _ulps(c, 8, scale)
+                )
+            )
+            problems.append(
+                _differs(f"entropy_add_rows_{where} r", into[1].cpu(), r, _ulps(c, 16, 1 + r))
+            )
+        untouched = torch.full((rows, past), 5.0, dtype=c.dtype)
+        for w in wide:
+            problems.append(_differs("entropy_add_rows_ past its rows", w[:, n:].cpu(), untouched))
     return _first(*problems)
 
 
@@ -1128,6 +1165,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "plus_log_abs": _check_plus_log_abs,
     "log_add": _check_log_add,
     "log_add_rows_": _check_log_add_rows,
+    "entropy_add_rows_": _check_entropy_add_rows,
     "softmax_rows_": _check_softmax_rows,
     "softmax_backward_log": _check_softmax_backward_log,
     "softmax_backward_max": _check_softmax_backward_max,

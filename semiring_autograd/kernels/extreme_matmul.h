@@ -9,7 +9,7 @@
 //   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
 //   batches bt in [b0, b1), on `threads` OpenMP threads. lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
-//   entropy_weights, entropy_mul_lift, entropy_add and ratio_where_positive are elementwise
+//   entropy_weights, entropy_mul_lift, entropy_add_rows and ratio_where_positive are elementwise
 //   (entropy_mul_lift_spread: w broadcast); nan_or_inf scans entries;
 //   loo_log, log_space_rows, entropy_reduce_rows, entropy_softmax_backward_rows,
 //   all_rows_live and gemm_exact work along contiguous rows.
@@ -915,17 +915,16 @@ inline void entropy_add_entry(T a, T ra, T b, T rb, T* lo, T* ro) {
     *ro = sum == -inf ? T(0) : mean;
 }
 
+// The Entropy ⊕ entry by entry over [0, count), in the calling thread: (lo, ro) = (la, ra) ⊕
+// (lb, rb); the outputs may be either operand, entry for entry (in place).
 template <typename T>
-void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* ro,
-                 int64_t count, int threads) {
-    (void)threads;
+inline void entropy_add_span(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* ro,
+                             int64_t count) {
+    int64_t i = 0;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {  // entropy_add_entry, 16 entries at a time
-        const int64_t vectors = count / 16;
         const __m512 none = _mm512_set1_ps(-__builtin_inff());
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-        for (int64_t v = 0; v < vectors; ++v) {
-            const int64_t i = 16 * v;
+        for (; i + 16 <= count; i += 16) {
             const LogAdd16 s = log_add16(_mm512_loadu_ps(la + i), _mm512_loadu_ps(lb + i));
             const __m512 r_a = _mm512_loadu_ps(ra + i), r_b = _mm512_loadu_ps(rb + i);
             const __m512 r_big = _mm512_mask_blend_ps(s.x_big, r_b, r_a);
@@ -935,15 +934,41 @@ void entropy_add(const T* la, const T* ra, const T* lb, const T* rb, T* lo, T* r
             const __mmask16 path = _mm512_cmp_ps_mask(s.sum, none, _CMP_NEQ_UQ);
             _mm512_storeu_ps(ro + i, _mm512_maskz_mov_ps(path, mean));
         }
-        for (int64_t i = 16 * vectors; i < count; ++i)
-            entropy_add_entry(la[i], ra[i], lb[i], rb[i], lo + i, ro + i);
-        return;
     }
 #endif
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#pragma omp for simd schedule(static)
-    for (int64_t i = 0; i < count; ++i)
-        entropy_add_entry(la[i], ra[i], lb[i], rb[i], lo + i, ro + i);
+#pragma omp simd
+    for (int64_t j = i; j < count; ++j)
+        entropy_add_entry(la[j], ra[j], lb[j], rb[j], lo + j, ro + j);
+}
+
+// The elementwise ⊕ kernels over rows (entropy_add_rows here, log_add_rows in
+// log_entries.h) hand the threads pieces of this many entries, so that a few long rows
+// still spread over them.
+constexpr int64_t ADD_PIECE = int64_t(1) << 12;
+
+// A row operand of the ⊕ kernels: entries at data + row·stride + j (stride 0: one row read
+// by every row).
+template <typename T>
+struct Rows {
+    T* data;
+    int64_t stride;
+    T* row(int64_t r) const { return data + r * stride; }
+};
+
+// The Entropy ⊕ along rows of n entries: (lo, ro) = (la, ra) ⊕ (lb, rb), each (rows, n)
+// with unit stride along n and a row stride of its own; lo and ro may be la and ra, or lb
+// and rb, entry for entry (in place).
+template <typename T>
+void entropy_add_rows(Rows<const T> la, Rows<const T> ra, Rows<const T> lb, Rows<const T> rb,
+                      Rows<T> lo, Rows<T> ro, int64_t rows, int64_t n, int threads) {
+    (void)threads;
+    const int64_t pieces = (n + ADD_PIECE - 1) / ADD_PIECE;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t task = 0; task < rows * pieces; ++task) {
+        const int64_t r = task / pieces, at = (task % pieces) * ADD_PIECE;
+        entropy_add_span(la.row(r) + at, ra.row(r) + at, lb.row(r) + at, rb.row(r) + at,
+                         lo.row(r) + at, ro.row(r) + at, std::min(ADD_PIECE, n - at));
+    }
 }
 
 // num / den where den > 0, else 0 (a sum without terms: 0/0), in place on num, elementwise.

@@ -142,21 +142,17 @@ inline void log_add_span(const T* a, const T* b, T* out, int64_t count) {
 }
 
 // out = log(e^a + e^b) along rows of n entries: a, b and out (rows, n) with unit stride
-// along n and row strides sa, sb and so (sa or sb 0: one row read by every row); out may
-// be a or b, entry for entry (in place). The work goes to the threads in pieces of
-// LOG_ADD_PIECE entries, so that a few long rows still spread over them.
-constexpr int64_t LOG_ADD_PIECE = int64_t(1) << 12;
-
+// along n and a row stride each (a's or b's 0: one row read by every row); out may be a or
+// b, entry for entry (in place); in pieces of ADD_PIECE entries.
 template <typename T>
-void log_add_rows(const T* a, int64_t sa, const T* b, int64_t sb, T* out, int64_t so,
-                  int64_t rows, int64_t n, int threads) {
+void log_add_rows(Rows<const T> a, Rows<const T> b, Rows<T> out, int64_t rows, int64_t n,
+                  int threads) {
     (void)threads;
-    const int64_t pieces = (n + LOG_ADD_PIECE - 1) / LOG_ADD_PIECE;
+    const int64_t pieces = (n + ADD_PIECE - 1) / ADD_PIECE;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t task = 0; task < rows * pieces; ++task) {
-        const int64_t row = task / pieces, start = (task % pieces) * LOG_ADD_PIECE;
-        log_add_span(a + row * sa + start, b + row * sb + start, out + row * so + start,
-                     std::min(LOG_ADD_PIECE, n - start));
+        const int64_t r = task / pieces, at = (task % pieces) * ADD_PIECE;
+        log_add_span(a.row(r) + at, b.row(r) + at, out.row(r) + at, std::min(ADD_PIECE, n - at));
     }
 }
 
@@ -517,37 +513,54 @@ inline at::Tensor log_add_op(const at::Tensor& a, const at::Tensor& b) {
     check_entries("log_add", a, b);
     return entries(a, [&](auto tag, at::Tensor& out, int64_t count, int threads) {
         using T = std::remove_pointer_t<decltype(tag)>;
-        log_add_rows<T>(a.const_data_ptr<T>(), 0, b.const_data_ptr<T>(), 0, out.data_ptr<T>(),
-                        0, 1, count, threads);
+        log_add_rows<T>({a.const_data_ptr<T>(), 0}, {b.const_data_ptr<T>(), 0},
+                        {out.data_ptr<T>(), 0}, 1, count, threads);
     });
 }
 
-// out = log(e^a + e^b) for a, b and out 2-D of one shape (rows, n) and dtype (float32 or
-// float64), each with unit stride along n and any row stride (out's at least n, or 0 for
-// one row; a's and b's may be 0); out may be a or b itself (in place).
+// The operands of a ⊕ over rows (log_add_rows_, entropy_add_rows_): 2-D of one shape (rows,
+// n) and dtype (float32 or float64), each with unit stride along n and any row stride; the
+// outputs' rows apart (a row stride of at least n, or one row).
+inline void check_add_rows(const char* name, std::initializer_list<const at::Tensor*> outs,
+                           std::initializer_list<const at::Tensor*> operands) {
+    const at::Tensor& first = **outs.begin();
+    const auto dtype = first.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, name,
+                ": float32 or float64 operands, got ", dtype);
+    for (const auto& list : {outs, operands})
+        for (const at::Tensor* t : list)
+            TORCH_CHECK(t->dim() == 2 && t->sizes() == first.sizes() &&
+                            t->scalar_type() == dtype && (t->size(1) <= 1 || t->stride(1) == 1),
+                        name, ": operands 2-D of one shape and dtype with unit stride along rows, "
+                        "got ", t->sizes(), " ", t->strides(), " ", t->scalar_type(), " for ",
+                        first.sizes());
+    for (const at::Tensor* t : outs)
+        TORCH_CHECK(t->size(0) <= 1 || t->stride(0) >= t->size(1), name,
+                    ": an output's rows overlap (stride ", t->stride(0), " for rows of ",
+                    t->size(1), ")");
+}
+
+// A 2-D operand of the ⊕ over rows as Rows (its data and row stride).
+template <typename T>
+inline Rows<const T> rows_of(const at::Tensor& t) {
+    return {t.const_data_ptr<T>(), t.stride(0)};
+}
+
+template <typename T>
+inline Rows<T> rows_into(at::Tensor& t) {
+    return {t.data_ptr<T>(), t.stride(0)};
+}
+
+// out = log(e^a + e^b) for a, b and out of check_add_rows; out may be a or b itself (in
+// place).
 inline void log_add_rows_op(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
-    const auto dtype = out.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
-                "log_add_rows_: float32 or float64 operands, got ", dtype);
-    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &a, &b})
-        TORCH_CHECK(t->dim() == 2 && t->sizes() == out.sizes() && t->scalar_type() == dtype &&
-                        (t->size(1) <= 1 || t->stride(1) == 1),
-                    "log_add_rows_: out, a and b 2-D of one shape and dtype with unit stride "
-                    "along rows, got ", t->sizes(), " ", t->strides(), " ", t->scalar_type(),
-                    " for out ", out.sizes());
+    check_add_rows("log_add_rows_", {&out}, {&a, &b});
     const int64_t rows = out.size(0), n = out.size(1);
-    TORCH_CHECK(rows <= 1 || out.stride(0) >= n, "log_add_rows_: out's rows overlap (stride ",
-                out.stride(0), " for rows of ", n, ")");
     if (rows == 0 || n == 0) return;
-    const int threads = threads_for(rows * n);
-    if (dtype == at::kDouble)
-        log_add_rows<double>(a.const_data_ptr<double>(), a.stride(0), b.const_data_ptr<double>(),
-                             b.stride(0), out.data_ptr<double>(), out.stride(0), rows, n,
-                             threads);
-    else
-        log_add_rows<float>(a.const_data_ptr<float>(), a.stride(0), b.const_data_ptr<float>(),
-                            b.stride(0), out.data_ptr<float>(), out.stride(0), rows, n,
-                            threads);
+    AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "log_add_rows_", [&] {
+        log_add_rows<scalar_t>(rows_of<scalar_t>(a), rows_of<scalar_t>(b),
+                               rows_into<scalar_t>(out), rows, n, threads_for(rows * n));
+    });
 }
 
 }  // namespace log_entries

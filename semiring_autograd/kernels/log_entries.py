@@ -82,7 +82,7 @@ def log_add(a: Tensor, b: Tensor) -> Tensor | None:
         return None
     order = _layout(a)
     a_rows, b_rows = a.permute(order), b.permute(order)
-    pair = _row_pair(a_rows, b_rows)
+    pair = _row_views(a_rows, b_rows)
     if pair is None or not _nonempty_ready("log_add_rows_", a, b):
         return None
     out = a_rows.new_empty(a_rows.shape)
@@ -92,19 +92,45 @@ def log_add(a: Tensor, b: Tensor) -> Tensor | None:
 
 def log_add_(acc: Tensor, b: Tensor) -> bool:
     """acc = log(e^acc + e^b) in place by ``log_add_rows_``: True, or False (``acc``
-    untouched) where ``acc`` and ``b`` are not operands of one call (:func:`_row_pair`,
-    in ``acc``'s layout), ``acc``'s entries overlap or it shares storage with ``b``, off
-    the CPU or without the kernels."""
-    if acc.shape != b.shape or acc.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+    untouched) where they are not operands of one call (:func:`_accumulator_rows`), off the
+    CPU or without the kernels."""
+    views = _accumulator_rows((acc,), (b,))
+    if views is None or not _nonempty_ready("log_add_rows_", acc, b):
         return False
-    order = _layout(acc)
-    pair = _row_pair(acc.permute(order), b.permute(order))
-    if pair is None or (pair[0].shape[0] > 1 and pair[0].stride(0) < pair[0].shape[1]):
-        return False
-    if not _nonempty_ready("log_add_rows_", acc, b):
-        return False
-    op("log_add_rows_")(pair[0], *pair)
+    op("log_add_rows_")(views[0], *views)
     return True
+
+
+def entropy_add_(acc: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> bool:
+    """Entropy's acc = acc ⊕ b in place, (log Z, r) each, by ``entropy_add_rows_``: True,
+    or False (``acc`` untouched) where they are not operands of one call
+    (:func:`_accumulator_rows`), off the CPU or without the kernels."""
+    views = _accumulator_rows(acc, b)
+    if views is None or not _nonempty_ready("entropy_add_rows_", *acc, *b):
+        return False
+    op("entropy_add_rows_")(views[0], views[1], *views)
+    return True
+
+
+def _accumulator_rows(acc: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+    """The components of ``acc`` then of ``b`` as (rows, n) views (:func:`_row_views`) in the
+    layout of ``acc``'s first: None where they are not of one shape, where an accumulator's
+    entries overlap, or where two accumulators, or an accumulator and a ``b``, share
+    storage."""
+    first = acc[0]
+    if any(t.shape != first.shape for t in (*acc, *b)):
+        return None
+    into = {t.untyped_storage().data_ptr() for t in acc}
+    if len(into) < len(acc) or into & {t.untyped_storage().data_ptr() for t in b}:
+        return None
+    order = _layout(first)
+    views = _row_views(*(t.permute(order) for t in (*acc, *b)))
+    if views is None:
+        return None
+    for v in views[: len(acc)]:
+        if v.shape[0] > 1 and v.stride(0) < v.shape[1]:
+            return None
+    return views
 
 
 def _layout(x: Tensor) -> list[int]:
@@ -120,21 +146,24 @@ def _inverse(order: list[int]) -> list[int]:
     return inverse
 
 
-def _row_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor] | None:
-    """``a`` and ``b`` (one shape, dtype and device, at least ``MIN_ENTRIES`` entries) as
-    2-D (rows, n) views of their storage for ``log_add_rows_``: n the entries of the
-    trailing dims that are one contiguous block in both (at least 16, a vector), the rows
-    the rest, one stride apart; None for other operands."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+def _row_views(*tensors: Tensor) -> tuple[Tensor, ...] | None:
+    """``tensors`` (one shape, dtype and device, at least ``MIN_ENTRIES`` entries) as 2-D
+    (rows, n) views of their storage for the ⊕ over rows (``log_add_rows_``,
+    ``entropy_add_rows_``): n the entries of the trailing dims that are one contiguous block
+    in each (at least 16, a vector), the rows the rest, one stride apart; None for other
+    operands."""
+    first = tensors[0]
+    for t in tensors:
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            return None
+    if first.numel() < MIN_ENTRIES:
         return None
-    if a.numel() < MIN_ENTRIES:
-        return None
-    start = max(_block_start(a), _block_start(b))
-    n = math.prod(a.shape[start:])
+    start = max(_block_start(t) for t in tensors)
+    n = math.prod(first.shape[start:])
     if n < 16:
         return None
-    rows = [_rows(x, start, n) for x in (a, b)]
-    return None if rows[0] is None or rows[1] is None else (rows[0], rows[1])
+    rows = [_rows(t, start, n) for t in tensors]
+    return None if any(r is None for r in rows) else tuple(rows)
 
 
 def _block_start(x: Tensor) -> int:

@@ -391,7 +391,25 @@ std::tuple<at::Tensor, at::Tensor> entropy_mul_lift_op(const at::Tensor& la, con
 std::tuple<at::Tensor, at::Tensor> entropy_add_op(const at::Tensor& la, const at::Tensor& ra,
                                                   const at::Tensor& lb, const at::Tensor& rb) {
     return entries_to_pair({la, ra, lb, rb}, [](auto in, auto* l, auto* q, int64_t n, int t) {
-        entropy_add(in[0], in[1], in[2], in[3], l, q, n, t);
+        using T = std::remove_pointer_t<decltype(l)>;
+        entropy_add_rows<T>({in[0], 0}, {in[1], 0}, {in[2], 0}, {in[3], 0}, {l, 0}, {q, 0}, 1, n,
+                            t);
+    });
+}
+
+// (out_l, out_r) = (la, ra) ⊕ (lb, rb) for operands of log_entries::check_add_rows; the
+// outputs may be (la, ra) or (lb, rb) themselves (in place).
+void entropy_add_rows_op(at::Tensor out_l, at::Tensor out_r, const at::Tensor& la,
+                         const at::Tensor& ra, const at::Tensor& lb, const at::Tensor& rb) {
+    using log_entries::rows_into, log_entries::rows_of;
+    log_entries::check_add_rows("entropy_add_rows_", {&out_l, &out_r}, {&la, &ra, &lb, &rb});
+    const int64_t rows = out_l.size(0), n = out_l.size(1);
+    if (rows == 0 || n == 0) return;
+    AT_DISPATCH_FLOATING_TYPES(out_l.scalar_type(), "entropy_add_rows_", [&] {
+        entropy_add_rows<scalar_t>(rows_of<scalar_t>(la), rows_of<scalar_t>(ra),
+                                   rows_of<scalar_t>(lb), rows_of<scalar_t>(rb),
+                                   rows_into<scalar_t>(out_l), rows_into<scalar_t>(out_r), rows,
+                                   n, threads_for(rows * n));
     });
 }
 
@@ -612,6 +630,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("signed_mul_lift", &signed_mul_lift_op);
     m.impl("entropy_mul_lift", &entropy_mul_lift_op);
     m.impl("entropy_add", &entropy_add_op);
+    m.impl("entropy_add_rows_", &entropy_add_rows_op);
     m.impl("ratio_where_positive_", &ratio_where_positive_op);
     m.impl("loo_log", &loo_log_op);
     m.impl("entropy_reduce_rows", &entropy_reduce_rows_op);

@@ -30,6 +30,9 @@ one dtype.
 ``signed_mul_lift``      the signed pair times lift(w), elementwise (broadcasting)
 ``entropy_mul_lift``     Entropy's (la, r) times lift(w), elementwise (broadcasting)
 ``entropy_add``          Entropy's ⊕, elementwise (broadcasting)
+``entropy_add_rows_``    the same into ``(out_l, out_r)`` for 2-D (rows, n) operands with
+                         unit stride along rows and any row stride; the outputs may be
+                         (la, ra) or (lb, rb); CPU only
 ``ratio_where_positive_`` num / den where den > 0, else 0, in place
 ``loo_log``              leave-one-out log-sum-exp along the last dim (and Entropy's r)
 ``entropy_reduce_rows``  Entropy's ⊕-reduction along the last dim
@@ -99,6 +102,9 @@ SCHEMAS = {
     "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
     "entropy_mul_lift": "(Tensor la, Tensor r, Tensor w) -> (Tensor, Tensor)",
     "entropy_add": "(Tensor la, Tensor ra, Tensor lb, Tensor rb) -> (Tensor, Tensor)",
+    "entropy_add_rows_": (
+        "(Tensor(a!) out_l, Tensor(b!) out_r, Tensor la, Tensor ra, Tensor lb, Tensor rb) -> ()"
+    ),
     "ratio_where_positive_": "(Tensor(a!) num, Tensor den) -> ()",
     "loo_log": "(Tensor x, Tensor? r) -> (Tensor, Tensor, Tensor)",
     "entropy_reduce_rows": "(Tensor la, Tensor r) -> (Tensor, Tensor, Tensor)",
@@ -263,6 +269,11 @@ def _(w, out):
 
 @_fake("log_add_rows_")
 def _(out, a, b):
+    return None
+
+
+@_fake("entropy_add_rows_")
+def _(out_l, out_r, la, ra, lb, rb):
     return None
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import log_entries
 from ..kernels import standardize as kernels_standardize
 from ..kernels.workspace import scratch
 from .base import Semiring, Value, _message, keeps_algebra
@@ -115,6 +116,14 @@ class Entropy(Semiring):
         la = torch.logaddexp(a[0], b[0])
         r = safe_weight(a[0], la) * a[1] + safe_weight(b[0], la) * b[1]
         return (la, r)
+
+    def add_into(self, acc, b):
+        """acc ← acc ⊕ b in place, (log Z, r) each: one kernel pass on the CPU where acc and
+        b lie in rows (``log_entries.entropy_add_``), else the default (⊕, then a copy), as
+        for a subclass with its own ⊕."""
+        if type(self).add is Entropy.add and log_entries.entropy_add_(acc, b):
+            return
+        super().add_into(acc, b)
 
     def mul(self, a, b):
         la = a[0] + b[0]
