@@ -66,6 +66,30 @@ def test_k_best_times_is_the_brute_force_k_best_to_the_bit(case, abs_b, dtype):
     assert torch.equal(got, brute_force(a, b, k, abs_b))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "m, l, n",
+    [
+        (20, 300, 40),  # in place; few column blocks: the 32 largest indices sorted, then the rest
+        (100, 300, 40),  # strips, likewise
+        (100, 300, 200),  # strips; many column blocks: every index sorted
+    ],
+)
+@pytest.mark.parametrize("kb", [1, 2])
+def test_k_best_times_over_long_rows_to_the_bit(m, l, n, kb, dtype):
+    """Weights over many orders of magnitude (the bounds stop a row early, in its sorted
+    indices or past them) and rows of hundreds of indices, some without weight: the
+    brute-force k best, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.exp(torch.randn(5, 1, m, l, generator=g, dtype=torch.float64) * 4).to(dtype)
+    a = a.sort(0, descending=True).values
+    a[:, :, :, ::7] = 0  # indices without weight
+    b = torch.exp(torch.randn(kb, 1, l, n, generator=g, dtype=torch.float64) * 2).to(dtype)
+    got = kernels.k_best_times(a, b, 5, abs_b=False, dead_count=True)
+    assert got is not None
+    assert torch.equal(got, brute_force(a, b, 5, False))
+
+
 @pytest.mark.parametrize("kb", [1, 2])
 def test_k_best_times_takes_unsorted_lists(kb: int):
     a = lists(4, 2, 3, 11, sort=False, seed=4)

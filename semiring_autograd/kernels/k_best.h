@@ -13,8 +13,9 @@
 // some lane's k-th best enters the lists of all lanes at once (a compare-exchange down the
 // k entries, insert_lanes: a lane whose term does not beat its k-th is left as it was);
 // with kb = 1 and descending lists, a row's terms stop at the first vector that beats no
-// lane. A row takes its indices q by am descending, and stops where am · (the strip's
-// largest bm per column) passes no k-th best: every later term is below it. An index q
+// lane. A row takes its indices q by am descending (with few column blocks the
+// K_BEST_SORTED largest, then the others, each no larger, in no order), and stops where am · (the strip's largest bm per
+// column) passes no k-th best: every later term is below it. An index q
 // where the row has no weight above 0 has only zero products, which never enter a list: it
 // is skipped, and so is a strip row q where no row of a has one.
 //
@@ -89,37 +90,53 @@ inline V insert_lanes(V* top, int64_t k, V p) {
 template <typename T>
 bool k_best_bounds(const T* const* a, int64_t ka, int64_t batch, int64_t m, int64_t l,
                    T* am, uint8_t* live, bool* sorted) {
+    const int64_t count = batch * m * l;
     T check = T(0);
-    bool order = true;
-    for (int64_t e = 0; e < batch * m * l; ++e) {
-        T best = a[0][e];
+    int disorder = 0;
+#pragma omp simd reduction(+ : check)
+    for (int64_t e = 0; e < count; ++e) {
+        am[e] = a[0][e];
         check += a[0][e] * T(0);
-        for (int64_t r = 1; r < ka; ++r) {
-            const T v = a[r][e];
-            check += v * T(0);
-            order = order && v <= a[r - 1][e];
-            best = v > best ? v : best;
-        }
-        am[e] = best;
     }
-    *sorted = order;
-    if (check != T(0)) return false;
-    for (int64_t bt = 0; bt < batch; ++bt)
-        for (int64_t q = 0; q < l; ++q) {
-            bool any = false;
-            for (int64_t i = 0; i < m; ++i) any = any || am[(bt * m + i) * l + q] > T(0);
-            live[bt * l + q] = any;
+    for (int64_t r = 1; r < ka; ++r) {
+        const T* __restrict__ x = a[r];
+        const T* __restrict__ prev = a[r - 1];
+#pragma omp simd reduction(+ : check) reduction(| : disorder)
+        for (int64_t e = 0; e < count; ++e) {
+            const T v = x[e];
+            check += v * T(0);
+            disorder |= !(v <= prev[e]);
+            am[e] = v > am[e] ? v : am[e];
         }
+    }
+    *sorted = !disorder;
+    if (check != T(0)) return false;
+    for (int64_t bt = 0; bt < batch; ++bt) {
+        uint8_t* lv = live + bt * l;
+        std::fill(lv, lv + l, uint8_t(0));
+        for (int64_t i = 0; i < m; ++i) {
+            const T* row = am + (bt * m + i) * l;
+#pragma omp simd
+            for (int64_t q = 0; q < l; ++q) lv[q] |= row[q] > T(0);
+        }
+    }
     return true;
 }
 
-// Per row of am (rows × l, finite; rows across threads): its indices q with am > 0 by am
-// descending, ties by q, into order[row * l, ...), and how many into count[row]. Float rows
-// sort as 64-bit keys (bits of am, then ~q): the bits of a positive float order as the
-// float does.
+// With fewer column blocks than this, row_order sorts a row's K_BEST_SORTED largest indices
+// q only: sorting all of a long row then costs more than the few column blocks' loops, which
+// mostly stop within the first few (their bounds pass no k-th best); with more, every index
+// is sorted once for all the blocks.
+constexpr int64_t K_BEST_FEW_BLOCKS = 8, K_BEST_SORTED = 32;
+
+// Per row of am (rows × l, finite; rows across threads): its indices q with am > 0, how many
+// into count[row], into order[row * l, ...): the `sort` largest first, by am descending
+// (ties by q), then the others in no order, each at most the last sorted one.
+// Float rows sort as 64-bit keys (bits of am, then ~q): the bits of a positive float order
+// as the float does.
 template <typename T>
-void row_order(const T* am, int64_t rows, int64_t l, int32_t* order, int64_t* count,
-               int threads) {
+void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* order,
+               int64_t* count, int threads) {
     at::parallel_for(0, rows, threads > 1 ? 1 : INT64_MAX, [&](int64_t row0, int64_t row1) {
         std::vector<uint64_t> keys(std::is_same_v<T, float> ? l : 0);
         for (int64_t row = row0; row < row1; ++row) {
@@ -133,28 +150,34 @@ void row_order(const T* am, int64_t rows, int64_t l, int32_t* order, int64_t* co
                     std::memcpy(&bits, ar + q, sizeof bits);
                     keys[c++] = uint64_t(bits) << 32 | ~uint32_t(q);
                 }
-                std::sort(keys.begin(), keys.begin() + c, std::greater<uint64_t>());
+                const auto first = keys.begin(), head = first + std::min(c, sort);
+                if (head < first + c)
+                    std::nth_element(first, head - 1, first + c, std::greater<uint64_t>());
+                std::sort(first, head, std::greater<uint64_t>());
                 for (int64_t u = 0; u < c; ++u) qs[u] = static_cast<int32_t>(~uint32_t(keys[u]));
             } else {
                 for (int64_t q = 0; q < l; ++q)
                     if (ar[q] > T(0)) qs[c++] = static_cast<int32_t>(q);
-                std::sort(qs, qs + c, [ar](int32_t x, int32_t y) {
+                const auto before = [ar](int32_t x, int32_t y) {
                     return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
-                });
+                };
+                int32_t* head = qs + std::min(c, sort);
+                if (head < qs + c) std::nth_element(qs, head - 1, qs + c, before);
+                std::sort(qs, head, before);
             }
             count[row] = c;
         }
     });
 }
 
-// One row i of a against one column strip (see k_best_times): its indices q (qs, by am
-// descending), their bounds am, its lists (component r's entry q at x[r][at + q]), and the
+// One row i of a against one column strip (see k_best_times): its indices q (qs, the first
+// `sorted` by am descending, row_order's), their bounds am, its lists (component r's entry q at x[r][at + q]), and the
 // strip's rows (the bound bm, then for kb > 1 the kb components, rs entries per q).
 template <typename T, typename V = typename Vec<T>::type>
 struct Row {
     const T* am;
     const int32_t* qs;
-    int64_t count;
+    int64_t count, sorted_count;
     const T* const* x;
     int64_t at, ka, kb;
     bool sorted;
@@ -180,8 +203,12 @@ void best_of_row(const Row<T>& r, int64_t k, V* top) {
     for (int64_t u = 0; u < r.count; ++u) {
         const int64_t q = r.qs[u];
         const T s = r.am[q];
-        // every later term is at most s · colmax: none can enter a list
-        if (!greater_lanes<T>(r.colmax * s, kth)) break;
+        // every later term is at most bound · colmax (past the sorted indices, bound is the
+        // last sorted one's am): none can enter a list
+        const bool in_order = u < r.sorted_count;
+        const T bound = in_order ? s : r.am[r.qs[r.sorted_count - 1]];
+        if (!greater_lanes<T>(r.colmax * bound, kth)) break;
+        if (!in_order && !greater_lanes<T>(r.colmax * s, kth)) continue;
         const T* row = r.strip + q * r.rs;
         const int64_t xq = r.at + q;
         if (r.kb == 1) {
@@ -283,8 +310,9 @@ void k_best_times(const std::vector<const T*>& a, const std::vector<const T*>& b
     }
     std::vector<int32_t> order(batch * m * l);
     std::vector<int64_t> count(batch * m);
-    row_order(am.data(), batch * m, l, order.data(), count.data(), threads);
     const int64_t blocks = (n + L - 1) / L;
+    const int64_t sort = blocks < K_BEST_FEW_BLOCKS ? K_BEST_SORTED : l;
+    row_order(am.data(), batch * m, l, sort, order.data(), count.data(), threads);
     const bool direct = kb == 1 && m <= K_BEST_IN_PLACE_ROWS;
     std::vector<T> bounds(direct ? batch * n : 0);
     if (direct && !column_bounds(b[0], b_batch, batch, l, n, live.data(), abs_b, dead_count,
@@ -337,11 +365,22 @@ void k_best_times(const std::vector<const T*>& a, const std::vector<const T*>& b
         }
         for (int64_t i = 0; i < m; ++i) {
             const int64_t row = bt * m + i;
-            const Row<T> r{am.data() + row * l, order.data() + row * l, count[row],
-                           a.data(),             row * l,              ka,
-                           kb,                   sorted,               strip_at,
-                           rs,                   first,                colmax,
-                           direct,               direct && abs_b,      direct ? valid : L};
+            const Row<T> r{am.data() + row * l,
+                           order.data() + row * l,
+                           count[row],
+                           std::min(count[row], sort),
+                           a.data(),
+                           row * l,
+                           ka,
+                           kb,
+                           sorted,
+                           strip_at,
+                           rs,
+                           first,
+                           colmax,
+                           direct,
+                           direct && abs_b,
+                           direct ? valid : L};
             best_of_row_k<T>(k, r, top);
             for (int64_t t = 0; t < k; ++t)
                 std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));
