@@ -23,10 +23,10 @@ def brute_force(a: torch.Tensor, b: torch.Tensor, k: int, abs_b: bool) -> torch.
     out = torch.zeros(k, batch, m, n, dtype=a.dtype)
     for bt in range(batch):
         for i in range(m):
-            for j in range(n):
-                terms = (a[:, bt, i, :, None] * b[None, :, bt, :, j].permute(0, 2, 1)).flatten()
-                terms = torch.cat([terms, torch.zeros(k, dtype=a.dtype)])
-                out[:, bt, i, j] = terms.sort(descending=True).values[:k]
+            # terms[j] = every a[r, bt, i, q] · b[s, bt, q, j], over (r, s, q)
+            terms = (a[:, None, bt, i, :, None] * b[None, :, bt]).reshape(-1, n).T
+            terms = torch.cat([terms, torch.zeros(n, k, dtype=a.dtype)], 1)
+            out[:, bt, i] = terms.sort(1, descending=True).values[:, :k].T
     return out
 
 
@@ -72,20 +72,25 @@ def test_k_best_times_is_the_brute_force_k_best_to_the_bit(case, abs_b, dtype):
     [
         (20, 300, 40),  # in place; few column blocks: the 32 largest indices sorted, then the rest
         (100, 300, 40),  # strips, likewise
-        (100, 300, 200),  # strips; many column blocks: every index sorted
+        (70, 300, 130),  # strips; many column blocks: every index sorted
     ],
 )
 @pytest.mark.parametrize("kb", [1, 2])
-def test_k_best_times_over_long_rows_to_the_bit(m, l, n, kb, dtype):
+@pytest.mark.parametrize("layout", ["rows", "transposed", "mixed"])
+def test_k_best_times_over_long_rows_to_the_bit(m, l, n, kb, layout, dtype):
     """Weights over many orders of magnitude (the bounds stop a row early, in its sorted
-    indices or past them) and rows of hundreds of indices, some without weight: the
-    brute-force k best, bit for bit."""
+    indices or past them) and rows of hundreds of indices, some without weight, the lists
+    in rows, transposed or of two layouts: the brute-force k best, bit for bit."""
     g = torch.Generator().manual_seed(7)
-    a = torch.exp(torch.randn(5, 1, m, l, generator=g, dtype=torch.float64) * 4).to(dtype)
+    a = torch.exp(torch.randn(5, 2, m, l, generator=g, dtype=torch.float64) * 4).to(dtype)
     a = a.sort(0, descending=True).values
     a[:, :, :, ::7] = 0  # indices without weight
-    b = torch.exp(torch.randn(kb, 1, l, n, generator=g, dtype=torch.float64) * 2).to(dtype)
-    got = kernels.k_best_times(a, b, 5, abs_b=False, dead_count=True)
+    b = torch.exp(torch.randn(kb, 2, l, n, generator=g, dtype=torch.float64) * 2).to(dtype)
+    lists_a = list(a)
+    if layout != "rows":
+        flipped = [c.mT.contiguous().mT for c in lists_a]
+        lists_a = flipped if layout == "transposed" else flipped[:2] + lists_a[2:]
+    got = kernels.k_best_times(lists_a, b, 5, abs_b=False, dead_count=True)
     assert got is not None
     assert torch.equal(got, brute_force(a, b, 5, False))
 

@@ -438,10 +438,12 @@ void k_best_add(const std::vector<const T*>& a, const std::vector<const T*>& b, 
 // (t < k, each rows × n, best first), out[t][row, j] = the t-th largest of the entries of the
 // row's lists j' ≠ j, 0 where they hold fewer. The k best of the others are among the 2k
 // best of all, of which at most k are list j's own: per row one pass keeps the 2k best
-// entries with their lists (a list is read for insertion until an entry cannot enter: the
-// rest of it is no larger), then each j takes the first k kept entries not its own. Values
-// are selected by comparisons: the prefix and suffix scans' of ⊕ to the bit. Where a list is
-// not descending or holds a NaN, *declined is set and out is unspecified.
+// entries with their lists (a list whose best entry cannot enter is skipped whole; else it
+// is read for insertion until an entry cannot enter: the rest of it is no larger), then
+// every j takes the first k kept entries, but for the few lists among the kept, which take
+// the first k kept entries not their own. Values are selected by comparisons: the prefix
+// and suffix scans' of ⊕ to the bit. Where a list is not descending or holds a NaN,
+// *declined is set and out is unspecified.
 template <typename T>
 void k_best_loo(const std::vector<const T*>& a, T* out, int64_t rows, int64_t n, int threads,
                 int* declined) {
@@ -451,17 +453,24 @@ void k_best_loo(const std::vector<const T*>& a, T* out, int64_t rows, int64_t n,
         std::vector<int64_t> list(keep);
         for (int64_t row = first; row < last; ++row) {
             const int64_t base = row * n;
+            int bad = 0;  // a NaN, or a list not descending
+            for (int64_t t = 0; t < k; ++t) {
+                const T* __restrict__ x = a[t] + base;
+                const T* __restrict__ above = a[t > 0 ? t - 1 : 0] + base;
+#pragma omp simd reduction(| : bad)
+                for (int64_t j = 0; j < n; ++j) bad |= !(x[j] == x[j]) | (x[j] > above[j]);
+            }
+            if (bad) {
+                __atomic_store_n(declined, 1, __ATOMIC_RELAXED);
+                return;
+            }
             int64_t size = 0;
-            bool bad = false;
+            const T* best = a[0] + base;
             for (int64_t j = 0; j < n; ++j) {
-                bool open = true;  // list j's entries may still enter the kept ones
+                if (size == keep && !(best[j] > value[keep - 1])) continue;
                 for (int64_t t = 0; t < k; ++t) {
                     const T v = a[t][base + j];
-                    bad |= !(v == v) || (t > 0 && v > a[t - 1][base + j]);
-                    if (!open || (size == keep && !(v > value[keep - 1]))) {
-                        open = false;
-                        continue;
-                    }
+                    if (size == keep && !(v > value[keep - 1])) break;
                     int64_t p = size < keep ? size++ : keep - 1;
                     for (; p > 0 && value[p - 1] < v; --p) {
                         value[p] = value[p - 1];
@@ -471,11 +480,14 @@ void k_best_loo(const std::vector<const T*>& a, T* out, int64_t rows, int64_t n,
                     list[p] = j;
                 }
             }
-            if (bad) {
-                __atomic_store_n(declined, 1, __ATOMIC_RELAXED);
-                return;
+            for (int64_t t = 0; t < k; ++t) {  // every j whose list holds no kept entry
+                const T v = t < size ? value[t] : T(0);
+                T* __restrict__ o = out + t * plane + base;
+#pragma omp simd
+                for (int64_t j = 0; j < n; ++j) o[j] = v;
             }
-            for (int64_t j = 0; j < n; ++j) {
+            for (int64_t u = 0; u < size; ++u) {  // the lists among the kept (one kept twice: twice)
+                const int64_t j = list[u];
                 int64_t t = 0;
                 for (int64_t p = 0; p < size && t < k; ++p)
                     if (list[p] != j) out[t++ * plane + base + j] = value[p];
