@@ -55,6 +55,10 @@ def _samples(dtype):
             (list(rand(4, 3, 9).abs().sort(0, descending=True).values),),
             (list(rand(2, 5).abs().sort(0, descending=True).values),),
         ],
+        "k_best_softmax_backward": [
+            (list(rand(4, 3, 9).abs().sort(0, descending=True).values), rand(3, 9).abs()),
+            (list(rand(2, 40).abs().sort(0, descending=True).values), rand(40).abs()),
+        ],
         "signed_times": [(hi, lo, b, None), (hi, lo, b, b - 1)],
         "lift_times": [(hi, lo, b, True), (hi, lo, rand(1, 7, 3).transpose(1, 2).mT, False)],
         "signed_mul_lift": [(hi, lo, rand(7))],

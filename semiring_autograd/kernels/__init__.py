@@ -213,6 +213,24 @@ def k_best_loo(a: tuple[Tensor, ...]) -> Tensor | None:
     return None if bool(declined) else out
 
 
+def k_best_softmax_backward(a: tuple[Tensor, ...], p: Tensor) -> Tensor | None:
+    """KBest's message at softmax's input from descending lists ``a`` (k components) at its
+    output ``p`` (their shape) along the last dim, on the CPU in one pass per row: (k,
+    *shape), Semiring.softmax_backward's values to the bit. None off the CPU, for operands
+    of several shapes or dtypes, for an empty or 0-d shape, without the kernels, or where a
+    list is not descending or a product is NaN (the caller then takes its formula)."""
+    shape = a[0].shape
+    for c in a:  # a loop, not a generator: this runs on every attention block
+        if c.shape != shape:
+            return None
+    if not len(shape) or p.shape != shape or p.dtype != a[0].dtype:
+        return None
+    if not _nonempty_ready("k_best_softmax_backward", *a, p):
+        return None
+    out, declined = op("k_best_softmax_backward")(a, p)
+    return None if bool(declined) else out
+
+
 def signed_times(
     a_hi: Tensor, a_lo: Tensor, b_hi: Tensor, b_lo: Tensor | None
 ) -> tuple[Tensor, Tensor] | None:
@@ -488,6 +506,7 @@ __all__ = [
     "k_best_times",
     "k_best_add",
     "k_best_loo",
+    "k_best_softmax_backward",
     "signed_times",
     "pair_lift_matmul",
     "signed_mul_lift",

@@ -335,6 +335,40 @@ def _check_k_best_loo(c: _Case) -> str | None:
     return None
 
 
+def k_best_softmax_backward_formula(lists: Tensor, p: Tensor) -> Tensor:
+    """(k, rows, n) descending lists at softmax's output p (rows, n) → (k, rows, n):
+    Semiring.softmax_backward's formula, the k best of lists·|p(1 − p)| and of the
+    leave-one-out k best of lists·|p| times |−p|."""
+    own = lists * (p * (1 - p)).abs()
+    rest = k_best_loo_formula(lists * p.abs()) * (-p).abs()
+    return torch.cat([own, rest]).topk(lists.shape[0], dim=0).values
+
+
+def _check_k_best_softmax_backward(c: _Case) -> str | None:
+    problems = []
+    for k, rows, n in ((1, 3, 5), (3, 4, 1), (5, 2, 17), (4, 3, 300)):
+        lists = _k_best_lists(c, k, rows, n)
+        lists[:, 0, :2] = 0.0  # no path
+        p = c.rand(rows, n)
+        p = p / p.sum(-1, keepdim=True)
+        p[0, 3 % n], p[-1, 0] = 0.0, 1.0  # excluded, and certain
+        (got, flagged), _ = c.run(list(lists), p)
+        if bool(flagged):
+            return "k_best_softmax_backward flagged descending lists"
+        want = k_best_softmax_backward_formula(lists, p)
+        problems.append(_differs(f"k_best_softmax_backward(k={k}, n={n})", got, want))
+    if _first(*problems):
+        return _first(*problems)
+    lists, p = _k_best_lists(c, 3, 2, 6), c.rand(2, 6)
+    for bad in ("nan", "order"):
+        wrong = lists.clone()
+        wrong[2, 1, 4] = NAN if bad == "nan" else wrong[0, 1, 4] + 1.0
+        (_, flagged), _ = c.run(list(wrong), p)
+        if not bool(flagged):
+            return f"k_best_softmax_backward missed {'a NaN' if bad == 'nan' else 'a list out of order'}"
+    return None
+
+
 def _missed_nan(c: _Case, cases: list) -> str | None:
     """Where k_best_add misses a NaN put first into a list a or last into a list b."""
     for k, a, b in cases:
@@ -1151,6 +1185,7 @@ _CHECKS: dict[str, Callable[[_Case], str | None]] = {
     "k_best_times": _check_k_best_times,
     "k_best_add": _check_k_best_add,
     "k_best_loo": _check_k_best_loo,
+    "k_best_softmax_backward": _check_k_best_softmax_backward,
     "signed_times": _check_signed_times,
     "lift_times": _check_lift_times,
     "signed_mul_lift": _check_signed_mul_lift,

@@ -14,10 +14,10 @@
 // k entries, insert_lanes: a lane whose term does not beat its k-th is left as it was);
 // with kb = 1 and descending lists, a row's terms stop at the first vector that beats no
 // lane. A row takes its indices q by am descending (with few column blocks the
-// K_BEST_SORTED largest, then the others, each no larger, in no order), and stops where am · (the strip's largest bm per
-// column) passes no k-th best: every later term is below it. An index q
-// where the row has no weight above 0 has only zero products, which never enter a list: it
-// is skipped, and so is a strip row q where no row of a has one.
+// K_BEST_SORTED largest, then the others, each no larger, in no order), and stops where
+// am · (the strip's largest bm per column) passes no k-th best: every later term is below
+// it. An index q where the row has no weight above 0 has only zero products, which never
+// enter a list: it is skipped, and so is a strip row q where no row of a has one.
 //
 // Strips or in place: a strip gathers b's column block for every q, read down b's columns.
 // With kb = 1 and at most K_BEST_IN_PLACE_ROWS rows per batch entry (a prompt's tokens)
@@ -171,8 +171,9 @@ void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* orde
 }
 
 // One row i of a against one column strip (see k_best_times): its indices q (qs, the first
-// `sorted` by am descending, row_order's), their bounds am, its lists (component r's entry q at x[r][at + q]), and the
-// strip's rows (the bound bm, then for kb > 1 the kb components, rs entries per q).
+// `sorted_count` by am descending, row_order's), their bounds am, its lists (component r's
+// entry q at x[r][at + q]), and the strip's rows (the bound bm, then for kb > 1 the kb
+// components, rs entries per q).
 template <typename T, typename V = typename Vec<T>::type>
 struct Row {
     const T* am;
@@ -434,22 +435,56 @@ void k_best_add(const std::vector<const T*>& a, const std::vector<const T*>& b, 
     });
 }
 
+// The 2k best entries of one row's n lists (entry(t, j): list j's t-th, best first, k each)
+// with their lists, best first, into value and list; how many (fewer where the lists hold
+// fewer). A list whose best entry cannot enter is skipped whole; else it is read until an
+// entry cannot enter: the rest of it is no larger.
+template <typename T, typename Entry>
+int64_t keep_best_of_row(const Entry& entry, int64_t k, int64_t n, T* value, int64_t* list) {
+    const int64_t keep = 2 * k;
+    int64_t size = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        if (size == keep && !(entry(0, j) > value[keep - 1])) continue;
+        for (int64_t t = 0; t < k; ++t) {
+            const T v = entry(t, j);
+            if (size == keep && !(v > value[keep - 1])) break;
+            int64_t p = size < keep ? size++ : keep - 1;
+            for (; p > 0 && value[p - 1] < v; --p) {
+                value[p] = value[p - 1];
+                list[p] = list[p - 1];
+            }
+            value[p] = v;
+            list[p] = j;
+        }
+    }
+    return size;
+}
+
+// The k best of the kept entries (keep_best_of_row's) that are not list j's own, into
+// others[0..k), 0 past them. With j = -1: the first k.
+template <typename T>
+inline void others_of(const T* value, const int64_t* list, int64_t size, int64_t j, int64_t k,
+                      T* others) {
+    int64_t t = 0;
+    for (int64_t p = 0; p < size && t < k; ++p)
+        if (list[p] != j) others[t++] = value[p];
+    for (; t < k; ++t) others[t] = T(0);
+}
+
 // KBest's leave-one-out ⊕ along the last dim (semirings/k_best.py's loo): for lists a[t]
 // (t < k, each rows × n, best first), out[t][row, j] = the t-th largest of the entries of the
 // row's lists j' ≠ j, 0 where they hold fewer. The k best of the others are among the 2k
-// best of all, of which at most k are list j's own: per row one pass keeps the 2k best
-// entries with their lists (a list whose best entry cannot enter is skipped whole; else it
-// is read for insertion until an entry cannot enter: the rest of it is no larger), then
-// every j takes the first k kept entries, but for the few lists among the kept, which take
-// the first k kept entries not their own. Values are selected by comparisons: the prefix
-// and suffix scans' of ⊕ to the bit. Where a list is not descending or holds a NaN,
-// *declined is set and out is unspecified.
+// best of all (keep_best_of_row), of which at most k are list j's own: every j takes the
+// first k kept entries, but for the few lists among the kept, which take the first k kept
+// entries not their own. Values are selected by comparisons: the prefix and suffix scans'
+// of ⊕ to the bit. Where a list is not descending or holds a NaN, *declined is set and out
+// is unspecified.
 template <typename T>
 void k_best_loo(const std::vector<const T*>& a, T* out, int64_t rows, int64_t n, int threads,
                 int* declined) {
     const int64_t k = int64_t(a.size()), keep = 2 * k, plane = rows * n;
     at::parallel_for(0, rows, threads > 1 ? 1 : INT64_MAX, [&](int64_t first, int64_t last) {
-        std::vector<T> value(keep);
+        std::vector<T> value(keep), others(k);
         std::vector<int64_t> list(keep);
         for (int64_t row = first; row < last; ++row) {
             const int64_t base = row * n;
@@ -464,34 +499,113 @@ void k_best_loo(const std::vector<const T*>& a, T* out, int64_t rows, int64_t n,
                 __atomic_store_n(declined, 1, __ATOMIC_RELAXED);
                 return;
             }
-            int64_t size = 0;
-            const T* best = a[0] + base;
-            for (int64_t j = 0; j < n; ++j) {
-                if (size == keep && !(best[j] > value[keep - 1])) continue;
-                for (int64_t t = 0; t < k; ++t) {
-                    const T v = a[t][base + j];
-                    if (size == keep && !(v > value[keep - 1])) break;
-                    int64_t p = size < keep ? size++ : keep - 1;
-                    for (; p > 0 && value[p - 1] < v; --p) {
-                        value[p] = value[p - 1];
-                        list[p] = list[p - 1];
-                    }
-                    value[p] = v;
-                    list[p] = j;
-                }
-            }
+            const auto entry = [&](int64_t t, int64_t j) { return a[t][base + j]; };
+            const int64_t size = keep_best_of_row<T>(entry, k, n, value.data(), list.data());
+            others_of(value.data(), list.data(), size, -1, k, others.data());
             for (int64_t t = 0; t < k; ++t) {  // every j whose list holds no kept entry
-                const T v = t < size ? value[t] : T(0);
                 T* __restrict__ o = out + t * plane + base;
+                const T v = others[t];
 #pragma omp simd
                 for (int64_t j = 0; j < n; ++j) o[j] = v;
             }
-            for (int64_t u = 0; u < size; ++u) {  // the lists among the kept (one kept twice: twice)
+            for (int64_t u = 0; u < size; ++u) {  // the kept entries' lists (twice for two)
                 const int64_t j = list[u];
-                int64_t t = 0;
-                for (int64_t p = 0; p < size && t < k; ++p)
-                    if (list[p] != j) out[t++ * plane + base + j] = value[p];
-                for (; t < k; ++t) out[t * plane + base + j] = T(0);
+                others_of(value.data(), list.data(), size, j, k, others.data());
+                for (int64_t t = 0; t < k; ++t) out[t * plane + base + j] = others[t];
+            }
+        }
+    });
+}
+
+// The t-th best (t < k) of two descending lists x and y of k entries: the largest over the
+// splits i + j = t + 1 of min(x[i - 1], y[j - 1]) (x[-1] = y[-1] = +inf), as k_best_add.
+template <typename T>
+inline T best_of_two(const T* x, const T* y, int64_t t) {
+    T o = x[t] < y[t] ? y[t] : x[t];
+    for (int64_t i = 1; i <= t; ++i) {
+        const T m = x[i - 1] < y[t - i] ? x[i - 1] : y[t - i];
+        o = o < m ? m : o;
+    }
+    return o;
+}
+
+// KBest's message at softmax's input s from lists a[t] (t < k, each rows × n, best first) at
+// its output p (rows × n, last dim), Semiring.softmax_backward's formula in one pass per
+// row: with own_i = a_i·|p_i(1 − p_i)| and t_j = a_j·|p_j|, out_i = the k best of own_i and
+// L_i·|−p_i|, L_i the k best entries of the lists t_j, j ≠ i (k_best_loo's selection). The
+// same products (p(1 − p) rounded first) and selections as the formula: its values to the
+// bit. Where a list of a is not descending, or t or own holds a NaN, *declined is set and
+// out is unspecified.
+template <typename T>
+void k_best_softmax_backward(const std::vector<const T*>& a, const T* p, T* out, int64_t rows,
+                             int64_t n, int threads, int* declined) {
+    const int64_t k = int64_t(a.size()), keep = 2 * k, plane = rows * n;
+    constexpr int64_t BLOCK = 256;  // positions per merge, their lists held in L1
+    at::parallel_for(0, rows, threads > 1 ? 1 : INT64_MAX, [&](int64_t first, int64_t last) {
+        std::vector<T> value(keep), others(k), own(k * BLOCK), rest(k * BLOCK);
+        std::vector<int64_t> list(keep);
+        for (int64_t row = first; row < last; ++row) {
+            const int64_t base = row * n;
+            const T* __restrict__ pr = p + base;
+            int bad = 0;
+            for (int64_t t = 0; t < k; ++t) {
+                const T* __restrict__ x = a[t] + base;
+                const T* __restrict__ above = a[t > 0 ? t - 1 : 0] + base;
+#pragma omp simd reduction(| : bad)
+                for (int64_t j = 0; j < n; ++j) {
+                    const T w = std::fabs(pr[j]), v = x[j] * w;
+                    const T o = x[j] * std::fabs(pr[j] * (T(1) - pr[j]));
+                    bad |= !(v == v) | !(o == o) | (x[j] > above[j]);
+                }
+            }
+            if (bad) {
+                __atomic_store_n(declined, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            const auto entry = [&](int64_t t, int64_t j) {
+                return a[t][base + j] * std::fabs(pr[j]);
+            };
+            const int64_t size = keep_best_of_row<T>(entry, k, n, value.data(), list.data());
+            others_of(value.data(), list.data(), size, -1, k, others.data());
+            for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {  // every j as if its list kept nothing
+                const int64_t count = std::min(BLOCK, n - j0);
+                for (int64_t t = 0; t < k; ++t) {
+                    const T* __restrict__ x = a[t] + base + j0;
+                    const T* __restrict__ pj = pr + j0;
+                    T* __restrict__ ow = own.data() + t * BLOCK;
+                    T* __restrict__ re = rest.data() + t * BLOCK;
+                    const T l = others[t];
+#pragma omp simd
+                    for (int64_t e = 0; e < count; ++e) {
+                        ow[e] = x[e] * std::fabs(pj[e] * (T(1) - pj[e]));
+                        re[e] = l * std::fabs(-pj[e]);
+                    }
+                }
+                for (int64_t t = 0; t < k; ++t) {
+                    T* __restrict__ o = out + t * plane + base + j0;
+                    const T* __restrict__ ox = own.data() + t * BLOCK;
+                    const T* __restrict__ ry = rest.data() + t * BLOCK;
+#pragma omp simd
+                    for (int64_t e = 0; e < count; ++e) o[e] = ox[e] < ry[e] ? ry[e] : ox[e];
+                    for (int64_t i = 1; i <= t; ++i) {
+                        const T* __restrict__ x = own.data() + (i - 1) * BLOCK;
+                        const T* __restrict__ y = rest.data() + (t - i) * BLOCK;
+#pragma omp simd
+                        for (int64_t e = 0; e < count; ++e) {
+                            const T m = x[e] < y[e] ? x[e] : y[e];
+                            o[e] = o[e] < m ? m : o[e];
+                        }
+                    }
+                }
+            }
+            for (int64_t u = 0; u < size; ++u) {  // the lists among the kept, their own L
+                const int64_t j = list[u];
+                others_of(value.data(), list.data(), size, j, k, others.data());
+                T* x = own.data();
+                T* y = rest.data();
+                const T w = std::fabs(pr[j] * (T(1) - pr[j])), q = std::fabs(-pr[j]);
+                for (int64_t t = 0; t < k; ++t) x[t] = a[t][base + j] * w, y[t] = others[t] * q;
+                for (int64_t t = 0; t < k; ++t) out[t * plane + base + j] = best_of_two(x, y, t);
             }
         }
     });

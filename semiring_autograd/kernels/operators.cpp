@@ -197,6 +197,32 @@ std::tuple<at::Tensor, at::Tensor> k_best_loo_op(at::TensorList a) {
     return {out, flag(declined != 0)};
 }
 
+// (out, declined): KBest's message at softmax's input (k_best.h) from lists a of k
+// components and p along the last dim, all of one shape and dtype (copied contiguous where
+// they are not); out (k, *shape); declined (0-d bool) true, and out all NaN, where a list is
+// not descending or a product is NaN.
+std::tuple<at::Tensor, at::Tensor> k_best_softmax_backward_op(at::TensorList a,
+                                                               const at::Tensor& p_) {
+    TORCH_CHECK(!a.empty() && a[0].dim() >= 1, "k_best_softmax_backward: lists a of k >= 1 "
+                "components, each at least 1-D");
+    const auto& like = a[0];
+    auto out = at::empty(k_lists_shape("k_best_softmax_backward", {a}), like.options());
+    TORCH_CHECK(p_.sizes() == like.sizes() && p_.scalar_type() == like.scalar_type(),
+                "k_best_softmax_backward: p of the lists' shape and dtype, got ", p_.sizes(),
+                " ", p_.scalar_type(), " beside ", like.sizes(), " ", like.scalar_type());
+    const int64_t n = like.size(-1), rows = n ? like.numel() / n : 0;
+    int declined = 0;
+    FLOATING(like.scalar_type(), [&] {
+        std::vector<at::Tensor> copies;
+        const auto pa = contiguous_data<T>(a, copies);
+        const auto p = p_.contiguous();
+        k_best_softmax_backward<T>(pa, p.const_data_ptr<T>(), out.data_ptr<T>(), rows, n,
+                                   threads_for(like.numel() * int64_t(a.size())), &declined);
+    });
+    if (declined) out.fill_(NAN);
+    return {out, flag(declined != 0)};
+}
+
 // (out, nonfinite): the k-best matmul of k_best.h for lists a of ka components, each
 // (batch, m, l), and b of kb components, each (batch or 1, l, n) (copied contiguous where
 // they are not); out (k, batch, m, n); nonfinite (0-d bool) true, and out all NaN, where an
@@ -625,6 +651,7 @@ TORCH_LIBRARY_IMPL(semiring_autograd, CPU, m) {
     m.impl("k_best_times", &k_best_times_op);
     m.impl("k_best_add", &k_best_add_op);
     m.impl("k_best_loo", &k_best_loo_op);
+    m.impl("k_best_softmax_backward", &k_best_softmax_backward_op);
     m.impl("signed_times", &signed_times_op);
     m.impl("lift_times", &lift_times_op);
     m.impl("signed_mul_lift", &signed_mul_lift_op);

@@ -24,6 +24,10 @@ one dtype.
                          of the descending lists a (k components) at the other positions of
                          the last dim (KBest's leave-one-out ⊕); the flag: a list not
                          descending or with a NaN (then out is all NaN); CPU only
+``k_best_softmax_backward`` (out, flag): out (k, *shape), KBest's message at softmax's input
+                         from descending lists a (k components) at its output p along the
+                         last dim (p of their shape); the flag: a list not descending or a
+                         NaN product (then out is all NaN); CPU only
 ``signed_times``         (max_k, min_k) of the corner products of signed pairs; NaN = empty
 ``lift_times``           the signed pair a times lift(w): (max_k, min_k) of a_hi·w or a_lo·w
                          by the sign of w
@@ -97,6 +101,7 @@ SCHEMAS = {
     "k_best_times": "(Tensor[] a, Tensor[] b, int k, bool abs_b, bool dead_count) -> (Tensor, Tensor)",
     "k_best_add": "(Tensor[] a, Tensor[] b) -> (Tensor, Tensor)",
     "k_best_loo": "(Tensor[] a) -> (Tensor, Tensor)",
+    "k_best_softmax_backward": "(Tensor[] a, Tensor p) -> (Tensor, Tensor)",
     "signed_times": "(Tensor a_hi, Tensor a_lo, Tensor b_hi, Tensor? b_lo) -> (Tensor, Tensor)",
     "lift_times": "(Tensor a_hi, Tensor a_lo, Tensor w, bool zero_empty) -> (Tensor, Tensor)",
     "signed_mul_lift": "(Tensor a_hi, Tensor a_lo, Tensor w) -> (Tensor, Tensor)",
@@ -185,6 +190,11 @@ def _(a, b):
 
 @_fake("k_best_loo")
 def _(a):
+    return a[0].new_empty((len(a), *a[0].shape)), _declined(a[0])
+
+
+@_fake("k_best_softmax_backward")
+def _(a, p):
     return a[0].new_empty((len(a), *a[0].shape)), _declined(a[0])
 
 

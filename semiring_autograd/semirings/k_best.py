@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from .base import Semiring, Value, broadcast_shape, broadcast_value
+from .base import Semiring, Value, broadcast_shape, broadcast_value, keeps_algebra, message_dtype
 from .batching import across_rows
 from .tensor_ops import CHUNK_ELEMENTS, filled, folded_middle
 
@@ -114,6 +114,19 @@ class KBest(Semiring):
     def mul_lift(self, a, w):
         w = w.abs()
         return tuple(c * w for c in a)  # |w| ≥ 0 keeps the order
+
+    def softmax_backward(self, a, probs, dim):
+        """The default's paths along the last dim in one kernel call per tensor on the CPU
+        (``kernels.k_best_softmax_backward``: the same products and selections, its values
+        to the bit), for a KBest that keeps KBest's algebra and probabilities in message
+        precision; else the default."""
+        last = dim in (-1, probs.dim() - 1)
+        if last and len(a) == self.k and message_dtype(probs.dtype) == probs.dtype:
+            if keeps_algebra(type(self), KBest) and type(self).loo is KBest.loo:
+                fused = kernels.k_best_softmax_backward(a, probs)
+                if fused is not None:
+                    return tuple(fused.unbind(0))
+        return super().softmax_backward(a, probs, dim)
 
     def loo(self, a, dim):
         """out_i = the k best entries of the lists a_j, j ≠ i, along ``dim``: they are among
