@@ -1231,6 +1231,35 @@ constexpr T LOO_SHARED_GAP = std::is_same_v<T, float> ? T(60) : T(500);
 template <typename T>
 constexpr T LINEAR_MIN_P = std::is_same_v<T, float> ? T(0x1p-64) : T(0x1p-500);
 
+// Whether |p| is nonzero and below LINEAR_MIN_P: a row holding one is left to log space.
+template <typename T>
+inline bool below_linear_min(T p) {
+    const T size = p < T(0) ? -p : p;
+    return (size > T(0)) & (size < LINEAR_MIN_P<T>);
+}
+
+#if defined(__AVX512F__)
+// below_linear_min of 16 floats, as lanes.
+inline __mmask16 below_linear_min16(__m512 p) {
+    const __m512 size = _mm512_abs_ps(p);
+    return _mm512_cmp_ps_mask(size, _mm512_setzero_ps(), _CMP_GT_OQ) &
+           _mm512_cmp_ps_mask(size, _mm512_set1_ps(LINEAR_MIN_P<float>), _CMP_LT_OQ);
+}
+#endif
+
+// A row's largest term *top of its n terms t, and in *at the first position of it, where
+// the frame of the largest term takes the row: false where t holds NaN or ±inf at its top,
+// or its two largest lie more than LOO_SHARED_GAP apart (one term or none: the argmax's sum
+// of the others would flush).
+template <typename T>
+inline bool linear_frame_top(const T* t, int64_t n, T* top, int64_t* at) {
+    const T inf = __builtin_inf();
+    bool nan;
+    *top = row_top(t, n, &nan);
+    if (nan || *top == inf || *top == -inf) return false;
+    return *top - row_runner_up(t, n, *top, at) <= LOO_SHARED_GAP<T>;
+}
+
 // The leave-one-out ⊕ in log space along one row of n contiguous entries xs: ls[i] =
 // log Σ_{j≠i} e^{x_j} and, with r (Entropy), qs[i] = Σ_{j≠i} e^{x_j}·r_j / Σ_{j≠i} e^{x_j},
 // 0 where that sum is 0. Shifted by the row's maximum, every entry but the (first) argmax
@@ -1345,13 +1374,11 @@ bool entropy_softmax_linear_row(const T* gl, const T* gr, const T* p, T* out_l, 
     int64_t j0 = 0;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {  // the loop below, 16 entries at a time
-        const __m512 zero = _mm512_setzero_ps(), least = _mm512_set1_ps(LINEAR_MIN_P<float>);
         const __m512 none = _mm512_set1_ps(-__builtin_inff());
         __mmask16 small = 0;
         for (; j0 + 16 <= n; j0 += 16) {
-            const __m512 pv = _mm512_loadu_ps(p + j0), size = _mm512_abs_ps(pv);
-            small |= _mm512_cmp_ps_mask(size, zero, _CMP_GT_OQ) &
-                     _mm512_cmp_ps_mask(size, least, _CMP_LT_OQ);
+            const __m512 pv = _mm512_loadu_ps(p + j0);
+            small |= below_linear_min16(pv);
             const __m512 l = log_abs16(pv), sum = _mm512_add_ps(_mm512_loadu_ps(gl + j0), l);
             const __m512 rest = _mm512_sub_ps(_mm512_loadu_ps(gr + j0), l);
             _mm512_storeu_ps(lp + j0, l);
@@ -1364,20 +1391,15 @@ bool entropy_softmax_linear_row(const T* gl, const T* gr, const T* p, T* out_l, 
 #endif
 #pragma omp simd reduction(| : tiny)
     for (int64_t j = j0; j < n; ++j) {
-        const T pj = p[j], size = pj < T(0) ? -pj : pj;
-        tiny |= (size > T(0)) & (size < LINEAR_MIN_P<T>);
-        const T l = log_abs_entry(pj), sum = gl[j] + l;
+        tiny |= below_linear_min(p[j]);
+        const T l = log_abs_entry(p[j]), sum = gl[j] + l;
         lp[j] = l;
         out_l[j] = sum;
         out_r[j] = sum == -inf ? T(0) : gr[j] - l;
     }
-    if (tiny) return false;
-    bool nan;
-    const T top = row_top(out_l, n, &nan);
-    if (nan || top == inf || top == -inf) return false;
+    T top;
     int64_t at;
-    const T second = row_runner_up(out_l, n, top, &at);
-    if (!(top - second <= LOO_SHARED_GAP<T>)) return false;
+    if (tiny || !linear_frame_top(out_l, n, &top, &at)) return false;
     double total = 0, total_at = 0, total_r = 0, total_r_at = 0;
     for (int64_t c = 0; c < n; c += SUM_CHUNK) {  // chunk sums added in double: long rows
         const int64_t end = std::min(n, c + SUM_CHUNK);

@@ -219,17 +219,14 @@ inline void softmax_combine_row(const T* t, const T* p, const T* lp, T* out, int
 // (one term or none: the argmax's D would flush), NaN or +inf. t: n entries of scratch.
 template <typename T>
 bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
-    const T inf = __builtin_inf();
     int tiny = 0;
     int64_t j0 = 0;
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {  // the loop below, 16 entries at a time
-        const __m512 zero = _mm512_setzero_ps(), least = _mm512_set1_ps(LINEAR_MIN_P<float>);
         __mmask16 small = 0;
         for (; j0 + 16 <= n; j0 += 16) {
-            const __m512 pv = _mm512_loadu_ps(p + j0), size = _mm512_abs_ps(pv);
-            small |= _mm512_cmp_ps_mask(size, zero, _CMP_GT_OQ) &
-                     _mm512_cmp_ps_mask(size, least, _CMP_LT_OQ);
+            const __m512 pv = _mm512_loadu_ps(p + j0);
+            small |= below_linear_min16(pv);
             _mm512_storeu_ps(t + j0, _mm512_add_ps(_mm512_loadu_ps(g + j0), log_abs16(pv)));
         }
         tiny = small != 0;
@@ -237,17 +234,12 @@ bool softmax_linear_row(const T* g, const T* p, T* out, T* t, int64_t n) {
 #endif
 #pragma omp simd reduction(| : tiny)
     for (int64_t j = j0; j < n; ++j) {
-        const T pj = p[j], size = pj < T(0) ? -pj : pj;
-        tiny |= (size > T(0)) & (size < LINEAR_MIN_P<T>);
-        t[j] = g[j] + log_abs_entry(pj);
+        tiny |= below_linear_min(p[j]);
+        t[j] = g[j] + log_abs_entry(p[j]);
     }
-    if (tiny) return false;
-    bool nan;
-    const T top = row_top(t, n, &nan);
-    if (nan || top == inf || top == -inf) return false;
+    T top;
     int64_t at;
-    const T second = row_runner_up(t, n, top, &at);
-    if (!(top - second <= LOO_SHARED_GAP<T>)) return false;
+    if (tiny || !linear_frame_top(t, n, &top, &at)) return false;
     double total = 0, total_at = 0;
     for (int64_t c = 0; c < n; c += SUM_CHUNK) {  // chunk sums added in double: long rows
         const int64_t end = std::min(n, c + SUM_CHUNK);
