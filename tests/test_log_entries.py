@@ -175,6 +175,20 @@ def test_log_add_of_strided_operands(dtype):
         _assert_within(got, want, _ulps(dtype, 3, scale))
 
 
+def _accumulator_cases(dtype: torch.dtype) -> list[tuple[str, torch.Tensor, bool]]:
+    """(an accumulator's layout, an operand b, whether the kernel takes the two) for the
+    in-place ⊕ into a narrowed (…, 280, 64) view of a (…, 300, 64) accumulator."""
+    _, groups, flipped, spread = _strided_pairs(dtype)
+    transposed = flipped[0].contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
+    return [
+        ("rows", groups[1], True),
+        ("rows", spread[1], True),
+        ("transposed", transposed, True),
+        ("rows", flipped[1], False),
+        ("transposed", flipped[1], False),  # two strides between b's rows: not one call
+    ]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_log_add_into_an_accumulator(dtype):
     """``log_add_`` and Log's ``add_into``: acc ⊕= b in place over a narrowed view of an
@@ -182,16 +196,7 @@ def test_log_add_into_an_accumulator(dtype):
     float64 torch.logaddexp; where the kernel declines (b laid out otherwise than acc, b
     sharing acc's storage, acc's rows overlapping) ``log_add_`` writes nothing and
     ``add_into`` writes torch.logaddexp exactly."""
-    _, groups, flipped, spread = _strided_pairs(dtype)
-    transposed = flipped[0].contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
-    cases = [  # (acc's layout, b, whether the kernel takes them)
-        ("rows", groups[1], True),
-        ("rows", spread[1], True),
-        ("transposed", transposed, True),
-        ("rows", flipped[1], False),
-        ("transposed", flipped[1], False),  # two strides between b's rows: not one call
-    ]
-    for layout, b, takes in cases:
+    for layout, b, takes in _accumulator_cases(dtype):
         full = torch.randn(2, 3, 300, 64, dtype=torch.float64).to(dtype)
         if layout == "transposed":
             full = full.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -249,16 +254,7 @@ def test_entropy_add_into_an_accumulator(dtype):
     out otherwise than acc, b or acc's other component sharing acc's storage, acc's rows
     overlapping) ``entropy_add_`` writes nothing and ``add_into`` writes Entropy's ⊕
     exactly."""
-    _, groups, flipped, spread = _strided_pairs(dtype)
-    transposed = flipped[0].contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
-    cases = [  # (acc's layout, b's log Z, whether the kernel takes them)
-        ("rows", groups[1], True),
-        ("rows", spread[1], True),
-        ("transposed", transposed, True),
-        ("rows", flipped[1], False),
-        ("transposed", flipped[1], False),  # two strides between b's rows: not one call
-    ]
-    for layout, b_l, takes in cases:
+    for layout, b_l, takes in _accumulator_cases(dtype):
         full_l = torch.randn(2, 3, 300, 64, dtype=torch.float64).to(dtype) * 20
         if layout == "transposed":
             full_l = full_l.transpose(-1, -2).contiguous().transpose(-1, -2)
