@@ -1,7 +1,8 @@
 """The Log semiring's elementwise primitives on fused CPU operators (``log_entries.h``):
 ``plus_log_abs`` (a + log|w|, or log|w|: ⊗ lift and lift) and ``log_add`` (⊕, as
 torch.logaddexp; ``log_add_`` into an accumulator), one pass each where torch takes three
-passes or a slower series;
+passes or a slower series; Entropy's ⊕ into an accumulator (``entropy_add_``), whose log Z
+is Log's ⊕, over the same rows;
 ``softmax_backward``, the message at softmax's input, in one operator call per tensor
 where the semiring formula takes about a dozen passes; and ``log_space_columns``, the
 shifted message of a log-space GEMM read from a transposed message where it lies.
@@ -11,7 +12,8 @@ two with at least ``MIN_ENTRIES`` entries: below that an operator call costs wha
 ``plus_log_abs`` of an ``a`` that broadcasts to ``w``'s shape and ``log_add`` of an operand
 that broadcasts to the other's take the full-size operand, as below; ``log_add`` and
 ``log_add_`` also take operands that lie in rows one stride apart, through
-``log_add_rows_``; ``log_space_columns`` takes its own layout) and returns None (False)
+``log_add_rows_``, and ``entropy_add_`` through ``entropy_add_rows_``;
+``log_space_columns`` takes its own layout) and returns None (False)
 otherwise, or where the
 kernels are off, unbuilt or failed their check (``kernels``'s modes); the callers then take
 the torch formula. Their log and exp are the kernels' own series (on AVX-512 float, within
