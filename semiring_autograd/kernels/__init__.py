@@ -334,8 +334,9 @@ def loo_log(x: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
     log Σ_{j≠i} e^{x_j} and, given ``r`` (Entropy's, of x's shape), the e^x-weighted mean of
     the other entries' r (0 where no other entry has weight). Shifted by the top two of each
     row, as ``semirings.log_space.loo`` (the argmax's sum in the maximum's frame where the
-    runner-up lies within ``LOO_SHARED_GAP``, extreme_matmul.h). None off the CPU, without the kernels, or when a
-    row holds NaN or +inf (the caller's torch formula then handles every row)."""
+    runner-up lies within ``LOO_SHARED_GAP``, extreme_matmul.h). None off the CPU, without
+    the kernels, or when a row holds NaN or +inf (the caller's torch formula then handles
+    every row)."""
     if x.dim() == 0 or (r is not None and r.shape != x.shape):
         return None
     if not _cpu_ready("loo_log", *((x,) if r is None else (x, r))):

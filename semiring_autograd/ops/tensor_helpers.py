@@ -51,7 +51,9 @@ def attention_probs(
     scores = torch.matmul(grouped_rows(q, k.shape, enable_gqa), k.transpose(-2, -1))
     if grouped_heads(q.shape, k.shape, enable_gqa):  # each query head's rows again
         scores = scores.reshape(*scores.shape[:-3], *q.shape[-3:-1], k.shape[-2])
-    keep = _kept_keys(scores, attn_mask, is_causal)
+    # the kept keys only where softmax_rows may take them (off the CPU a causal mask built
+    # per block would be thrown away)
+    keep = _kept_keys(scores, attn_mask, is_causal) if scores.is_cpu else _ANY_MASK
     if keep is not _ANY_MASK and kernels.softmax_rows(scores, keep, factor):
         return scores.to(query.dtype)
     scores = scores.mul_(factor)
