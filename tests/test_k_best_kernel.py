@@ -95,6 +95,47 @@ def test_k_best_times_over_long_rows_to_the_bit(m, l, n, kb, layout, dtype):
     assert torch.equal(got, brute_force(a, b, 5, False))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["sliced rows", "sliced columns", "batch expanded", "gathered"])
+def test_k_best_times_reads_lists_of_any_strides_to_the_bit(layout: str, dtype):
+    """Rows in tiles read a's lists where they lie: rows of a wider tensor, columns of one
+    (a transposed slice), one batch entry for all (stride 0), every other index and row."""
+    g = torch.Generator().manual_seed(12)
+    wide = torch.exp(torch.randn(5, 2, 150, 2 * 140, generator=g, dtype=torch.float64) * 3)
+    wide = wide.to(dtype).sort(0, descending=True).values
+    if layout == "sliced rows":
+        a = wide[..., :140]
+    elif layout == "sliced columns":
+        a = wide.mT.contiguous().mT[..., :140]
+    elif layout == "batch expanded":
+        a = wide[:, :1, :, :140].expand(5, 2, 150, 140)
+    else:
+        a = wide[:, :, ::2, ::2]
+    assert not a[0].is_contiguous()
+    b = torch.exp(torch.randn(1, 2, 140, 40, generator=g, dtype=torch.float64) * 2).to(dtype)
+    got = kernels.k_best_times(list(a), b, 5, abs_b=False, dead_count=True)
+    assert got is not None
+    assert torch.equal(got, brute_force(a.contiguous(), b, 5, False))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_k_best_times_tiles_test_every_live_index_of_b(transposed: bool):
+    """Rows in tiles of 64 each test b at the indices their own rows reach: an index only
+    the second tile reaches still declines a NaN there; one no row reaches does not."""
+    a = lists(2, 1, 130, 10, seed=13)
+    a[:, :, :, 5] = 0  # index 5: no row has a path
+    a[:, :, :64, 4] = 0  # index 4: only the rows past the first tile
+    a[:, :, 64:, 4] = 1.0
+    b = lists(1, 1, 10, 17, seed=14)
+    b[0, 0, 5, 3] = float("nan")
+    lists_a = [c.mT.contiguous().mT for c in a] if transposed else list(a)
+    live = [q for q in range(10) if q != 5]
+    got = kernels.k_best_times(lists_a, b, 3, abs_b=True, dead_count=False)
+    assert torch.equal(got, brute_force(a[..., live], b[:, :, live], 3, True))
+    b[0, 0, 4, 3] = float("nan")
+    assert kernels.k_best_times(lists_a, b, 3, abs_b=True, dead_count=False) is None
+
+
 @pytest.mark.parametrize("kb", [1, 2])
 def test_k_best_times_takes_unsorted_lists(kb: int):
     a = lists(4, 2, 3, 11, sort=False, seed=4)
@@ -114,8 +155,8 @@ def test_k_best_times_rows_and_indices_without_paths():
     assert torch.equal(got[:, :, 2], torch.zeros(4, 1, 21))
 
 
-#: rows per batch entry on each side of the in-place path's limit
-ROWS = [3, 70]
+#: rows per batch entry: in place, and in tiles of 64 rows (one tile and a part, three)
+ROWS = [3, 70, 130]
 
 
 @pytest.mark.parametrize("m", ROWS)

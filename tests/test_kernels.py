@@ -1121,6 +1121,9 @@ PORTABLE = [
     "test_the_kernel_reads_lift_of_signed_probabilities",
     # tests/test_operators.py
     "test_log_gemm_finish_equals_its_formula",
+    # tests/test_k_best_kernel.py
+    "test_k_best_times_over_long_rows_to_the_bit",
+    "test_k_best_times_reads_lists_of_any_strides_to_the_bit",
 ]
 
 
@@ -1133,6 +1136,7 @@ PORTABLE_FILES = [
         "test_operators.py",
         "test_attention_layouts.py",
         "test_entropy_softmax.py",
+        "test_k_best_kernel.py",
     )
 ]
 

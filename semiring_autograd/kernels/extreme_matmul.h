@@ -449,7 +449,7 @@ void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, in
 }
 
 // Run body(bt, cb, scratch) for every batch bt in [b0, b1) and column block cb in [c0, c1):
-// on `threads` OpenMP threads when built with OpenMP. The library then shares the OpenMP
+// on `threads` OpenMP threads when built with OpenMP, each with its own `Local` scratch. The library then shares the OpenMP
 // runtime torch already loaded (same soname), so the team is torch's own intra-op threads,
 // not a second pool competing with them for the cores.
 struct Scratch {
@@ -459,19 +459,19 @@ struct Scratch {
     Buffer<double>* get(double*) { return f64; }
 };
 
-template <typename Body>
+template <typename Local = Scratch, typename Body>
 void for_blocks(int64_t b0, int64_t b1, int64_t c0, int64_t c1, int threads, Body body) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        Scratch scratch;
+        Local scratch;
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bt = b0; bt < b1; ++bt)
             for (int64_t cb = c0; cb < c1; ++cb) body(bt, cb, scratch);
     }
 #else
     (void)threads;
-    Scratch scratch;
+    Local scratch;
     for (int64_t bt = b0; bt < b1; ++bt)
         for (int64_t cb = c0; cb < c1; ++cb) body(bt, cb, scratch);
 #endif

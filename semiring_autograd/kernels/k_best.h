@@ -31,6 +31,8 @@
 
 #pragma once
 
+#include <array>
+#include <cstdlib>
 #include <functional>
 
 #include "extreme_matmul.h"
@@ -93,10 +95,12 @@ bool k_best_bounds(const T* const* a, int64_t ka, int64_t batch, int64_t m, int6
     const int64_t count = batch * m * l;
     T check = T(0);
     int disorder = 0;
+    T* __restrict__ big = am;
+    const T* __restrict__ x0 = a[0];
 #pragma omp simd reduction(+ : check)
     for (int64_t e = 0; e < count; ++e) {
-        am[e] = a[0][e];
-        check += a[0][e] * T(0);
+        big[e] = x0[e];
+        check += x0[e] * T(0);
     }
     for (int64_t r = 1; r < ka; ++r) {
         const T* __restrict__ x = a[r];
@@ -106,7 +110,7 @@ bool k_best_bounds(const T* const* a, int64_t ka, int64_t batch, int64_t m, int6
             const T v = x[e];
             check += v * T(0);
             disorder |= !(v <= prev[e]);
-            am[e] = v > am[e] ? v : am[e];
+            big[e] = v > big[e] ? v : big[e];
         }
     }
     *sorted = !disorder;
@@ -123,32 +127,106 @@ bool k_best_bounds(const T* const* a, int64_t ka, int64_t batch, int64_t m, int6
     return true;
 }
 
+// The indices q < l with x[q] > 0, in order: those with x[q] ≥ tau into high (how many
+// returned), the others into low (*low_count of them, their largest in *low_max). high and
+// low have room for l + 16 entries.
+template <typename T>
+int64_t split_indices(const T* x, int64_t l, T tau, int32_t* high, int32_t* low,
+                      int64_t* low_count, T* low_max) {
+    int64_t nh = 0, nl = 0, q = 0;
+    T under = T(0);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                               14, 15);
+        const __m512 zero = _mm512_setzero_ps(), t = _mm512_set1_ps(tau);
+        __m512 most = zero;
+        for (; q + 16 <= l; q += 16) {
+            const __m512 v = _mm512_loadu_ps(x + q);
+            const __mmask16 live = _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ);
+            const __mmask16 up = live & _mm512_cmp_ps_mask(v, t, _CMP_GE_OQ);
+            const __mmask16 down = live & ~up;
+            const __m512i at = _mm512_add_epi32(iota, _mm512_set1_epi32(int32_t(q)));
+            _mm512_storeu_si512(high + nh, _mm512_maskz_compress_epi32(up, at));
+            _mm512_storeu_si512(low + nl, _mm512_maskz_compress_epi32(down, at));
+            nh += __builtin_popcount(up);
+            nl += __builtin_popcount(down);
+            most = _mm512_mask_max_ps(most, down, most, v);
+        }
+        under = _mm512_reduce_max_ps(most);
+    }
+#endif
+    for (; q < l; ++q) {
+        const T v = x[q];
+        if (!(v > T(0))) continue;
+        if (v >= tau) {
+            high[nh++] = static_cast<int32_t>(q);
+        } else {
+            low[nl++] = static_cast<int32_t>(q);
+            under = v > under ? v : under;
+        }
+    }
+    *low_count = nl;
+    *low_max = under;
+    return nh;
+}
+
 // With fewer column blocks than this, row_order sorts a row's K_BEST_SORTED largest indices
 // q only: sorting all of a long row then costs more than the few column blocks' loops, which
 // mostly stop within the first few (their bounds pass no k-th best); with more, every index
 // is sorted once for all the blocks.
-constexpr int64_t K_BEST_FEW_BLOCKS = 8, K_BEST_SORTED = 32;
+constexpr int64_t K_BEST_FEW_BLOCKS = 8, K_BEST_SORTED = 32, K_BEST_TASK_ROWS = 64;
 
 // Per row of am (rows × l, finite; rows across threads): its indices q with am > 0, how many
 // into count[row], into order[row * l, ...): the `sort` largest first, by am descending
-// (ties by q), then the others in no order, each at most the last sorted one.
+// (ties by q), then the others in no order, each at most the last sorted one. With
+// sort < l / 2 the others come in two parts: first those at least a threshold tau (at most
+// the sort-th largest), then from low[row] on those below it, the largest of which is
+// low_max[row] (0 where there are none). tau is the sort-th largest of the maxima of 2·sort
+// groups (q's group: q mod 2·sort): they are sort entries of the row, so the sort largest
+// are all at least tau, and only the indices at least tau are selected and sorted.
 // Float rows sort as 64-bit keys (bits of am, then ~q): the bits of a positive float order
 // as the float does.
 template <typename T>
 void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* order,
-               int64_t* count, int threads) {
+               int64_t* count, int64_t* low, T* low_max, int threads) {
+    const int64_t groups = 2 * sort;
+    const bool split = groups <= l;
     at::parallel_for(0, rows, threads > 1 ? 1 : INT64_MAX, [&](int64_t row0, int64_t row1) {
         std::vector<uint64_t> keys(std::is_same_v<T, float> ? l : 0);
+        std::vector<int32_t> above(l + 16), below(l + 16);
+        std::vector<T> top(split ? groups : 0);
         for (int64_t row = row0; row < row1; ++row) {
             const T* ar = am + row * l;
             int32_t* qs = order + row * l;
-            int64_t c = 0;
+            T tau = T(0);
+            if (split) {
+                T* big = top.data();
+                std::copy(ar, ar + groups, big);
+                int64_t q = groups;
+                for (; q + groups <= l; q += groups)
+#pragma omp simd
+                    for (int64_t g = 0; g < groups; ++g) big[g] = ar[q + g] > big[g] ? ar[q + g] : big[g];
+                for (int64_t g = 0; q + g < l; ++g) big[g] = ar[q + g] > big[g] ? ar[q + g] : big[g];
+                // the sort-th largest maximum: the largest with at least sort maxima at least it
+                for (int64_t g = 0; g < groups; ++g) {
+                    if (!(big[g] > tau)) continue;
+                    int64_t at_least = 0;
+#pragma omp simd reduction(+ : at_least)
+                    for (int64_t h = 0; h < groups; ++h) at_least += big[h] >= big[g];
+                    if (at_least >= sort) tau = big[g];
+                }
+            }
+            // the indices at least tau (all above 0 where tau is 0), to select from; the others
+            // above 0 into `below`
+            int64_t c = 0, nb = 0;
+            T under = T(0);
             if constexpr (std::is_same_v<T, float>) {
-                for (int64_t q = 0; q < l; ++q) {
-                    if (!(ar[q] > T(0))) continue;
+                c = split_indices(ar, l, tau, above.data(), below.data(), &nb, &under);
+                for (int64_t u = 0; u < c; ++u) {
                     uint32_t bits;
-                    std::memcpy(&bits, ar + q, sizeof bits);
-                    keys[c++] = uint64_t(bits) << 32 | ~uint32_t(q);
+                    std::memcpy(&bits, ar + above[u], sizeof bits);
+                    keys[u] = uint64_t(bits) << 32 | ~uint32_t(above[u]);
                 }
                 const auto first = keys.begin(), head = first + std::min(c, sort);
                 if (head < first + c)
@@ -156,8 +234,8 @@ void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* orde
                 std::sort(first, head, std::greater<uint64_t>());
                 for (int64_t u = 0; u < c; ++u) qs[u] = static_cast<int32_t>(~uint32_t(keys[u]));
             } else {
-                for (int64_t q = 0; q < l; ++q)
-                    if (ar[q] > T(0)) qs[c++] = static_cast<int32_t>(q);
+                c = split_indices(ar, l, tau, above.data(), below.data(), &nb, &under);
+                std::copy(above.begin(), above.begin() + c, qs);
                 const auto before = [ar](int32_t x, int32_t y) {
                     return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
                 };
@@ -165,20 +243,25 @@ void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* orde
                 if (head < qs + c) std::nth_element(qs, head - 1, qs + c, before);
                 std::sort(qs, head, before);
             }
-            count[row] = c;
+            std::copy(below.begin(), below.begin() + nb, qs + c);
+            low[row] = c;
+            low_max[row] = under;
+            count[row] = c + nb;
         }
     });
 }
 
 // One row i of a against one column strip (see k_best_times): its indices q (qs, the first
-// `sorted_count` by am descending, row_order's), their bounds am, its lists (component r's
+// `sorted_count` by am descending, from `low` on each at most low_max: row_order's), their
+// bounds am, its lists (component r's
 // entry q at x[r][at + q]), and the strip's rows (the bound bm, then for kb > 1 the kb
 // components, rs entries per q).
 template <typename T, typename V = typename Vec<T>::type>
 struct Row {
     const T* am;
     const int32_t* qs;
-    int64_t count, sorted_count;
+    int64_t count, sorted_count, low;
+    T low_max;
     const T* const* x;
     int64_t at, ka, kb;
     bool sorted;
@@ -205,9 +288,9 @@ void best_of_row(const Row<T>& r, int64_t k, V* top) {
         const int64_t q = r.qs[u];
         const T s = r.am[q];
         // every later term is at most bound · colmax (past the sorted indices, bound is the
-        // last sorted one's am): none can enter a list
+        // last sorted one's am, from `low` on low_max): none can enter a list
         const bool in_order = u < r.sorted_count;
-        const T bound = in_order ? s : r.am[r.qs[r.sorted_count - 1]];
+        const T bound = in_order ? s : u < r.low ? r.am[r.qs[r.sorted_count - 1]] : r.low_max;
         if (!greater_lanes<T>(r.colmax * bound, kth)) break;
         if (!in_order && !greater_lanes<T>(r.colmax * s, kth)) continue;
         const T* row = r.strip + q * r.rs;
@@ -295,13 +378,187 @@ bool column_bounds(const T* b, int64_t b_batch, int64_t batch, int64_t l, int64_
     return !bad;
 }
 
+// Whether k_best_times takes a's rows in tiles (K_BEST_TASK_ROWS rows a task, across every
+// column block): with fewer column blocks than K_BEST_FEW_BLOCKS, where the rows do not run
+// in place. A tile reads its rows' lists where they lie (any strides) and keeps them in cache
+// from one column block to the next; the other paths take a's rows contiguous.
 template <typename T>
-void k_best_times(const std::vector<const T*>& a, const std::vector<const T*>& b,
-                  int64_t b_batch, T* out, int64_t k, int64_t batch, int64_t m, int64_t l,
-                  int64_t n, bool abs_b, bool dead_count, int threads, int* nonfinite) {
+bool k_best_tiled(int64_t m, int64_t n, int64_t kb) {
+    const int64_t blocks = (n + Vec<T>::lanes - 1) / Vec<T>::lanes;
+    return blocks < K_BEST_FEW_BLOCKS && !(kb == 1 && m <= K_BEST_IN_PLACE_ROWS);
+}
+
+// A thread's storage for the tiles it takes: their rows' lists where gathered, bounds,
+// orders and strips.
+template <typename T>
+struct RowTile {
+    Buffer<T> lists, am, strips, top;
+    std::vector<const T*> x;
+    std::vector<int32_t> order;
+    std::vector<int64_t> count, low;
+    std::vector<T> low_max;
+    std::vector<uint8_t> live;
+};
+
+// Rows [i0, i0 + rows) of batch entry bt of a (component r's entry (i, q) at
+// a[r][bt * sb + i * si + q * sq]) as rows of l: where they lie if they are such rows, else
+// copied into tile.lists (16 indices q at a time, so both sides stay in cache). Into tile.x.
+template <typename T>
+void tile_rows(const std::vector<const T*>& a, int64_t sb, int64_t si, int64_t sq,
+               int64_t bt, int64_t i0, int64_t rows, int64_t l, RowTile<T>& tile) {
+    const int64_t ka = int64_t(a.size());
+    tile.x.resize(ka);
+    if (sq == 1 && si == l) {
+        for (int64_t r = 0; r < ka; ++r) tile.x[r] = a[r] + bt * sb + i0 * l;
+        return;
+    }
+    tile.lists.resize(ka * rows * l);
+    for (int64_t r = 0; r < ka; ++r) tile.x[r] = tile.lists.data() + r * rows * l;
+    for (int64_t q0 = 0; q0 < l; q0 += 16) {
+        const int64_t width = std::min<int64_t>(16, l - q0);
+        for (int64_t r = 0; r < ka; ++r) {
+            const T* from = a[r] + bt * sb + i0 * si + q0 * sq;
+            T* to = tile.lists.data() + r * rows * l + q0;
+#if defined(__AVX512F__)
+            if constexpr (std::is_same_v<T, float>) {
+                if (width == 16 && std::abs(sq) < (int64_t(1) << 26)) {  // 16 · |sq| fits int32
+                    const __m512i at = _mm512_mullo_epi32(
+                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                        _mm512_set1_epi32(int32_t(sq)));
+                    for (int64_t i = 0; i < rows; ++i)
+                        _mm512_storeu_ps(to + i * l, _mm512_i32gather_ps(at, from + i * si, 4));
+                    continue;
+                }
+            }
+#endif
+            for (int64_t i = 0; i < rows; ++i)
+                for (int64_t q = 0; q < width; ++q) to[i * l + q] = from[i * si + q * sq];
+        }
+    }
+}
+
+// b's column blocks [c0, c1) as strips for rows that read them (see k_best_times): per q
+// where live[q] (every q when dead_count), the bounds bm, then for kb > 1 the kb components
+// (|b| when abs_b), rs entries per q; colmax[cb - c0] the largest bm over the live q. False
+// where an entry read is not finite.
+template <typename T, typename V = typename Vec<T>::type>
+bool column_strips(const std::vector<const T*>& b, int64_t b_at, int64_t l, int64_t n,
+                   int64_t c0, int64_t c1, const uint8_t* live, bool abs_b, bool dead_count,
+                   int64_t rs, int64_t first, T* strips, V* colmax) {
+    constexpr int L = Vec<T>::lanes;
+    const int64_t kb = int64_t(b.size());
+    V check = V{} + T(0);
+    for (int64_t cb = c0; cb < c1; ++cb) {
+        const int64_t j = cb * L, valid = std::min<int64_t>(L, n - j);
+        T* strip = strips + (cb - c0) * l * rs;
+        V most = V{} + T(0);
+        for (int64_t q = 0; q < l; ++q) {
+            if (!live[q] && !dead_count) continue;
+            V big = V{} + T(0);
+            for (int64_t s = 0; s < kb; ++s) {
+                V v = load_part<T>(b[s] + b_at + q * n + j, valid);
+                check += v * T(0);
+                if (abs_b) v = v < T(0) ? -v : v;
+                big = vmax(v, big);
+                if (kb > 1) store(&strip[q * rs + first + s * L], v);
+            }
+            store(&strip[q * rs], big);
+            if (live[q]) most = vmax(big, most);
+        }
+        colmax[cb - c0] = most;
+    }
+    return finite_lanes<T>(check);
+}
+
+// a: ka components (batch, m, l), component r's entry (bt, i, q) at
+// a[r][bt * sb + i * si + q * sq]; rows of l (sq = 1, si = l, sb = m·l) unless
+// k_best_tiled(m, n, kb).
+template <typename T>
+void k_best_times(const std::vector<const T*>& a, int64_t sb, int64_t si, int64_t sq,
+                  const std::vector<const T*>& b, int64_t b_batch, T* out, int64_t k,
+                  int64_t batch, int64_t m, int64_t l, int64_t n, bool abs_b, bool dead_count,
+                  int threads, int* nonfinite) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
     const int64_t ka = int64_t(a.size()), kb = int64_t(b.size()), out_comp = batch * m * n;
+    const int64_t blocks = (n + L - 1) / L;
+    const int64_t sort = blocks < K_BEST_FEW_BLOCKS ? K_BEST_SORTED : l;
+    const int64_t rs = (kb == 1 ? 1 : kb + 1) * L, first = kb == 1 ? 0 : L;
+    // best_of_row over rows [i0, i1) of batch bt (row bt·m + i of the output, its bounds,
+    // order and lists at tile row i - i0) and column blocks [c0, c1), reading the strips (or
+    // b in place)
+    auto run_rows = [&](int64_t bt, int64_t i0, int64_t i1, int64_t c0, int64_t c1,
+                        const T* am, const int32_t* order, const int64_t* count,
+                        const int64_t* low, const T* low_max, const T* const* x,
+                        const T* strips, bool sorted, bool direct, const V* colmax,
+                        Buffer<T>& lists) {
+        lists.resize(k * L);
+        V* top = reinterpret_cast<V*>(lists.data());
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t t_row = i - i0, row = bt * m + i;
+            for (int64_t cb = c0; cb < c1; ++cb) {
+                const int64_t j = cb * L, valid = std::min<int64_t>(L, n - j);
+                const Row<T> r{am + t_row * l,
+                               order + t_row * l,
+                               count[t_row],
+                               std::min(count[t_row], sort),
+                               low[t_row],
+                               low_max[t_row],
+                               x,
+                               t_row * l,
+                               ka,
+                               kb,
+                               sorted,
+                               direct ? b[0] + bt * b_batch + j : strips + (cb - c0) * l * rs,
+                               direct ? n : rs,
+                               first,
+                               colmax[cb - c0],
+                               direct,
+                               direct && abs_b,
+                               direct ? valid : L};
+                best_of_row_k<T>(k, r, top);
+                for (int64_t t = 0; t < k; ++t)
+                    std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));
+            }
+        }
+    };
+    if (k_best_tiled<T>(m, n, kb)) {
+        const int64_t tiles = (m + K_BEST_TASK_ROWS - 1) / K_BEST_TASK_ROWS;
+        for_blocks<RowTile<T>>(0, batch, 0, tiles, threads,
+                               [&](int64_t bt, int64_t tile_at, RowTile<T>& tile) {
+            if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
+            const int64_t i0 = tile_at * K_BEST_TASK_ROWS;
+            const int64_t rows = std::min(m, i0 + K_BEST_TASK_ROWS) - i0;
+            tile_rows(a, sb, si, sq, bt, i0, rows, l, tile);
+            tile.am.resize(rows * l);
+            tile.live.resize(l);
+            bool sorted = false;
+            if (!k_best_bounds(tile.x.data(), ka, 1, rows, l, tile.am.data(), tile.live.data(),
+                               &sorted)) {
+                __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            tile.order.resize(rows * l);
+            tile.count.resize(rows);
+            tile.low.resize(rows);
+            tile.low_max.resize(rows);
+            row_order(tile.am.data(), rows, l, sort, tile.order.data(), tile.count.data(),
+                      tile.low.data(), tile.low_max.data(), 1);
+            // the strips of this tile's live indices: together the tiles read every live
+            // index of b
+            tile.strips.resize(blocks * l * rs);
+            std::array<V, K_BEST_FEW_BLOCKS> colmax;
+            if (!column_strips(b, bt * b_batch, l, n, 0, blocks, tile.live.data(), abs_b,
+                               dead_count, rs, first, tile.strips.data(), colmax.data())) {
+                __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            run_rows(bt, i0, i0 + rows, 0, blocks, tile.am.data(), tile.order.data(),
+                     tile.count.data(), tile.low.data(), tile.low_max.data(), tile.x.data(),
+                     tile.strips.data(), sorted, false, colmax.data(), tile.top);
+        });
+        return;
+    }
     std::vector<T> am(batch * m * l);
     std::vector<uint8_t> live(batch * l);
     bool sorted = false;
@@ -310,10 +567,10 @@ void k_best_times(const std::vector<const T*>& a, const std::vector<const T*>& b
         return;
     }
     std::vector<int32_t> order(batch * m * l);
-    std::vector<int64_t> count(batch * m);
-    const int64_t blocks = (n + L - 1) / L;
-    const int64_t sort = blocks < K_BEST_FEW_BLOCKS ? K_BEST_SORTED : l;
-    row_order(am.data(), batch * m, l, sort, order.data(), count.data(), threads);
+    std::vector<int64_t> count(batch * m), low(batch * m);
+    std::vector<T> low_max(batch * m);
+    row_order(am.data(), batch * m, l, sort, order.data(), count.data(), low.data(),
+              low_max.data(), threads);
     const bool direct = kb == 1 && m <= K_BEST_IN_PLACE_ROWS;
     std::vector<T> bounds(direct ? batch * n : 0);
     if (direct && !column_bounds(b[0], b_batch, batch, l, n, live.data(), abs_b, dead_count,
@@ -321,71 +578,29 @@ void k_best_times(const std::vector<const T*>& a, const std::vector<const T*>& b
         *nonfinite = 1;
         return;
     }
+    // A task: one column block (b in place, or its strip) for every row.
     for_blocks(0, batch, 0, blocks, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
         if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
-        const int64_t j = cb * L, valid = std::min<int64_t>(L, n - j);
-        const int64_t b_at = bt * b_batch;  // batch bt's offset in each component of b
-        const uint8_t* lv = live.data() + bt * l;
-        Buffer<T>& lists = buffers[1];
-        lists.resize(k * L);
-        V* top = reinterpret_cast<V*>(lists.data());
-        // What the rows read: b in place (its column j, rows n apart, the bounds from
-        // column_bounds), or the strip of b's columns [j, j + L): per q, the bounds bm, then
-        // (for kb > 1) the kb components (|b| when abs_b), so the terms read it from cache;
-        // with the finiteness of the b entries that count.
-        const T* strip_at = b[0] + b_at + j;
-        int64_t rs = n, first = 0;
-        V colmax = V{} + T(0);
+        V colmax;
+        const T* strips = nullptr;
         if (direct) {
-            colmax = load_part<T>(bounds.data() + bt * n + j, valid);
+            colmax = load_part<T>(bounds.data() + bt * n + cb * L, std::min<int64_t>(L, n - cb * L));
         } else {
-            rs = (kb == 1 ? 1 : kb + 1) * L;
-            first = kb == 1 ? 0 : L;
-            Buffer<T>& strip = buffers[0];
-            strip.resize(l * rs);
-            V check = V{} + T(0);
-            for (int64_t q = 0; q < l; ++q) {
-                if (!lv[q] && !dead_count) continue;
-                V big = V{} + T(0);
-                for (int64_t s = 0; s < kb; ++s) {
-                    V v = load_part<T>(b[s] + b_at + q * n + j, valid);
-                    check += v * T(0);
-                    if (abs_b) v = v < T(0) ? -v : v;
-                    big = vmax(v, big);
-                    if (kb > 1) store(&strip[q * rs + first + s * L], v);
-                }
-                store(&strip[q * rs], big);
-                if (lv[q]) colmax = vmax(big, colmax);
-            }
-            if (!finite_lanes<T>(check)) {
+            buffers[0].resize(l * rs);
+            if (!column_strips(b, bt * b_batch, l, n, cb, cb + 1, live.data() + bt * l, abs_b,
+                               dead_count, rs, first, buffers[0].data(), &colmax)) {
                 __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
                 return;
             }
-            strip_at = strip.data();
+            strips = buffers[0].data();
         }
-        for (int64_t i = 0; i < m; ++i) {
-            const int64_t row = bt * m + i;
-            const Row<T> r{am.data() + row * l,
-                           order.data() + row * l,
-                           count[row],
-                           std::min(count[row], sort),
-                           a.data(),
-                           row * l,
-                           ka,
-                           kb,
-                           sorted,
-                           strip_at,
-                           rs,
-                           first,
-                           colmax,
-                           direct,
-                           direct && abs_b,
-                           direct ? valid : L};
-            best_of_row_k<T>(k, r, top);
-            for (int64_t t = 0; t < k; ++t)
-                std::memcpy(out + t * out_comp + row * n + j, &top[t], valid * sizeof(T));
-        }
+        const int64_t at = bt * m;
+        std::vector<const T*> x(a);
+        for (auto& p : x) p += at * l;
+        run_rows(bt, 0, m, cb, cb + 1, am.data() + at * l, order.data() + at * l,
+                 count.data() + at, low.data() + at, low_max.data() + at, x.data(), strips,
+                 sorted, direct, &colmax, buffers[1]);
     });
 }
 

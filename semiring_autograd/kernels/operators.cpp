@@ -248,10 +248,21 @@ std::tuple<at::Tensor, at::Tensor> k_best_times_op(at::TensorList a_, at::Tensor
     int nonfinite = 0;
     FLOATING(dtype, [&] {
         std::vector<at::Tensor> copies;
-        const auto pa = contiguous_data<T>(a_, copies), pb = contiguous_data<T>(b_, copies);
+        // tiles read a's lists where they lie when its components share their strides; the
+        // other paths take them as rows
+        bool in_place = k_best_tiled<T>(m, n, int64_t(b_.size()));
+        for (const auto& c : a_) in_place = in_place && c.strides() == a_[0].strides();
+        std::vector<const T*> pa;
+        if (in_place)
+            for (const auto& c : a_) pa.push_back(c.const_data_ptr<T>());
+        else
+            pa = contiguous_data<T>(a_, copies);
+        const auto pb = contiguous_data<T>(b_, copies);
         const int64_t b_batch = b_[0].size(0) == batch && batch > 1 ? l * n : 0;
-        k_best_times<T>(pa, pb, b_batch, out.data_ptr<T>(), k, batch, m, l, n, abs_b,
-                        dead_count, threads_for(batch * m * l * n), &nonfinite);
+        const int64_t sb = in_place ? a_[0].stride(0) : m * l;
+        const int64_t si = in_place ? a_[0].stride(1) : l, sq = in_place ? a_[0].stride(2) : 1;
+        k_best_times<T>(pa, sb, si, sq, pb, b_batch, out.data_ptr<T>(), k, batch, m, l, n,
+                        abs_b, dead_count, threads_for(batch * m * l * n), &nonfinite);
     });
     if (nonfinite) out.fill_(NAN);
     return {out, flag(nonfinite != 0)};
