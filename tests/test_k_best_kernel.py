@@ -71,8 +71,9 @@ def test_k_best_times_is_the_brute_force_k_best_to_the_bit(case, abs_b, dtype):
     "m, l, n",
     [
         (20, 300, 40),  # in place; few column blocks: the 32 largest indices sorted, then the rest
-        (100, 300, 40),  # strips, likewise
-        (70, 300, 130),  # strips; many column blocks: every index sorted
+        (100, 300, 40),  # rows in tiles, likewise
+        (70, 300, 130),  # strips; many column blocks: every index sorted, in two groups
+        (20, 300, 150),  # in place; many column blocks, in two groups
     ],
 )
 @pytest.mark.parametrize("kb", [1, 2])

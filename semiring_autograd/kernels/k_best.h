@@ -176,6 +176,7 @@ int64_t split_indices(const T* x, int64_t l, T tau, int32_t* high, int32_t* low,
 // mostly stop within the first few (their bounds pass no k-th best); with more, every index
 // is sorted once for all the blocks.
 constexpr int64_t K_BEST_FEW_BLOCKS = 8, K_BEST_SORTED = 32, K_BEST_TASK_ROWS = 64;
+constexpr int64_t K_BEST_GROUP_BLOCKS = 8;
 
 // Per row of am (rows × l, finite; rows across threads): its indices q with am > 0, how many
 // into count[row], into order[row * l, ...): the `sort` largest first, by am descending
@@ -578,29 +579,40 @@ void k_best_times(const std::vector<const T*>& a, int64_t sb, int64_t si, int64_
         *nonfinite = 1;
         return;
     }
-    // A task: one column block (b in place, or its strip) for every row.
-    for_blocks(0, batch, 0, blocks, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
+    // A task: a run of K_BEST_TASK_ROWS rows across a group of K_BEST_GROUP_BLOCKS column
+    // blocks (b in place, or their strips): a row's lists stay in cache from one block to the
+    // next, the group's strips from one row to the next.
+    const int64_t row_runs = (m + K_BEST_TASK_ROWS - 1) / K_BEST_TASK_ROWS;
+    const int64_t groups = (blocks + K_BEST_GROUP_BLOCKS - 1) / K_BEST_GROUP_BLOCKS;
+    for_blocks(0, batch, 0, row_runs * groups, threads,
+               [&](int64_t bt, int64_t task, Scratch& scratch) {
         if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
-        V colmax;
+        const int64_t i0 = task / groups * K_BEST_TASK_ROWS;
+        const int64_t i1 = std::min(m, i0 + K_BEST_TASK_ROWS);
+        const int64_t c0 = task % groups * K_BEST_GROUP_BLOCKS;
+        const int64_t c1 = std::min(blocks, c0 + K_BEST_GROUP_BLOCKS);
+        std::array<V, K_BEST_GROUP_BLOCKS> colmax;
         const T* strips = nullptr;
         if (direct) {
-            colmax = load_part<T>(bounds.data() + bt * n + cb * L, std::min<int64_t>(L, n - cb * L));
+            for (int64_t cb = c0; cb < c1; ++cb)
+                colmax[cb - c0] = load_part<T>(bounds.data() + bt * n + cb * L,
+                                               std::min<int64_t>(L, n - cb * L));
         } else {
-            buffers[0].resize(l * rs);
-            if (!column_strips(b, bt * b_batch, l, n, cb, cb + 1, live.data() + bt * l, abs_b,
-                               dead_count, rs, first, buffers[0].data(), &colmax)) {
+            buffers[0].resize((c1 - c0) * l * rs);
+            if (!column_strips(b, bt * b_batch, l, n, c0, c1, live.data() + bt * l, abs_b,
+                               dead_count, rs, first, buffers[0].data(), colmax.data())) {
                 __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
                 return;
             }
             strips = buffers[0].data();
         }
-        const int64_t at = bt * m;
+        const int64_t at = bt * m + i0;
         std::vector<const T*> x(a);
         for (auto& p : x) p += at * l;
-        run_rows(bt, 0, m, cb, cb + 1, am.data() + at * l, order.data() + at * l,
+        run_rows(bt, i0, i1, c0, c1, am.data() + at * l, order.data() + at * l,
                  count.data() + at, low.data() + at, low_max.data() + at, x.data(), strips,
-                 sorted, direct, &colmax, buffers[1]);
+                 sorted, direct, colmax.data(), buffers[1]);
     });
 }
 
