@@ -579,19 +579,21 @@ void k_best_times(const std::vector<const T*>& a, int64_t sb, int64_t si, int64_
         *nonfinite = 1;
         return;
     }
-    // A task: a run of K_BEST_TASK_ROWS rows across a group of K_BEST_GROUP_BLOCKS column
-    // blocks (b in place, or their strips): a row's lists stay in cache from one block to the
-    // next, the group's strips from one row to the next.
-    const int64_t row_runs = (m + K_BEST_TASK_ROWS - 1) / K_BEST_TASK_ROWS;
-    const int64_t groups = (blocks + K_BEST_GROUP_BLOCKS - 1) / K_BEST_GROUP_BLOCKS;
+    // A task: with strips, a run of K_BEST_TASK_ROWS rows across a group of
+    // K_BEST_GROUP_BLOCKS column blocks (a row's lists stay in cache from one block to the
+    // next, the group's strips from one row to the next); in place, every row on one column
+    // block (the rows' reads of b's column stay in cache from one row to the next).
+    const int64_t row_runs = direct ? 1 : (m + K_BEST_TASK_ROWS - 1) / K_BEST_TASK_ROWS;
+    const int64_t group_blocks = direct ? 1 : K_BEST_GROUP_BLOCKS;
+    const int64_t groups = (blocks + group_blocks - 1) / group_blocks;
     for_blocks(0, batch, 0, row_runs * groups, threads,
                [&](int64_t bt, int64_t task, Scratch& scratch) {
         if (__atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
         const int64_t i0 = task / groups * K_BEST_TASK_ROWS;
-        const int64_t i1 = std::min(m, i0 + K_BEST_TASK_ROWS);
-        const int64_t c0 = task % groups * K_BEST_GROUP_BLOCKS;
-        const int64_t c1 = std::min(blocks, c0 + K_BEST_GROUP_BLOCKS);
+        const int64_t i1 = direct ? m : std::min(m, i0 + K_BEST_TASK_ROWS);
+        const int64_t c0 = task % groups * group_blocks;
+        const int64_t c1 = std::min(blocks, c0 + group_blocks);
         std::array<V, K_BEST_GROUP_BLOCKS> colmax;
         const T* strips = nullptr;
         if (direct) {
