@@ -456,9 +456,9 @@ void pack_pair(const T* xh, const T* xl, int64_t xqs, int64_t xjs, int64_t k, in
 }
 
 // Run body(bt, cb, scratch) for every batch bt in [b0, b1) and column block cb in [c0, c1):
-// on `threads` OpenMP threads when built with OpenMP, each with its own `Local` scratch. The library then shares the OpenMP
-// runtime torch already loaded (same soname), so the team is torch's own intra-op threads,
-// not a second pool competing with them for the cores.
+// on `threads` OpenMP threads when built with OpenMP, each with its own `Local` scratch. The
+// library then shares the OpenMP runtime torch already loaded (same soname), so the team is
+// torch's own intra-op threads, not a second pool competing with them for the cores.
 struct Scratch {
     Buffer<float> f32[2];
     Buffer<double> f64[2];

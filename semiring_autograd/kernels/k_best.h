@@ -22,7 +22,10 @@
 // Strips or in place: a strip gathers b's column block for every q, read down b's columns.
 // With kb = 1 and at most K_BEST_IN_PLACE_ROWS rows per batch entry (a prompt's tokens)
 // the rows read b where they visit it instead (few q each, by the bounds), and bm comes from
-// one pass along b's rows (column_bounds); the terms and comparisons are the same.
+// one pass along b's rows (column_bounds); the terms and comparisons are the same. With
+// strips and few column blocks the rows run in tiles (k_best_tiled): each tile of
+// K_BEST_TASK_ROWS rows reads its lists where they lie, at any strides, and makes its own
+// bounds, order and strips.
 //
 // Non-finite operands (NaN, ±inf) are not computed: the torch formula gives NaN for
 // NaN and ∞·0 terms, which a list of comparisons would not. Where an entry of a, or of b
@@ -205,10 +208,12 @@ void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* orde
                 T* big = top.data();
                 std::copy(ar, ar + groups, big);
                 int64_t q = groups;
-                for (; q + groups <= l; q += groups)
+                for (; q < l; q += groups) {
+                    const int64_t width = std::min(groups, l - q);
 #pragma omp simd
-                    for (int64_t g = 0; g < groups; ++g) big[g] = ar[q + g] > big[g] ? ar[q + g] : big[g];
-                for (int64_t g = 0; q + g < l; ++g) big[g] = ar[q + g] > big[g] ? ar[q + g] : big[g];
+                    for (int64_t g = 0; g < width; ++g)
+                        big[g] = ar[q + g] > big[g] ? ar[q + g] : big[g];
+                }
                 // the sort-th largest maximum: the largest with at least sort maxima at least it
                 for (int64_t g = 0; g < groups; ++g) {
                     if (!(big[g] > tau)) continue;
@@ -254,9 +259,8 @@ void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* orde
 
 // One row i of a against one column strip (see k_best_times): its indices q (qs, the first
 // `sorted_count` by am descending, from `low` on each at most low_max: row_order's), their
-// bounds am, its lists (component r's
-// entry q at x[r][at + q]), and the strip's rows (the bound bm, then for kb > 1 the kb
-// components, rs entries per q).
+// bounds am, its lists (component r's entry q at x[r][at + q]), and the strip's rows (the
+// bound bm, then for kb > 1 the kb components, rs entries per q).
 template <typename T, typename V = typename Vec<T>::type>
 struct Row {
     const T* am;
