@@ -44,6 +44,8 @@ def _samples(dtype):
         "k_best_times": [
             (list(rand(3, 2, 5, 7).abs()), list(rand(1, 1, 7, 19)), 4, True, False),
             (list(rand(3, 2, 5, 7).abs()), list(rand(2, 2, 7, 19).abs()), 2, False, True),
+            # rows in tiles, the lists read transposed where they lie
+            (list(rand(3, 2, 7, 70).abs().mT), list(rand(1, 1, 7, 19)), 3, True, False),
         ],
         "k_best_add": [
             (
