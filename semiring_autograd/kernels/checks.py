@@ -268,14 +268,16 @@ def _check_k_best_times(c: _Case) -> str | None:
         ((3, 2, 5, 7), (1, 1, 9), 3),
         ((2, 1, 6, 19), (2, 1, 37), 5),
         ((1, 2, 3, 4), (3, 2, 17), 7),
+        ((3, 1, 70, 40), (1, 1, 19), 4),  # rows in tiles, the lists read transposed
     ):
         a = _k_best_lists(c, ka, batch, m, l)
         a[:, :, :, 1] = 0.0  # a dead index
         b = c.randn(kb, bb, l, n, zeros=0.2)
         b = b if kb == 1 else b.abs().sort(0, descending=True).values
+        lists = [x.mT.contiguous().mT for x in a] if m > 64 else list(a)
         for abs_b in (True, False):
             operand = b if abs_b else b.abs()
-            (got, flagged), _ = c.run(list(a), list(operand), k, abs_b, True)
+            (got, flagged), _ = c.run(lists, list(operand), k, abs_b, True)
             if bool(flagged):
                 return "k_best_times flagged finite operands"
             want = k_best_formula(a, operand, k, abs_b)
