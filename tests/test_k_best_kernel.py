@@ -137,6 +137,29 @@ def test_k_best_times_tiles_test_every_live_index_of_b(transposed: bool):
     assert kernels.k_best_times(lists_a, b, 3, abs_b=True, dead_count=False) is None
 
 
+@pytest.mark.parametrize("n", [40, 150])  # rows in tiles; strips in groups of blocks
+def test_k_best_times_on_two_threads_equals_one_thread(n: int):
+    """The tasks (tiles of rows, or runs of rows by groups of column blocks) on two threads:
+    the same lists as on one, and a NaN in the last task's rows still declines."""
+    g = torch.Generator().manual_seed(15)
+    a = torch.exp(torch.randn(5, 3, 200, 120, generator=g) * 3).sort(0, descending=True).values
+    lists_a = [c.mT.contiguous().mT for c in a]
+    b = torch.randn(1, 3, 120, n, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.k_best_times(lists_a, b, 5, abs_b=True, dead_count=True)
+        torch.set_num_threads(2)
+        two = kernels.k_best_times(lists_a, b, 5, abs_b=True, dead_count=True)
+        a[2, 2, 199, 7] = float("nan")
+        declined = kernels.k_best_times(list(a), b, 5, abs_b=True, dead_count=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None and torch.equal(one, two)
+    assert torch.equal(one[:, 1], brute_force(a[:, 1:2], b[:, 1:2], 5, True)[:, 0])
+    assert declined is None
+
+
 @pytest.mark.parametrize("kb", [1, 2])
 def test_k_best_times_takes_unsorted_lists(kb: int):
     a = lists(4, 2, 3, 11, sort=False, seed=4)
