@@ -393,14 +393,14 @@ void strip_bounds(const T* strip, int vecs, int64_t k, T* bx, T* dead) {
             dead[c * L + l] = seen[c][l] > T(0) ? -T(__builtin_inf()) : T(__builtin_inf());
 }
 
-// Copy columns [j, j + W) of the k x n matrix b (rows ld apart) into a contiguous k x W
-// strip, so the kernel's loads are unit-stride whatever n is (large power-of-two row strides
-// would otherwise map every row of the strip onto the same cache sets); |b| when `abs_b`
+// Copy columns [j, j + W) of the k x n matrix b into a contiguous k x W strip, so the
+// kernel's loads are unit-stride whatever n is (large power-of-two row strides would
+// otherwise map every row of the strip onto the same cache sets); |b| when `abs_b`
 // (max-times of a lifted real derivative); NaN in the columns at or past n. `bounds`, unless
 // null, gets the strip's pruning bounds: bx (k entries), then dead (W entries).
 template <typename T>
-void pack(const T* b, int64_t k, int64_t n, int64_t ld, int64_t j, Buffer<T>& strip,
-          Buffer<T>* bounds, bool abs_b) {
+void pack(const T* b, int64_t k, int64_t n, int64_t j, Buffer<T>& strip, Buffer<T>* bounds,
+          bool abs_b) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes, W = C * L;
     strip.resize(k * W);
@@ -408,16 +408,16 @@ void pack(const T* b, int64_t k, int64_t n, int64_t ld, int64_t j, Buffer<T>& st
         const int64_t valid = n - j;
         for (int64_t q = 0; q < k; ++q)
             for (int64_t c = 0; c < W; ++c) {
-                const T v = c < valid ? b[q * ld + j + c] : T(NAN);
+                const T v = c < valid ? b[q * n + j + c] : T(NAN);
                 strip[q * W + c] = abs_b && v < T(0) ? -v : v;
             }
     } else if (!abs_b) {
-        for (int64_t q = 0; q < k; ++q) std::memcpy(&strip[q * W], b + q * ld + j, W * sizeof(T));
+        for (int64_t q = 0; q < k; ++q) std::memcpy(&strip[q * W], b + q * n + j, W * sizeof(T));
     } else {
         const V zero = V{} + T(0);
         for (int64_t q = 0; q < k; ++q)
             for (int c = 0; c < C; ++c) {
-                const V v = load<V>(b + q * ld + j + c * L);
+                const V v = load<V>(b + q * n + j + c * L);
                 store(&strip[q * W + c * L], v < zero ? -v : v);
             }
     }
@@ -505,26 +505,24 @@ bool finite_strip(const T* strip, int64_t k, int64_t valid) {
     return true;
 }
 
-// max_times on contiguous a (batch, m, k) and b (batch, k, n_real; n_real = n when 0) into
-// out (batch, m, n), n a multiple of the block width (the columns from n_real on
-// unspecified), see above. Given `nonfinite`, the operands' entries are tested too (b's
+// max_times on contiguous a (batch, m, k) and b (batch, k, n_real) into out (batch, m, n),
+// n a multiple of the block width (the columns from n_real on unspecified), see above. Given `nonfinite`, the operands' entries are tested too (b's
 // while packed, each a[bt] by the task of its first column block): where one is NaN or
 // infinite, *nonfinite is set to 1, the tasks still to run return at once, and out is left
 // unspecified (the operator fills it with NaN; the caller takes its torch formula).
 template <typename T>
 void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
                int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads,
-               int* nonfinite = nullptr, int64_t n_real = 0) {
+               int* nonfinite, int64_t n_real) {
     constexpr int W = C * Vec<T>::lanes;
-    const int64_t nb = n_real ? n_real : n;
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
         if (nonfinite && __atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
         const T* ab = a + bt * m * k;
         T* ob = out + bt * m * n;
         const int64_t j = cb * W;
-        pack(b + bt * k * nb, k, nb, nb, j, buffers[0], &buffers[1], abs_b);
-        if (nonfinite && !(finite_strip(buffers[0].data(), k, nb - j) &&
+        pack(b + bt * k * n_real, k, n_real, j, buffers[0], &buffers[1], abs_b);
+        if (nonfinite && !(finite_strip(buffers[0].data(), k, n_real - j) &&
                            (cb != c0 || finite_entries(ab, m * k)))) {
             __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
             return;
@@ -553,8 +551,8 @@ void signed_times(const T* ahi, const T* alo, const T* bhi, const T* blo, T* hi,
         Buffer<T>* strips = scratch.get(static_cast<T*>(nullptr));
         const int64_t ao = bt * m * k, bo = bt * k * n, oo = bt * m * n;
         const int64_t j = cb * W;
-        pack<T>(bhi + bo, k, n, n, j, strips[0], nullptr, false);
-        if (!POINT) pack<T>(blo + bo, k, n, n, j, strips[1], nullptr, false);
+        pack<T>(bhi + bo, k, n, j, strips[0], nullptr, false);
+        if (!POINT) pack<T>(blo + bo, k, n, j, strips[1], nullptr, false);
         for (int64_t q0 = 0; q0 < k; q0 += KC) {
             const int64_t kc = std::min(KC, k - q0);
             const T* sh = strips[0].data() + q0 * W;

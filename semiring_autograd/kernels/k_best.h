@@ -184,7 +184,7 @@ constexpr int64_t K_BEST_GROUP_BLOCKS = 8;
 // Per row of am (rows × l, finite; rows across threads): its indices q with am > 0, how many
 // into count[row], into order[row * l, ...): the `sort` largest first, by am descending
 // (ties by q), then the others in no order, each at most the last sorted one. With
-// sort < l / 2 the others come in two parts: first those at least a threshold tau (at most
+// 2·sort ≤ l the others come in two parts: first those at least a threshold tau (at most
 // the sort-th largest), then from low[row] on those below it, the largest of which is
 // low_max[row] (0 where there are none). tau is the sort-th largest of the maxima of 2·sort
 // groups (q's group: q mod 2·sort): they are sort entries of the row, so the sort largest
@@ -225,10 +225,10 @@ void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* orde
             }
             // the indices at least tau (all above 0 where tau is 0), to select from; the others
             // above 0 into `below`
-            int64_t c = 0, nb = 0;
-            T under = T(0);
+            int64_t nb;
+            T under;
+            const int64_t c = split_indices(ar, l, tau, above.data(), below.data(), &nb, &under);
             if constexpr (std::is_same_v<T, float>) {
-                c = split_indices(ar, l, tau, above.data(), below.data(), &nb, &under);
                 for (int64_t u = 0; u < c; ++u) {
                     uint32_t bits;
                     std::memcpy(&bits, ar + above[u], sizeof bits);
@@ -240,7 +240,6 @@ void row_order(const T* am, int64_t rows, int64_t l, int64_t sort, int32_t* orde
                 std::sort(first, head, std::greater<uint64_t>());
                 for (int64_t u = 0; u < c; ++u) qs[u] = static_cast<int32_t>(~uint32_t(keys[u]));
             } else {
-                c = split_indices(ar, l, tau, above.data(), below.data(), &nb, &under);
                 std::copy(above.begin(), above.begin() + c, qs);
                 const auto before = [ar](int32_t x, int32_t y) {
                     return ar[x] > ar[y] || (ar[x] == ar[y] && x < y);
