@@ -10,6 +10,8 @@ Each thread keeps one buffer per purpose and dtype, grown to the largest size as
 (for the weight operands, the largest weight's size; the shifted message of the log-space
 GEMM uses scratch only up to 16 MiB). A scratch tensor is valid until the same purpose is
 asked for again in the same thread: callers use it within one call and never return it.
+:func:`ones` keeps a read-only ones buffer the same way, for backward kernels that take an
+upstream gradient.
 """
 
 from __future__ import annotations
@@ -42,3 +44,32 @@ def is_scratch(t: Tensor) -> bool:
     buffers = _LOCAL.__dict__.get("buffers", {})
     storage = t.untyped_storage().data_ptr()
     return any(b.untyped_storage().data_ptr() == storage for b in buffers.values())
+
+
+#: the largest ones operand :func:`ones` keeps: 16 MiB
+_ONES_BYTES = 16 << 20
+
+
+def ones(x: Tensor) -> Tensor | None:
+    """Dense ones shaped like ``x`` for a backward kernel's unit upstream gradient: a view of
+    one buffer per dtype and thread, filled once and grown to the largest size asked for
+    (callers never write it). For a plain CPU tensor of at most 16 MiB outside
+    ``torch.func`` transforms, dispatch modes and compilation; None otherwise. Torch's GELU
+    backward kernel reads it 1.5–2.5× faster than a broadcast of one element."""
+    if (
+        type(x) is not Tensor
+        or not x.is_cpu
+        or x.element_size() * x.numel() > _ONES_BYTES
+        or torch._C._functorch.is_batchedtensor(x)
+        or torch._C._functorch.is_functionaltensor(x)
+        or torch._C._len_torch_dispatch_stack() != 0
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    kept = _LOCAL.__dict__.setdefault("ones", {})
+    numel = x.numel()
+    buffer = kept.get(x.dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.ones(numel, dtype=x.dtype)
+        kept[x.dtype] = buffer
+    return buffer[:numel].view(x.shape)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import workspace
 from ..semirings.base import message_dtype, normalize_dims
 from .shape_helpers import attention_scale, grouped_heads, grouped_rows_shape, keepdim_shape
 
@@ -297,8 +298,12 @@ def silu_derivative(x: Tensor) -> Tensor:
 
 
 def _ones_view(x: Tensor) -> Tensor:
-    """Ones shaped like ``x`` as a broadcast view of one element (no x-sized buffer): the
-    unit upstream gradient for a backward kernel that gives a local derivative."""
+    """Ones shaped like ``x``: the unit upstream gradient for a backward kernel that gives
+    a local derivative. Dense ones kept for reuse on the CPU (``workspace.ones``), else a
+    broadcast view of one element (no x-sized buffer)."""
+    dense = workspace.ones(x)
+    if dense is not None:
+        return dense
     return torch.ones((), dtype=x.dtype, device=x.device).expand_as(x)
 
 
