@@ -171,6 +171,49 @@ def test_pruned_max_times_is_exact(scenario, dtype, shape):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+#: a prompt's few rows: b read along its rows in chunks of columns (several, the last one
+#: partial: n past STREAM_COLUMNS), or on two threads in shares of its rows (one chunk)
+FEW_ROWS = [(1, 1, 700, 2100), (2, 3, 300, 1030), (1, 8, 900, 100), (1, 5, 3, 37)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FEW_ROWS, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_max_times_of_few_rows_equals_the_definition(shape, dtype, threads):
+    """Up to 8 rows, max_times streams b's rows: max(init, the broadcast max) to the bit, with
+    b or |b|, for any a, NaN products (a NaN in a, 0 · inf) never winning; max_times_finite
+    the same on finite operands and None where an entry of a or of b (in the last chunk, or
+    in the last share of b's rows) is NaN or infinite; one thread or two alike."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    batch, m, k, n = shape
+    a = torch.randn(batch, m, k, dtype=dtype, generator=gen)
+    b = torch.randn(batch, k, n, dtype=dtype, generator=gen)
+    a[a.abs() < 0.2] = 0.0
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for operand, abs_b, init in ((a.abs(), True, 0.0), (a, False, -INF), (a, True, -INF)):
+            products = operand[:, :, :, None] * (b.abs() if abs_b else b)[:, None]
+            expected = products.amax(2).clamp_min(init)
+            got = kernels.max_times_finite(operand, b, init, abs_b)
+            assert got is not None, "the fused kernel is unavailable on this machine"
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            holed = operand.clone()
+            holed[-1, -1, k // 2] = NAN
+            kept = products.clone()
+            kept[-1, -1, k // 2] = NAN
+            expected = kept.nan_to_num(nan=-INF, posinf=INF, neginf=-INF).amax(2)
+            got = kernels.max_times(holed, b, init, abs_b)
+            torch.testing.assert_close(got, expected.clamp_min(init), rtol=0, atol=0)
+            assert kernels.max_times_finite(holed, b, init, abs_b) is None
+        for at in ((-1, -1, -1), (0, k - 1, 0)):
+            bent = b.clone()
+            bent[at] = INF
+            assert kernels.max_times_finite(a.abs(), bent, 0.0, True) is None
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scenario", ["decaying", "late_winner", "uneven_rows", "specials"])
 @pytest.mark.parametrize("zero_empty", [False, True], ids=["zero", "zero_empty"])
@@ -1098,6 +1141,7 @@ def test_matmul_lift_columns_without_terms(semiring, monkeypatch):
 
 PORTABLE = [
     "test_pruned_max_times_is_exact",
+    "test_max_times_of_few_rows_equals_the_definition",
     "test_pruned_pair_lift_matmul_is_exact",
     "test_entropy_weights_kernel_equals_formula",
     "test_entropy_add_kernel_equals_formula",

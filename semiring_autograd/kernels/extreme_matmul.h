@@ -7,7 +7,8 @@
 // max_times and signed_times work on contiguous row-major operands with a batch dimension:
 //   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
 //   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
-//   batches bt in [b0, b1), on `threads` OpenMP threads. lift_times reads strided
+//   batches bt in [b0, b1), on `threads` OpenMP threads (max_times of at most STREAM_ROWS
+//   rows, over every column, reads b along its rows: max_times_streamed). lift_times reads strided
 //   operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add_rows and ratio_where_positive are elementwise
 //   (entropy_mul_lift_spread: w broadcast); nan_or_inf scans entries;
@@ -505,6 +506,103 @@ bool finite_strip(const T* strip, int64_t k, int64_t valid) {
     return true;
 }
 
+// Up to this many rows (a prompt's tokens), max_times reads b along its rows, once, in
+// chunks of at most STREAM_COLUMNS columns (stream_rows), instead of packing column strips:
+// with so few rows the product is bound by reading b, and a strip gathers 32 columns from
+// every row of b. With fewer chunks than threads, each thread takes a share of b's rows
+// (whole rows, read in order) into a product of its own, and the shares' maxima are joined.
+constexpr int64_t STREAM_ROWS = 8, STREAM_COLUMNS = 1024;
+
+// Columns [j0, j0 + width) of out[i, :] = max(init, max_q a[i, q] · b'[q, :]) over the
+// `count` indices q from a and b on, for M rows of a (row stride lda) and b' = b (|b| when
+// abs_b, row stride ldb), out row stride ldo; *bad set where an entry of b read is NaN or
+// infinite (x - x is 0 for every finite x, NaN otherwise). The same products and maxima as
+// max_block.
+template <typename T, int M>
+void stream_rows(const T* a, int64_t lda, int64_t count, const T* b, int64_t ldb, T* out,
+                 int64_t ldo, int64_t j0, int64_t width, T init, int abs_b, bool* bad) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes;
+    const int64_t vectors = width / L;
+    for (int i = 0; i < M; ++i)
+        for (int64_t j = 0; j < width; ++j) out[i * ldo + j0 + j] = init;
+    V seen = V{} + T(0);
+    T seen_tail = T(0);
+    for (int64_t q = 0; q < count; ++q) {
+        const T* row = b + q * ldb + j0;
+        T s[M];
+        for (int i = 0; i < M; ++i) s[i] = a[i * lda + q];
+        for (int64_t v = 0; v < vectors; ++v) {
+            V x = load<V>(row + v * L);
+            if (abs_b) x = x < T(0) ? -x : x;
+            seen += x - x;
+            for (int i = 0; i < M; ++i) {
+                T* o = out + i * ldo + j0 + v * L;
+                store(o, vmax(x * s[i], load<V>(o)));
+            }
+        }
+        for (int64_t j = vectors * L; j < width; ++j) {
+            T x = row[j];
+            if (abs_b) x = x < T(0) ? -x : x;
+            seen_tail += x - x;
+            for (int i = 0; i < M; ++i) {
+                T& o = out[i * ldo + j0 + j];
+                const T p = x * s[i];
+                o = p > o ? p : o;
+            }
+        }
+    }
+    bool finite = seen_tail == T(0);
+    for (int l = 0; l < L; ++l) finite = finite && seen[l] == T(0);
+    if (!finite) *bad = true;
+}
+
+// stream_rows for m ≤ STREAM_ROWS rows.
+template <typename T, int M = STREAM_ROWS>
+void stream_rows_m(int64_t m, const T* a, int64_t lda, int64_t count, const T* b, int64_t ldb,
+                   T* out, int64_t ldo, int64_t j0, int64_t width, T init, int abs_b, bool* bad) {
+    if constexpr (M > 1)
+        if (m < M)
+            return stream_rows_m<T, M - 1>(m, a, lda, count, b, ldb, out, ldo, j0, width, init,
+                                           abs_b, bad);
+    stream_rows<T, M>(a, lda, count, b, ldb, out, ldo, j0, width, init, abs_b, bad);
+}
+
+// max_times of at most STREAM_ROWS rows (see there), across threads by chunks of columns or
+// by shares of b's rows.
+template <typename T>
+void max_times_streamed(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n,
+                        int64_t b0, int64_t b1, T init, int abs_b, int threads, int* nonfinite,
+                        int64_t n_real) {
+    if (nonfinite && !finite_entries(a + b0 * m * k, (b1 - b0) * m * k)) {
+        *nonfinite = 1;
+        return;
+    }
+    const int64_t chunks = (n_real + STREAM_COLUMNS - 1) / STREAM_COLUMNS;
+    const int64_t shares =
+        chunks * (b1 - b0) < threads ? std::max<int64_t>(1, std::min<int64_t>(threads, k)) : 1;
+    // the product of share s > 0 of batch entry bt: at partial + ((s - 1) · batch + bt) · m · n
+    std::vector<T> partial((shares - 1) * (b1 - b0) * m * n);
+    for_blocks(b0, b1, 0, chunks * shares, threads, [&](int64_t bt, int64_t task, Scratch&) {
+        if (nonfinite && __atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
+        const int64_t ch = task / shares, share = task % shares;
+        const int64_t q0 = k * share / shares, q1 = k * (share + 1) / shares;
+        const int64_t j0 = ch * STREAM_COLUMNS, width = std::min(STREAM_COLUMNS, n_real - j0);
+        T* target = share == 0 ? out + bt * m * n
+                               : &partial[((share - 1) * (b1 - b0) + bt - b0) * m * n];
+        bool bad = false;
+        stream_rows_m<T>(m, a + bt * m * k + q0, k, q1 - q0, b + (bt * k + q0) * n_real, n_real,
+                         target, n, j0, width, init, abs_b, &bad);
+        if (bad && nonfinite) __atomic_store_n(nonfinite, 1, __ATOMIC_RELAXED);
+    });
+    for (int64_t share = 1; share < shares; ++share)
+        for (int64_t bt = b0; bt < b1; ++bt) {
+            T* o = out + bt * m * n;
+            const T* p = &partial[((share - 1) * (b1 - b0) + bt - b0) * m * n];
+            for (int64_t e = 0; e < m * n; ++e) o[e] = p[e] > o[e] ? p[e] : o[e];
+        }
+}
+
 // max_times on contiguous a (batch, m, k) and b (batch, k, n_real) into out (batch, m, n),
 // n a multiple of the block width (the columns from n_real on unspecified), see above. Given `nonfinite`, the operands' entries are tested too (b's
 // while packed, each a[bt] by the task of its first column block): where one is NaN or
@@ -515,6 +613,10 @@ void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, 
                int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads,
                int* nonfinite, int64_t n_real) {
     constexpr int W = C * Vec<T>::lanes;
+    if (m <= STREAM_ROWS && c0 == 0 && c1 * W == n) {
+        max_times_streamed(a, b, out, m, k, n, b0, b1, init, abs_b, threads, nonfinite, n_real);
+        return;
+    }
     for_blocks(b0, b1, c0, c1, threads, [&](int64_t bt, int64_t cb, Scratch& scratch) {
         if (nonfinite && __atomic_load_n(nonfinite, __ATOMIC_RELAXED)) return;
         Buffer<T>* buffers = scratch.get(static_cast<T*>(nullptr));
