@@ -597,9 +597,12 @@ void max_times_streamed(const T* a, const T* b, T* out, int64_t m, int64_t k, in
     });
     for (int64_t share = 1; share < shares; ++share)
         for (int64_t bt = b0; bt < b1; ++bt) {
-            T* o = out + bt * m * n;
             const T* p = &partial[((share - 1) * (b1 - b0) + bt - b0) * m * n];
-            for (int64_t e = 0; e < m * n; ++e) o[e] = p[e] > o[e] ? p[e] : o[e];
+            for (int64_t i = 0; i < m; ++i)
+                for (int64_t j = 0; j < n_real; ++j) {
+                    T& o = out[(bt * m + i) * n + j];
+                    o = p[i * n + j] > o ? p[i * n + j] : o;
+                }
         }
 }
 
