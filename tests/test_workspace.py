@@ -29,6 +29,15 @@ def test_ones_are_dense_ones_kept_and_grown():
     assert doubles.dtype == torch.float64 and torch.equal(doubles, torch.ones(2, 2).double())
 
 
+def test_ones_made_in_inference_mode_serve_outside_it():
+    with torch.inference_mode():
+        made = workspace.ones(torch.empty(7, dtype=torch.float16))
+    assert not made.is_inference()
+    x = torch.randn(7, dtype=torch.float16, requires_grad=True)
+    (gradient,) = torch.autograd.grad((workspace.ones(x) * x).sum(), x)
+    assert torch.equal(gradient, torch.ones(7, dtype=torch.float16))
+
+
 def test_ones_decline_where_a_kept_buffer_does_not_belong():
     assert workspace.ones(torch.empty(3, device="meta")) is None
     assert workspace.ones(torch.empty((16 << 20) // 4 + 1)) is None  # over 16 MiB

@@ -70,6 +70,7 @@ def ones(x: Tensor) -> Tensor | None:
     numel = x.numel()
     buffer = kept.get(x.dtype)
     if buffer is None or buffer.numel() < numel:
-        buffer = torch.ones(numel, dtype=x.dtype)
+        with torch.inference_mode(False):  # kept for later calls, in any mode
+            buffer = torch.ones(numel, dtype=x.dtype)
         kept[x.dtype] = buffer
     return buffer[:numel].view(x.shape)
