@@ -46,6 +46,19 @@ def is_scratch(t: Tensor) -> bool:
     return any(b.untyped_storage().data_ptr() == storage for b in buffers.values())
 
 
+def outside_tracing(t: Tensor) -> bool:
+    """Whether a tensor built from ``t`` may be kept and served to later calls: ``t`` is not
+    batched by ``torch.vmap`` nor functionalized, and no dispatch mode (a tracer, the compiled
+    recorder) and no compilation is running, where a kept tensor would become a traced or
+    recorded constant."""
+    return not (
+        torch._C._functorch.is_batchedtensor(t)
+        or torch._C._functorch.is_functionaltensor(t)
+        or torch._C._len_torch_dispatch_stack() != 0
+        or torch.compiler.is_compiling()
+    )
+
+
 #: the largest ones operand :func:`ones` keeps: 16 MiB
 _ONES_BYTES = 16 << 20
 
@@ -60,10 +73,7 @@ def ones(x: Tensor) -> Tensor | None:
         type(x) is not Tensor
         or not x.is_cpu
         or x.element_size() * x.numel() > _ONES_BYTES
-        or torch._C._functorch.is_batchedtensor(x)
-        or torch._C._functorch.is_functionaltensor(x)
-        or torch._C._len_torch_dispatch_stack() != 0
-        or torch.compiler.is_compiling()
+        or not outside_tracing(x)
     ):
         return None
     kept = _LOCAL.__dict__.setdefault("ones", {})

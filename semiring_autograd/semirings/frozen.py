@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from ..kernels.workspace import outside_tracing
+
 _scopes: list["_Scope"] = []
 
 
@@ -67,13 +69,7 @@ def frozen_weights(*sources: torch.nn.Module | Tensor | Iterable) -> Iterator[No
 def _cacheable(w: Tensor) -> bool:
     """Whether ``w`` is a real tensor outside tracing, recording and ``torch.vmap`` (where an
     operand kept across calls would become a traced or recorded constant)."""
-    return (
-        type(w) in (Tensor, torch.nn.Parameter)
-        and not torch._C._functorch.is_batchedtensor(w)
-        and not torch._C._functorch.is_functionaltensor(w)
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch.compiler.is_compiling()
-    )
+    return type(w) in (Tensor, torch.nn.Parameter) and outside_tracing(w)
 
 
 def kept_operand(tag: object, w: Tensor, build: Callable[[Tensor], Tensor]) -> Tensor | None:
