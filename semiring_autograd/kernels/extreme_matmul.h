@@ -8,8 +8,8 @@
 //   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
 //   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
 //   batches bt in [b0, b1), on `threads` OpenMP threads (max_times of at most STREAM_ROWS
-//   rows, over every column, reads b along its rows: max_times_streamed). lift_times reads strided
-//   operands and writes its product transposed (see there); signed_mul_lift,
+//   rows, over every column, reads b along its rows: max_times_streamed). lift_times reads
+//   strided operands and writes its product transposed (see there); signed_mul_lift,
 //   entropy_weights, entropy_mul_lift, entropy_add_rows and ratio_where_positive are elementwise
 //   (entropy_mul_lift_spread: w broadcast); nan_or_inf scans entries;
 //   loo_log, log_space_rows, entropy_reduce_rows, entropy_softmax_backward_rows,
@@ -607,10 +607,12 @@ void max_times_streamed(const T* a, const T* b, T* out, int64_t m, int64_t k, in
 }
 
 // max_times on contiguous a (batch, m, k) and b (batch, k, n_real) into out (batch, m, n),
-// n a multiple of the block width (the columns from n_real on unspecified), see above. Given `nonfinite`, the operands' entries are tested too (b's
-// while packed, each a[bt] by the task of its first column block): where one is NaN or
-// infinite, *nonfinite is set to 1, the tasks still to run return at once, and out is left
-// unspecified (the operator fills it with NaN; the caller takes its torch formula).
+// n a multiple of the block width (the columns from n_real on unspecified), see above.
+// Given `nonfinite`, the operands' entries are tested too (b's as they are packed or
+// streamed; a's by the task of each a[bt]'s first column block, or before streaming):
+// where one is NaN or infinite, *nonfinite is set to 1, the tasks still to run return at
+// once, and out is left unspecified (the operator fills it with NaN; the caller takes its
+// torch formula).
 template <typename T>
 void max_times(const T* a, const T* b, T* out, int64_t m, int64_t k, int64_t n, int64_t b0,
                int64_t b1, int64_t c0, int64_t c1, T init, int abs_b, int threads,
