@@ -82,13 +82,14 @@ class RecordedCall:
         """∂out/∂x[element] for every output of the op (flattened), x = input ``position``:
         one column of the op's local Jacobian, by forward-mode AD.
 
-        The other floating-point inputs first carry zero tangents (where no two of their
-        elements share memory, and at most as many elements as x or ``ZERO_TANGENT_ELEMENTS``):
-        an input without one takes torch's zero-tensor path, ten times slower on a small
-        elementwise product; a large one (a weight) would cost more in zeros than it saves. A zero tangent adds 0 · (a partial
-        derivative) to each entry, which changes nothing where the partial derivative is
-        finite and gives NaN where it is not (x · y's 0 · x at an infinite x): a column
-        with a NaN is taken again with no tangents on the other inputs."""
+        The other floating-point inputs first carry zero tangents, where no two of their
+        elements share memory and they hold at most as many elements as x or
+        ``ZERO_TANGENT_ELEMENTS``: an input without one takes torch's zero-tensor path, ten
+        times slower on a small elementwise product, and a large one (a weight) would cost
+        more in zeros than it saves. A zero tangent adds 0 · (a partial derivative) to each
+        entry, which changes nothing where the partial derivative is finite and gives NaN
+        where it is not (x · y's 0 · x at an infinite x): a column with a NaN is taken again
+        with no tangents on the other inputs."""
         inputs = self.inputs()
         primal = inputs[position].detach().contiguous()  # no expanded (aliased) input
         tangent = torch.zeros(primal.numel(), dtype=primal.dtype, device=primal.device)
