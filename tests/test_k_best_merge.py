@@ -28,7 +28,7 @@ def _formula(a, b, k):
     return torch.stack(_best(_stacked((*a, *b)), k))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("k", [1, 5, 8, 32])
 @pytest.mark.parametrize("grid", [False, True])
 def test_merge_is_topk_of_both_lists(k, dtype, grid):
@@ -57,18 +57,26 @@ def test_merge_of_zeros_and_infinities(k, dtype):
         assert torch.equal(got, _formula(x, y, k))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("at", [3, 40, 273, 299])
 @pytest.mark.parametrize("k", [1, 5])
-def test_merge_declines_nan_and_unsorted_lists(k):
-    """A NaN (topk orders it first) or a list not descending: None, the formula runs."""
+def test_merge_declines_nan_and_unsorted_lists(k, at, dtype):
+    """A NaN (topk orders it first) or a list not descending: None, the formula runs. At
+    entries inside the vector passes of a block of 256 and in a block's last partial vector,
+    in the last component and in a middle one."""
     gen = torch.Generator().manual_seed(20 + k)
-    a, b = _lists(gen, k, (300,), torch.float32), _lists(gen, k, (300,), torch.float32)
-    bent = tuple(c.clone() for c in b)
-    bent[-1][299] = NAN
-    assert kernels.k_best_add(a, bent) is None
-    assert kernels.k_best_add(bent, a) is None
+    a, b = _lists(gen, k, (300,), dtype), _lists(gen, k, (300,), dtype)
+    assert kernels.k_best_add(a, b) is not None
+    for t in {k - 1, k // 2}:
+        bent = tuple(c.clone() for c in b)
+        bent[t][at] = NAN
+        assert kernels.k_best_add(a, bent) is None
+        assert kernels.k_best_add(bent, a) is None
     if k > 1:
-        swapped = (a[1], a[0], *a[2:])
+        swapped = tuple(c.clone() for c in a)
+        swapped[1][at], swapped[2][at] = a[2][at], a[1][at] + 1
         assert kernels.k_best_add(swapped, b) is None
+        assert kernels.k_best_add(b, swapped) is None
 
 
 @pytest.mark.parametrize("k", [1, 5])

@@ -1168,6 +1168,9 @@ PORTABLE = [
     # tests/test_k_best_kernel.py
     "test_k_best_times_over_long_rows_to_the_bit",
     "test_k_best_times_reads_lists_of_any_strides_to_the_bit",
+    # tests/test_k_best_merge.py
+    "test_merge_is_topk_of_both_lists",
+    "test_merge_declines_nan_and_unsorted_lists",
 ]
 
 
@@ -1181,6 +1184,7 @@ PORTABLE_FILES = [
         "test_attention_layouts.py",
         "test_entropy_softmax.py",
         "test_k_best_kernel.py",
+        "test_k_best_merge.py",
     )
 ]
 

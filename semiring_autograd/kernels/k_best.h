@@ -637,13 +637,14 @@ void k_best_add(const std::vector<const T*>& a, const std::vector<const T*>& b, 
                      [&](int64_t first, int64_t last) {
         for (int64_t blk = first; blk < last; ++blk) {
             const int64_t e0 = blk * BLOCK, n = std::min(BLOCK, count - e0);
-            bool bad = false;
+            int bad = 0;  // an int, not a bool: GCC vectorises the loop's | into an int
             for (int64_t t = 0; t < k; ++t) {  // descending, no NaN (t = k - 1: x == x)
                 const T* __restrict__ at_ = a[t] + e0;
                 const T* __restrict__ bt = b[t] + e0;
                 const T* __restrict__ an = a[t + 1 < k ? t + 1 : t] + e0;
                 const T* __restrict__ bn = b[t + 1 < k ? t + 1 : t] + e0;
-                for (int64_t e = 0; e < n; ++e) bad |= !(at_[e] >= an[e]) | !(bt[e] >= bn[e]);
+                for (int64_t e = 0; e < n; ++e)
+                    bad |= int(!(at_[e] >= an[e])) | int(!(bt[e] >= bn[e]));
             }
             if (bad) {
                 __atomic_store_n(declined, 1, __ATOMIC_RELAXED);
