@@ -342,6 +342,25 @@ def test_opcheck_cuda(name):
         torch.library.opcheck(operators.op(name), moved)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_where_zero_equals_torchs_where(dtype):
+    """The CPU loop against torch's where(eq(w, 0), fill, y), to the bit: w per entry (rows
+    long enough for the vector loop and its tail), per row and per column of a broadcast,
+    with ±0 (both zero) and NaN (not zero) in w."""
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(6, 7, 53, generator=g, dtype=dtype)
+    w = torch.randn(6, 7, 53, generator=g, dtype=dtype)
+    w[w.abs() < 0.5] = 0.0
+    w[0, 0, :20] = -0.0
+    w[1, 2, 17] = float("nan")
+    for fill in (torch.tensor(float("-inf"), dtype=dtype), torch.tensor(0.25, dtype=dtype)):
+        for ww in (w, w[:, :1, :1].contiguous(), w[0, 0].contiguous(), w[:1, :, :1].contiguous()):
+            expected = torch.where(torch.eq(ww, 0), fill, y)
+            got = operators.op("where_zero")(ww, fill, y)
+            assert torch.equal(got.isnan(), expected.isnan())
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_where_zero_with_a_cuda_y_is_torchs_where():

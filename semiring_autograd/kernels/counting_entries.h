@@ -35,15 +35,17 @@ void where_zero_rows(const T* w, int64_t w_step, Offset offset, T fill, const T*
                      int64_t rows, int64_t n) {
     const int64_t grain = std::max<int64_t>(1, WHERE_ZERO_GRAIN / std::max<int64_t>(n, 1));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        const T f = fill;  // a local: the captured reference could alias out, which kept
+                           // the loop below scalar
         for (int64_t row = begin; row < end; ++row) {
             const T* wr = w + offset(row);
             const T* yr = y + row * n;
             T* o = out + row * n;
             if (w_step) {
 #pragma omp simd
-                for (int64_t j = 0; j < n; ++j) o[j] = wr[j] == T(0) ? fill : yr[j];
+                for (int64_t j = 0; j < n; ++j) o[j] = wr[j] == T(0) ? f : yr[j];
             } else if (*wr == T(0)) {
-                for (int64_t j = 0; j < n; ++j) o[j] = fill;
+                for (int64_t j = 0; j < n; ++j) o[j] = f;
             } else {
                 std::copy(yr, yr + n, o);
             }
