@@ -637,7 +637,7 @@ void k_best_add(const std::vector<const T*>& a, const std::vector<const T*>& b, 
                      [&](int64_t first, int64_t last) {
         for (int64_t blk = first; blk < last; ++blk) {
             const int64_t e0 = blk * BLOCK, n = std::min(BLOCK, count - e0);
-            int bad = 0;  // an int, not a bool: GCC vectorises the loop's | into an int
+            int bad = 0;  // an int: GCC vectorises an | reduction into an int, not a bool
             for (int64_t t = 0; t < k; ++t) {  // descending, no NaN (t = k - 1: x == x)
                 const T* __restrict__ at_ = a[t] + e0;
                 const T* __restrict__ bt = b[t] + e0;
