@@ -31,10 +31,6 @@ def _with(t: torch.Tensor, index: tuple[int, ...], value: float) -> torch.Tensor
     return t
 
 
-def _expanded(t: torch.Tensor, *shape: int) -> torch.Tensor:
-    return t.expand(*shape)
-
-
 # (name, op, inputs, positions): the node's inputs are the op's tensor arguments in order;
 # the columns of the inputs at ``positions`` (None: every floating-point input) are checked.
 # With an infinity in one operand of x · y only the columns of that operand are: forward
@@ -57,7 +53,7 @@ CASES: list[tuple[str, Callable, list[torch.Tensor], tuple[int, ...] | None]] = 
     (
         "mul, an expanded operand",
         torch.mul,
-        [_inputs((3, 4))[0], _expanded(_inputs((1, 4), seed=1)[0], 3, 4)],
+        [_inputs((3, 4))[0], _inputs((1, 4), seed=1)[0].expand(3, 4)],
         None,
     ),
     ("x * x", lambda x: x * x, _inputs((3, 4)), None),

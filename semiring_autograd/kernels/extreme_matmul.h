@@ -6,7 +6,8 @@
 //
 // max_times and signed_times work on contiguous row-major operands with a batch dimension:
 //   a: (batch, m, k), b: (batch, k, n), out: (batch, m, n), where n is a multiple of the
-//   block width W (the caller pads b), and fill out[bt, :, columns c0*W .. c1*W) for the
+//   block width W (signed_times' caller pads b; max_times reads b's n_real columns and packs
+//   its strips with NaN past them), and fill out[bt, :, columns c0*W .. c1*W) for the
 //   batches bt in [b0, b1), on `threads` OpenMP threads (max_times of at most STREAM_ROWS
 //   rows, over every column, reads b along its rows: max_times_streamed). lift_times reads
 //   strided operands and writes its product transposed (see there); signed_mul_lift,
@@ -72,6 +73,24 @@ inline V load(const void* p) {
 template <typename V>
 inline void store(void* p, V v) {
     std::memcpy(p, &v, sizeof(V));
+}
+
+// The first `valid` entries at p as a vector (the other lanes 0).
+template <typename T, typename V = typename Vec<T>::type>
+inline V load_part(const T* p, int64_t valid) {
+    if (valid >= Vec<T>::lanes) return load<V>(p);
+    V v = V{} + T(0);
+    for (int64_t c = 0; c < valid; ++c) v[c] = p[c];
+    return v;
+}
+
+// Whether every lane of v is finite: v·0 is 0 for a finite lane, NaN otherwise.
+template <typename T, typename V = typename Vec<T>::type>
+inline bool finite_lanes(V v) {
+    const V z = v * T(0);
+    bool ok = true;
+    for (int c = 0; c < Vec<T>::lanes; ++c) ok = ok && z[c] == T(0);
+    return ok;
 }
 
 template <typename V>
@@ -517,23 +536,23 @@ constexpr int64_t STREAM_ROWS = 8, STREAM_COLUMNS = 1024;
 // `count` indices q from a and b on, for M rows of a (row stride lda) and b' = b (|b| when
 // abs_b, row stride ldb), out row stride ldo; *bad set where an entry of b read is NaN or
 // infinite (x - x is 0 for every finite x, NaN otherwise). The same products and maxima as
-// max_block.
+// max_block. A partial last vector reads 0 past width and writes out's columns there: out
+// has room up to the next multiple of the lanes (its padding, left unspecified).
 template <typename T, int M>
 void stream_rows(const T* a, int64_t lda, int64_t count, const T* b, int64_t ldb, T* out,
                  int64_t ldo, int64_t j0, int64_t width, T init, int abs_b, bool* bad) {
     typedef typename Vec<T>::type V;
     constexpr int L = Vec<T>::lanes;
-    const int64_t vectors = width / L;
+    const int64_t vectors = (width + L - 1) / L;
     for (int i = 0; i < M; ++i)
         for (int64_t j = 0; j < width; ++j) out[i * ldo + j0 + j] = init;
     V seen = V{} + T(0);
-    T seen_tail = T(0);
     for (int64_t q = 0; q < count; ++q) {
         const T* row = b + q * ldb + j0;
         T s[M];
         for (int i = 0; i < M; ++i) s[i] = a[i * lda + q];
         for (int64_t v = 0; v < vectors; ++v) {
-            V x = load<V>(row + v * L);
+            V x = load_part<T>(row + v * L, width - v * L);
             if (abs_b) x = x < T(0) ? -x : x;
             seen += x - x;
             for (int i = 0; i < M; ++i) {
@@ -541,20 +560,8 @@ void stream_rows(const T* a, int64_t lda, int64_t count, const T* b, int64_t ldb
                 store(o, vmax(x * s[i], load<V>(o)));
             }
         }
-        for (int64_t j = vectors * L; j < width; ++j) {
-            T x = row[j];
-            if (abs_b) x = x < T(0) ? -x : x;
-            seen_tail += x - x;
-            for (int i = 0; i < M; ++i) {
-                T& o = out[i * ldo + j0 + j];
-                const T p = x * s[i];
-                o = p > o ? p : o;
-            }
-        }
     }
-    bool finite = seen_tail == T(0);
-    for (int l = 0; l < L; ++l) finite = finite && seen[l] == T(0);
-    if (!finite) *bad = true;
+    if (!finite_lanes<T>(seen)) *bad = true;
 }
 
 // stream_rows for m ≤ STREAM_ROWS rows.

@@ -42,24 +42,6 @@
 
 namespace {
 
-// The first `valid` entries at p as a vector (the other lanes 0).
-template <typename T, typename V = typename Vec<T>::type>
-inline V load_part(const T* p, int64_t valid) {
-    if (valid >= Vec<T>::lanes) return load<V>(p);
-    V v = V{} + T(0);
-    for (int64_t c = 0; c < valid; ++c) v[c] = p[c];
-    return v;
-}
-
-// Whether every lane of v is finite: v·0 is 0 for a finite lane, NaN otherwise.
-template <typename T, typename V = typename Vec<T>::type>
-inline bool finite_lanes(V v) {
-    const V z = v * T(0);
-    bool ok = true;
-    for (int c = 0; c < Vec<T>::lanes; ++c) ok = ok && z[c] == T(0);
-    return ok;
-}
-
 // The lanes where p > t, as bits.
 template <typename T, typename V = typename Vec<T>::type>
 inline uint32_t greater_lanes(V p, V t) {
